@@ -1,0 +1,220 @@
+"""Run configuration: the one place where every field of a training run, its default and its checks live.
+
+Field names follow the columns of the paper's results table (`paper_results.csv`). Fields left at ``None``
+are resolved from the dataset and the number of rounds by :meth:`RunConfig.resolved`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+DATASETS = ("digits", "femnist", "cifar10")
+DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
+ENGINES = ("auto", "batched", "sequential")
+# Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
+DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dataset: str = "digits"
+    distribution: str = "dirichlet"
+    dirichlet_alpha: float = 0.1
+    n_clients: int = 10
+    n_byzantine: int = 3
+    local_momentum: float = 0.0
+    local_steps: int = 1  # 1 = FedSGD, >1 = FedAVG
+    rounds: int = 100
+    defense: str = "prodigy"
+    attack: str = "none"
+    lr: float = 0.05
+    lr_decay_at: int | None = None  # None: round(2 * rounds / 3)
+    lr_decay_factor: float = 0.1
+    weight_decay: float | None = None  # None: DEFAULT_WEIGHT_DECAY[dataset]
+    batch_size: int = 64
+    eval_every: int = 10
+    seed: int = 0
+    data_seed: int = 0
+    femnist_min_samples: int = 0  # writers with fewer training samples are not eligible as clients
+    record_distances_at: tuple[int, ...] = ()  # rounds at which the (N, N) distance matrix is stored
+    checkpoint_every: int = 50
+    device: str = "auto"
+    engine: str = "auto"
+    data_dir: str | None = None
+    download: bool = False
+
+    # Fields that never change a run's numbers: left out of the result key.
+    NON_RESULT_FIELDS: typing.ClassVar[frozenset[str]] = frozenset(
+        {"checkpoint_every", "device", "engine", "data_dir", "download"}
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "record_distances_at" and isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+                value = tuple(value)
+            hint = _field_types()[f.name]
+            _check_type(f.name, value, hint)
+            if float in typing.get_args(hint) + (hint,) and isinstance(value, int):
+                object.__setattr__(self, f.name, float(value))  # 1 and 1.0 must give the same result key
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> RunConfig:
+        """Build a config from a mapping; unknown keys are errors with a "did you mean" hint."""
+        names = field_names()
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"{source}: unknown field {key!r}{did_you_mean(key, names)}")
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return RunConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["record_distances_at"] = list(self.record_distances_at)
+        return d
+
+    def resolved(self) -> RunConfig:
+        """Fill the fields whose default depends on others (lr decay round, weight decay)."""
+        return dataclasses.replace(
+            self,
+            lr_decay_at=round(2 * self.rounds / 3) if self.lr_decay_at is None else self.lr_decay_at,
+            weight_decay=DEFAULT_WEIGHT_DECAY[self.dataset] if self.weight_decay is None else self.weight_decay,
+        )
+
+    def key(self) -> str:
+        """Hash of every resolved field that affects the result, and of nothing else."""
+        d = self.resolved().to_dict()
+        for name in self.NON_RESULT_FIELDS:
+            d.pop(name)
+        if d["distribution"] != "dirichlet":
+            d.pop("dirichlet_alpha")
+        if d["dataset"] != "femnist":
+            d.pop("femnist_min_samples")
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def lr_at(self, t: int) -> float:
+        """Server and client step size gamma_t: lr until lr_decay_at, then lr * lr_decay_factor."""
+        decay_at = self.resolved().lr_decay_at
+        return self.lr * (self.lr_decay_factor if t >= decay_at else 1.0)
+
+    def validate(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ConfigError(f"dataset={self.dataset!r} is unknown; valid: {', '.join(DATASETS)}")
+        valid = DISTRIBUTIONS[self.dataset]
+        if self.distribution not in valid:
+            raise ConfigError(
+                f"distribution={self.distribution!r} is not available for dataset={self.dataset!r}; "
+                f"valid: {', '.join(valid)}"
+            )
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine={self.engine!r} is unknown; valid: {', '.join(ENGINES)}")
+        positive = {"n_clients": self.n_clients, "rounds": self.rounds, "local_steps": self.local_steps,
+                    "batch_size": self.batch_size, "eval_every": self.eval_every,
+                    "checkpoint_every": self.checkpoint_every, "lr": self.lr}  # fmt: skip
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name}={value} must be positive")
+        if not self.dirichlet_alpha > 0:
+            raise ConfigError(f"dirichlet_alpha={self.dirichlet_alpha} must be > 0 (0.1 is the paper's)")
+        if not 0 <= self.local_momentum < 1:
+            raise ConfigError(f"local_momentum={self.local_momentum} must be in [0, 1) (paper: 0 or 0.9)")
+        if self.n_clients < 2:
+            raise ConfigError(f"n_clients={self.n_clients}: federated learning needs at least 2 clients")
+        if self.n_byzantine < 0 or 2 * self.n_byzantine >= self.n_clients:
+            raise ConfigError(
+                f"n_byzantine={self.n_byzantine} with n_clients={self.n_clients}: need 0 <= f < N/2 "
+                f"(at most {(self.n_clients - 1) // 2} for N={self.n_clients})"
+            )
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise ConfigError(f"weight_decay={self.weight_decay} must be >= 0")
+        # The rule and the attack check their own constraints (one source of truth for each limit).
+        from prodigy_core.aggregators import make_aggregator
+        from prodigy_core.attacks import make_attack
+
+        try:
+            make_aggregator(self.defense, self.n_byzantine, n_clients=self.n_clients)
+        except ValueError as e:
+            raise ConfigError(f"defense={self.defense!r}: {e}") from None
+        try:
+            make_attack(self.attack)
+        except ValueError as e:
+            raise ConfigError(f"attack={self.attack!r}: {e}") from None
+        if self.attack != "none" and self.n_byzantine == 0:
+            raise ConfigError(f"attack={self.attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(RunConfig)]
+
+
+def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(candidates)}"
+
+
+def parse_value(name: str, text: str) -> Any:
+    """Parse a command-line ``key=value`` string into the field's type (YAML scalars: 0.1, true, [1, 2])."""
+    import yaml
+
+    if name not in field_names():
+        raise ConfigError(f"unknown field {name!r}{did_you_mean(name, field_names())}")
+    value = yaml.safe_load(text)
+    if value is None and text.strip().lower() not in ("null", "none", "~", ""):
+        value = text
+    return value
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(RunConfig)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        errors = []
+        for option in options:
+            try:
+                _check_type(name, value, option)
+                return
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1] if len(errors) == 1 else f"{name}={value!r} has the wrong type: {hint}")
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{name}={value!r} must be null")
+        return
+    if origin is tuple:
+        if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{name}={value!r} must be a list of integers")
+        return
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        bool: isinstance(value, bool),
+        str: isinstance(value, str),
+    }[hint]
+    if not ok:
+        raise ConfigError(f"{name}={value!r} must be of type {hint.__name__}, got {type(value).__name__}")
+
+
+__all__ = ["RunConfig", "ConfigError", "DATASETS", "DISTRIBUTIONS", "did_you_mean", "field_names", "parse_value"]

@@ -1,0 +1,88 @@
+"""RunConfig: field checks, did-you-mean, resolved defaults and the result key."""
+
+import pytest
+
+from prodigy_core.config import DEFAULT_WEIGHT_DECAY, ConfigError, RunConfig, parse_value
+
+
+def test_defaults_are_a_valid_run():
+    cfg = RunConfig()
+    assert cfg.dataset == "digits" and cfg.n_byzantine < cfg.n_clients / 2
+
+
+def test_unknown_field_suggests_the_close_name():
+    with pytest.raises(ConfigError, match=r"unknown field 'n_byzantines'.*did you mean 'n_byzantine'"):
+        RunConfig.from_dict({"n_byzantines": 2}, source="my.yaml")
+
+
+def test_error_names_the_source_file():
+    with pytest.raises(ConfigError, match=r"my\.yaml: n_byzantine=5 with n_clients=10"):
+        RunConfig.from_dict({"n_byzantine": 5, "n_clients": 10}, source="my.yaml")
+
+
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        ({"rounds": "10"}, r"rounds='10' must be of type int"),
+        ({"rounds": 2.5}, r"rounds=2.5 must be of type int"),
+        ({"download": 1}, r"download=1 must be of type bool"),
+        ({"dataset": "mnist"}, r"dataset='mnist' is unknown; valid: digits, femnist, cifar10"),
+        ({"dataset": "femnist", "distribution": "iid"}, r"distribution='iid' is not available"),
+        ({"dirichlet_alpha": 0.0}, r"dirichlet_alpha=0.0 must be > 0"),
+        ({"local_momentum": 1.0}, r"local_momentum=1.0 must be in \[0, 1\)"),
+        ({"defense": "prodigy", "n_byzantine": 1}, r"defense='prodigy'"),
+        ({"defense": "krumm"}, r"defense='krumm'"),
+        ({"attack": "alie", "n_byzantine": 0, "defense": "average"}, r"n_byzantine=0"),
+        ({"record_distances_at": [1, "x"]}, r"record_distances_at=.* must be a list of integers"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_field_named(changes, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        RunConfig.from_dict(changes)
+
+
+def test_resolved_fills_dependent_defaults():
+    cfg = RunConfig(dataset="digits", rounds=30).resolved()
+    assert cfg.lr_decay_at == 20
+    assert cfg.weight_decay == DEFAULT_WEIGHT_DECAY["digits"]
+    assert RunConfig(rounds=30, lr_decay_at=5).resolved().lr_decay_at == 5
+
+
+def test_lr_schedule_steps_down_at_two_thirds():
+    cfg = RunConfig(rounds=30, lr=0.05, lr_decay_factor=0.1)
+    assert cfg.lr_at(0) == cfg.lr_at(19) == 0.05
+    assert cfg.lr_at(20) == pytest.approx(0.005)
+
+
+def test_key_ignores_fields_that_do_not_change_results():
+    base = RunConfig()
+    assert base.key() == RunConfig().key()
+    assert base.key() == base.replace(device="cpu", engine="sequential", checkpoint_every=7).key()
+    # an explicit value equal to the resolved default is the same run
+    assert base.key() == base.replace(lr_decay_at=round(2 * base.rounds / 3)).key()
+    assert base.key() == base.replace(lr=0.05).key() == base.replace(lr_decay_factor=0.1).key()
+    iid = base.replace(distribution="iid")
+    assert iid.key() == iid.replace(dirichlet_alpha=5.0).key()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"seed": 1}, {"data_seed": 1}, {"rounds": 99}, {"attack": "alie"}, {"defense": "nnm+krum"},
+     {"local_momentum": 0.9}, {"dirichlet_alpha": 0.5}, {"lr": 0.1}, {"eval_every": 5}],
+)  # fmt: skip
+def test_key_changes_with_every_result_field(changes):
+    assert RunConfig().key() != RunConfig().replace(**changes).key()
+
+
+def test_int_and_float_spellings_give_one_key():
+    assert RunConfig(lr=1).key() == RunConfig(lr=1.0).key()
+
+
+def test_parse_value_reads_yaml_scalars():
+    assert parse_value("rounds", "12") == 12
+    assert parse_value("local_momentum", "0.9") == 0.9
+    assert parse_value("download", "true") is True
+    assert parse_value("record_distances_at", "[1, 5]") == [1, 5]
+    assert parse_value("defense", "nnm+krum") == "nnm+krum"
+    with pytest.raises(ConfigError, match="did you mean 'rounds'"):
+        parse_value("round", "3")
