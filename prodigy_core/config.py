@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import types
@@ -96,7 +97,9 @@ class RunConfig:
         return dataclasses.replace(
             self,
             lr_decay_at=round(2 * self.rounds / 3) if self.lr_decay_at is None else self.lr_decay_at,
-            weight_decay=DEFAULT_WEIGHT_DECAY[self.dataset] if self.weight_decay is None else self.weight_decay,
+            weight_decay=DEFAULT_WEIGHT_DECAY[self.dataset]
+            if self.weight_decay is None
+            else self.weight_decay,
         )
 
     def key(self) -> str:
@@ -159,7 +162,9 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"attack={self.attack!r}: {e}") from None
         if self.attack != "none" and self.n_byzantine == 0:
-            raise ConfigError(f"attack={self.attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'")
+            raise ConfigError(
+                f"attack={self.attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'"
+            )
 
 
 def field_names() -> list[str]:
@@ -183,6 +188,7 @@ def parse_value(name: str, text: str) -> Any:
     return value
 
 
+@functools.cache  # evaluating the annotations costs ~1 ms, and every RunConfig needs them
 def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(RunConfig)
 
@@ -204,7 +210,9 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
             raise ConfigError(f"{name}={value!r} must be null")
         return
     if origin is tuple:
-        if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, tuple) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise ConfigError(f"{name}={value!r} must be a list of integers")
         return
     ok = {
@@ -217,4 +225,12 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         raise ConfigError(f"{name}={value!r} must be of type {hint.__name__}, got {type(value).__name__}")
 
 
-__all__ = ["RunConfig", "ConfigError", "DATASETS", "DISTRIBUTIONS", "did_you_mean", "field_names", "parse_value"]
+__all__ = [
+    "RunConfig",
+    "ConfigError",
+    "DATASETS",
+    "DISTRIBUTIONS",
+    "did_you_mean",
+    "field_names",
+    "parse_value",
+]

@@ -40,7 +40,11 @@ def resolve_device(device: str = "auto") -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError as e:
-        raise ValueError(f"device={device!r} is not a torch device ({e}); use 'auto', 'cpu' or 'cuda'") from None
+        raise ValueError(
+            f"device={device!r} is not a torch device ({e}); use 'auto', 'cpu' or 'cuda'"
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} requested but CUDA is not available here; use device='auto' or 'cpu'")
+        raise ValueError(
+            f"device={device!r} requested but CUDA is not available here; use device='auto' or 'cpu'"
+        )
     return dev
