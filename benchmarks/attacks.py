@@ -1,0 +1,80 @@
+"""Cost of one attack craft as a multiple of one server pipeline call (issue #4).
+
+A search attack runs the pipeline once per candidate, so the goal is craft / pipeline <= candidates + 1.
+Defaults: the paper's largest setting, N = 100 clients (f = 30) with FEMNIST-sized updates, d = 1,690,046.
+
+    python benchmarks/attacks.py                 # full size (about 2 GB of updates, minutes on a laptop CPU)
+    python benchmarks/attacks.py --d 100000      # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from prodigy_core.aggregators import make_aggregator
+from prodigy_core.attacks import make_attack
+from prodigy_core.seeding import resolve_device
+
+
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+    """Median wall time of ``fn()`` in seconds (synchronising a GPU) and its last result."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        result = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--n", type=int, default=100, help="clients N (Byzantine included)")
+    parser.add_argument("--f", type=int, default=30, help="Byzantine clients f")
+    parser.add_argument("--d", type=int, default=1_690_046, help="update dimension (FEMNIST CNN: 1,690,046)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--defenses", nargs="+", default=["nnm+trimmed_mean", "prodigy"])
+    parser.add_argument("--attacks", nargs="+", default=["alie", "foe_100"])
+    args = parser.parse_args()
+
+    device = resolve_device(args.device)
+    g = torch.Generator(device=device).manual_seed(0)
+    honest = torch.randn(args.d, device=device, generator=g) + torch.randn(
+        args.n - args.f, args.d, device=device, generator=g
+    )
+    own = honest[: args.f] + 0.1 * torch.randn(args.f, args.d, device=device, generator=g)
+    X = torch.cat([own, honest])
+    print(f"device={device} N={args.n} f={args.f} d={args.d:,} threads={torch.get_num_threads()}")
+    header = ("defense", "attack", "cand.", "pipeline s", "attacked s", "craft s", "ratio", "goal")
+    print("{:<18} {:<8} {:>5} {:>10} {:>10} {:>9} {:>6} {:>5}".format(*header))
+    for defense in args.defenses:
+        server = make_aggregator(defense, args.f, n_clients=args.n)
+        server.peek(X)  # warm-up (allocator, kernels)
+        pipeline_s, _ = timed(lambda: server.peek(X), device, args.repeats)  # noqa: B023
+        for name in args.attacks:
+            attack = make_attack(name)
+            candidates = len(attack.grid(args.n, args.f))
+            craft_s, byzantine = timed(lambda: attack.craft(honest, own, server), device, args.repeats)  # noqa: B023
+            # The pipeline's own cost can depend on its input (e.g. recentring around a far outlier).
+            attacked = torch.cat([byzantine, honest])
+            attacked_s, _ = timed(lambda: server.peek(attacked), device, args.repeats)  # noqa: B023
+            print(
+                f"{defense:<18} {name:<8} {candidates:>5} {pipeline_s:>10.3f} {attacked_s:>10.3f} "
+                f"{craft_s:>9.3f} {craft_s / pipeline_s:>6.2f} {candidates + 1:>5}"
+            )
+    print("ratio = craft s / pipeline s (one pipeline call on the round's honest-looking input);")
+    print("attacked s = one pipeline call on the crafted input; goal = candidates + 1 pipeline calls")
+
+
+if __name__ == "__main__":
+    main()

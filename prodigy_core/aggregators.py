@@ -1,0 +1,644 @@
+"""Robust aggregation rules of the ProDiGy paper, vectorised in torch on any device.
+
+A rule maps the client updates ``G`` (N, d) to one vector (d,) of G's dtype on G's device; a pre-aggregator
+maps (N, d) to (M, d). ``make_aggregator(name, f)`` builds the server pipeline from a name of
+``paper_results.csv`` (``prodigy``, ``nnm+krum``, ...). Inputs are never modified in place.
+
+Geometry. Every rule that needs distances works from one Gram matrix of the vectors after subtracting a
+common centre (the mean of the finite vectors, or a central client when an outlier drags the mean away),
+computed in float32 chunks accumulated in float64. A float32 Gram matrix of the raw vectors loses
+everything to cancellation when the vectors share a large common component; centring removes it.
+Distances, neighbourhood means and Weiszfeld/clipping iterates are all affine combinations of the
+vectors, so they follow from this (N, N) matrix alone, and only the final weighted sum reads G again.
+
+Hostile input. A vector with a NaN/Inf entry, or whose squared norm overflows, is *bad*: it is infinitely
+far from everything (+inf distance), never selected, and gets weight 0. Coordinate-wise rules treat NaN as
++inf, which sorts to the extreme. With at most f bad vectors (fewer than N/2 for Median and GeoMed) every
+rule returns a finite vector; ``Average`` cannot be robust and warns when its output is non-finite.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from prodigy_core.config import did_you_mean
+
+BASE_NAMES = (
+    "average", "none", "median", "trimmed_mean", "geomed", "krum", "cclip", "prodigy", "multikrum", "bulyan",
+)  # fmt: skip
+PRE_PREFIXES = ("nnm+", "bucketing+")
+AGGREGATOR_NAMES = BASE_NAMES + tuple(p + b for p in PRE_PREFIXES for b in BASE_NAMES)
+
+# Recentre on a central client when the mean lies this many times further from it (squared) than its
+# median distance to the others: beyond that, float32 cancellation would cost about RATIO * eps relative.
+_RECENTRE_RATIO = 100.0
+_CHUNK_ELEMENTS = 1 << 20  # rows x columns of one centred chunk: 4 MB in float32, stays in cache
+_FLOOR = 1e-12  # relative floor for ProDiGy's divisions (see ProDiGy)
+
+
+def _check_input(G: Tensor, rule: str) -> None:
+    if not isinstance(G, Tensor):
+        raise ValueError(f"{rule}: expected a torch.Tensor of client updates, got {type(G).__name__}")
+    if G.dim() != 2:
+        raise ValueError(f"{rule}: expected a 2-D (N clients, d) tensor, got shape {tuple(G.shape)}")
+    if not G.is_floating_point():
+        raise ValueError(f"{rule}: expected a floating-point tensor, got dtype {G.dtype}")
+    if G.shape[0] < 2:
+        raise ValueError(f"{rule}: needs at least 2 client vectors, got N={G.shape[0]}")
+    if G.shape[1] == 0:
+        raise ValueError(f"{rule}: the client vectors are empty (d=0)")
+
+
+def _check_f(rule: str, f: int, minimum: int = 0) -> int:
+    if isinstance(f, bool) or not isinstance(f, int) or f < minimum:
+        raise ValueError(f"{rule}: f must be an integer >= {minimum}, got f={f!r}")
+    return f
+
+
+# ---------------------------------------------------------------------------------------------- geometry
+
+
+class Geometry(NamedTuple):
+    """Inner products K (P, P) of the points [G; extra] about a common centre (float64), the squared
+    distances D (N, N) between client vectors (float64, exact zero diagonal, >= 0, +inf to bad vectors) and
+    the mask of bad vectors (N,). Rows and columns of K that belong to bad vectors are zero."""
+
+    K: Tensor
+    D: Tensor
+    bad: Tensor
+
+
+def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor | None) -> Tensor:
+    """K = Y Y^T for Y = [G; extra] - centre (None: the mean of the good rows), in chunks of columns."""
+    compute = torch.float64 if G.dtype == torch.float64 else torch.float32
+    N, d = G.shape
+    E = 0 if extra is None else len(extra)
+    all_good = not bool(bad.any())
+    good = (~bad).nonzero().squeeze(1)
+    K = torch.zeros(N + E, N + E, dtype=torch.float64, device=G.device)
+    step = max(1, _CHUNK_ELEMENTS // (N + E))
+    for start in range(0, d, step):
+        chunk = G[:, start : start + step].to(compute)
+        if centre is not None:
+            c = centre[start : start + step].to(compute)
+        else:
+            c = (chunk if all_good else chunk[good]).mean(dim=0)
+        Y = chunk - c
+        if not all_good:
+            Y[bad] = 0
+        if extra is not None:
+            Y = torch.cat([Y, extra[:, start : start + step].to(compute) - c])
+        K += (Y @ Y.T).double()
+    return K
+
+
+def _distances(K: Tensor, bad: Tensor) -> Tensor:
+    n = len(bad)
+    sq = K.diagonal()[:n]
+    D = (sq[:, None] + sq[None, :] - 2 * K[:n, :n]).clamp_(min=0)
+    D[bad] = math.inf
+    D[:, bad] = math.inf
+    return D.fill_diagonal_(0)
+
+
+def geometry(G: Tensor, extra: Tensor | None = None) -> Geometry:
+    """Centred Gram matrix of [G; extra] and the client distance matrix (see module docstring)."""
+    N = G.shape[0]
+    bad = torch.zeros(N, dtype=torch.bool, device=G.device)
+    K = _centred_gram(G, extra, bad, centre=None)  # optimistic: one pass over G when every vector is finite
+    if not torch.isfinite(K).all():  # a NaN/Inf entry poisons the mean: find the bad vectors, centre without
+        bad = ~torch.isfinite(torch.linalg.vector_norm(G, dim=1))
+        if bad.all():
+            K.zero_()
+            return Geometry(K, _distances(K, bad), bad)
+        K = _centred_gram(G, extra, bad, centre=None)
+    D = _distances(K, bad | ~torch.isfinite(K.diagonal()[:N]))
+    # An outlier drags the mean away from the bulk: recentre on the client with the smallest median distance.
+    median = D.median(dim=1).values
+    r = int(torch.where(bad, math.inf, median).argmin())
+    if not K[r, r] <= _RECENTRE_RATIO * median[r]:
+        K = _centred_gram(G, extra, bad, centre=G[r])
+    bad = bad | ~torch.isfinite(K.diagonal()[:N])
+    if bad.any():
+        K[:N][bad] = 0
+        K[:, :N][:, bad] = 0
+        K = K.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return Geometry(K, _distances(K, bad), bad)
+
+
+def pairwise_sq_distances(G: Tensor) -> Tensor:
+    """Squared distances ||g_i - g_j||^2 as an (N, N) float64 tensor on G's device.
+
+    Accurate when the vectors share a large common component (centred Gram, float64 accumulation across
+    chunks), exact zero diagonal, no negative entries, +inf between a non-finite vector and any other.
+    """
+    _check_input(G, "pairwise_sq_distances")
+    return geometry(G).D
+
+
+def _sort_without_self(D: Tensor) -> tuple[Tensor, Tensor]:
+    self_first = D.clone().fill_diagonal_(-1)  # self sorts first, ahead of a zero distance to a twin
+    values, index = self_first.sort(dim=1, stable=True)
+    return values[:, 1:], index[:, 1:]
+
+
+def _neighbourhood(index: Tensor, m: int, dtype: torch.dtype) -> Tensor:
+    """(N, N) averaging matrix of N_m(k): client k and its m-1 nearest others, each with weight 1/m."""
+    N = index.shape[0]
+    A = torch.zeros(N, N, dtype=dtype, device=index.device)
+    A.scatter_(1, index[:, : m - 1], 1.0 / m)
+    return A.fill_diagonal_(1.0 / m)
+
+
+def _weighted_sum(G: Tensor, w: Tensor, bad: Tensor) -> Tensor:
+    """sum_i w_i g_i with bad vectors excluded (their weight must be 0: 0 * NaN would poison a matmul)."""
+    w = w.to(G.dtype)
+    if bad.any():
+        good = (~bad).nonzero().squeeze(1)
+        return w[good] @ G[good]
+    return w @ G
+
+
+def _nan_to_inf(G: Tensor) -> Tensor:
+    return torch.where(torch.isnan(G), math.inf, G) if torch.isnan(G).any() else G
+
+
+def _coordinate_median(values: Tensor) -> Tensor:
+    """Coordinate-wise median of (N, d) values (no NaN), the mean of the two middle values when N is even."""
+    N = values.shape[0]
+    lower = values.median(dim=0).values  # torch returns the lower middle value
+    if N % 2:
+        return lower
+    n_at_most = (values <= lower).sum(dim=0)
+    above = torch.where(values > lower, values, math.inf).amin(dim=0)
+    upper = torch.where(n_at_most >= N // 2 + 1, lower, above)
+    return 0.5 * lower + 0.5 * upper  # not (a + b) / 2: no overflow near the float range
+
+
+# ------------------------------------------------------------------------------------------------- rules
+
+
+class Rule:
+    """A robust aggregation rule: ``rule(G) -> (d,)``. ``peek`` gives the same result and changes no state."""
+
+    f: int = 0
+
+    def __call__(self, G: Tensor) -> Tensor:
+        return self.peek(G)
+
+    def peek(self, G: Tensor) -> Tensor:
+        _check_input(G, repr(self))
+        self.check_n(G.shape[0])
+        return self.aggregate(G).to(G.dtype)
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def check_n(self, n: int) -> None:
+        """Raise a ValueError when the rule cannot run on n vectors."""
+
+    def _need(self, ok: bool, n: int, limit: str) -> None:
+        if not ok:
+            raise ValueError(f"{self!r} needs {limit}, got N={n}")
+
+    def reset(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(f={self.f})"
+
+
+class Average(Rule):
+    """Plain mean (1/N) sum_i g_i: FedAvg, the paper's ``none`` defence.
+
+    Not robust: one Byzantine vector moves it arbitrarily, and a NaN/Inf vector makes it non-finite (it
+    warns then, and returns the non-finite mean so that the training loop sees the divergence)."""
+
+    def __init__(self, f: int = 0):
+        self.f = _check_f("Average", f)
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        out = G.mean(dim=0)
+        if not torch.isfinite(out).all():
+            warnings.warn(
+                "Average: non-finite client vectors make the mean non-finite; "
+                "the average is not robust, use a robust rule",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return out
+
+
+class Median(Rule):
+    """Coordinate-wise median; the mean of the two middle values when N is even (Yin et al., 2018).
+
+    NaN counts as +inf, so the output is finite while fewer than N/2 vectors are bad in each coordinate."""
+
+    def __init__(self, f: int = 0):
+        self.f = _check_f("Median", f)
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        return _coordinate_median(_nan_to_inf(G))
+
+
+class TrimmedMean(Rule):
+    """Coordinate-wise trimmed mean: drop the f largest and f smallest values, average the N-2f others.
+
+    With lo/hi the f-th smallest/largest value per coordinate, the kept sum is
+    sum_i clamp(g_i, lo, hi) - f (lo + hi), exact with ties and free of cancellation from huge values.
+    NaN counts as +inf (a sort handles infinities)."""
+
+    def __init__(self, f: int):
+        self.f = _check_f("TrimmedMean", f)
+
+    def check_n(self, n: int) -> None:
+        self._need(n > 2 * self.f, n, f"N > 2f = {2 * self.f}")
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        N, f = G.shape[0], self.f
+        if f == 0:
+            return G.mean(dim=0)
+        X = _nan_to_inf(G)
+        if not torch.isfinite(X).all():
+            return X.sort(dim=0).values[f : N - f].mean(dim=0)
+        hi = X.topk(f, dim=0).values[-1]
+        lo = X.topk(f, dim=0, largest=False).values[-1]
+        return (X.clamp(min=lo, max=hi).sum(dim=0) - f * (lo + hi)) / (N - 2 * f)
+
+
+class GeoMed(Rule):
+    """Geometric median by the smoothed Weiszfeld algorithm of RFA (Pillutla et al., 2022):
+    z_{r+1} = sum_i b_i g_i / sum_i b_i, b_i = 1 / max(nu, ||z_r - g_i||), R iterations from z_0 = 0
+    (as in the authors' code). Runs on the centred Gram matrix; bad vectors get b_i = 0."""
+
+    def __init__(self, f: int = 0, nu: float = 0.1, R: int = 3):
+        self.f = _check_f("GeoMed", f)
+        if not nu > 0 or R < 1:
+            raise ValueError(f"GeoMed: needs nu > 0 and R >= 1, got nu={nu}, R={R}")
+        self.nu, self.R = nu, R
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        N = G.shape[0]
+        K, _, bad = geometry(G, extra=G.new_zeros(1, G.shape[1]))  # point N is the origin z_0
+        dist = (K.diagonal()[:N] - 2 * K[:N, N] + K[N, N]).clamp(min=0).sqrt()
+        for _ in range(self.R):
+            beta = torch.where(bad, 0.0, 1.0 / dist.clamp(min=self.nu))
+            w = beta / beta.sum()
+            Kw = K[:N, :N] @ w
+            dist = (w @ Kw - 2 * Kw + K.diagonal()[:N]).clamp(min=0).sqrt()
+        return _weighted_sum(G, w, bad)
+
+    def __repr__(self) -> str:
+        return f"GeoMed(nu={self.nu}, R={self.R})"
+
+
+def krum_scores(D: Tensor, f: int) -> Tensor:
+    """Krum score of each client: the sum of its N-f-2 smallest squared distances to other clients."""
+    return _sort_without_self(D)[0][:, : D.shape[0] - f - 2].sum(dim=1)
+
+
+class Krum(Rule):
+    """Krum (Blanchard et al., 2017): the g_k minimising the sum of squared distances to its N-f-2 nearest
+    others. Ties go to the lowest index. Needs N > 2f+2."""
+
+    def __init__(self, f: int):
+        self.f = _check_f("Krum", f)
+
+    def check_n(self, n: int) -> None:
+        self._need(n > 2 * self.f + 2, n, f"N > 2f+2 = {2 * self.f + 2}")
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        return G[int(krum_scores(geometry(G).D, self.f).argmin())].clone()
+
+
+class MultiKrum(Rule):
+    """Multi-Krum (Blanchard et al., 2017): the mean of the m vectors with the lowest Krum scores
+    (default m = N - f; ties go to the lower index). Needs N > 2f+2 and 1 <= m <= N - f."""
+
+    def __init__(self, f: int, m: int | None = None):
+        self.f = _check_f("MultiKrum", f)
+        self.m = m
+
+    def check_n(self, n: int) -> None:
+        self._need(n > 2 * self.f + 2, n, f"N > 2f+2 = {2 * self.f + 2}")
+        m = n - self.f if self.m is None else self.m
+        self._need(1 <= m <= n - self.f, n, f"1 <= m <= N - f, m={m}")
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        N = G.shape[0]
+        m = N - self.f if self.m is None else self.m
+        K, D, bad = geometry(G)
+        chosen = krum_scores(D, self.f).sort(stable=True).indices[:m]
+        w = torch.zeros(N, dtype=torch.float64, device=G.device).index_fill_(0, chosen, 1.0 / m)
+        return _weighted_sum(G, w, bad)
+
+    def __repr__(self) -> str:
+        return f"MultiKrum(f={self.f}, m={self.m})"
+
+
+class Bulyan(Rule):
+    """Bulyan (El Mhamdi et al., 2018), Algorithm 1: select theta = N-2f vectors by applying Krum
+    repeatedly to the remaining ones (scores over the max(n_R-f-2, 1) nearest remaining others, so that
+    the last picks among 2f+1 vectors stay meaningful), then per coordinate average the beta = N-4f
+    selected values closest to the coordinate-wise median of the selection. Needs N >= 4f+3."""
+
+    def __init__(self, f: int):
+        self.f = _check_f("Bulyan", f)
+
+    def check_n(self, n: int) -> None:
+        self._need(n >= 4 * self.f + 3, n, f"N >= 4f+3 = {4 * self.f + 3}")
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        N, f = G.shape[0], self.f
+        D = geometry(G).D
+        remaining = torch.arange(N, device=G.device)
+        selected = []
+        for _ in range(N - 2 * f):
+            sub = D[remaining][:, remaining]
+            k = max(len(remaining) - f - 2, 1)
+            j = int(_sort_without_self(sub)[0][:, :k].sum(dim=1).argmin())
+            selected.append(remaining[j])
+            remaining = torch.cat([remaining[:j], remaining[j + 1 :]])
+        S = G[torch.stack(selected)]  # bad vectors have infinite scores and are never selected
+        closest = (S - _coordinate_median(S)).abs().topk(N - 4 * f, dim=0, largest=False).indices
+        return S.gather(0, closest).mean(dim=0)
+
+
+class CClip(Rule):
+    """Centred clipping (Karimireddy et al., 2021): v_0 = previous committed aggregate (0 at the start),
+    v_{l+1} = v_l + (1/N) sum_i clip_tau(g_i - v_l), clip_tau(x) = x min(1, tau/||x||), L iterations.
+    Stateful: ``__call__`` commits v_L as the next start, ``peek`` does not, ``reset`` returns to 0.
+    A bad vector contributes 0 (it is infinitely far: its clipped direction is undefined)."""
+
+    def __init__(self, f: int = 0, tau: float = 10.0, L: int = 3):
+        self.f = _check_f("CClip", f)
+        if not tau > 0 or L < 1:
+            raise ValueError(f"CClip: needs tau > 0 and L >= 1, got tau={tau}, L={L}")
+        self.tau, self.L = tau, L
+        self.prev: Tensor | None = None
+
+    def __call__(self, G: Tensor) -> Tensor:
+        out = self.peek(G)
+        self.prev = out.clone()
+        return out
+
+    def aggregate(self, G: Tensor) -> Tensor:
+        N, d = G.shape
+        prev = G.new_zeros(d) if self.prev is None else self.prev.to(G.device, G.dtype)
+        if prev.shape != (d,):
+            raise ValueError(f"{self!r}: previous aggregate has shape {tuple(prev.shape)}, G has d={d}")
+        K, _, bad = geometry(G, extra=prev[None])  # point N is the previous aggregate
+        w = torch.zeros(N + 1, dtype=torch.float64, device=G.device)
+        w[N] = 1.0  # v = sum_a w_a P_a, always an affine combination (weights sum to 1)
+        for _ in range(self.L):
+            Kw = K @ w
+            dist = (w @ Kw - 2 * Kw[:N] + K.diagonal()[:N]).clamp(min=0).sqrt()
+            scale = torch.where(dist > self.tau, self.tau / dist, 1.0).masked_fill(bad, 0.0)
+            w = w * (1 - scale.sum() / N)
+            w[:N] += scale / N
+        return w[N].to(G.dtype) * prev + _weighted_sum(G, w[:N], bad)
+
+    def reset(self) -> None:
+        self.prev = None
+
+    def state_dict(self) -> dict:
+        return {"prev": None if self.prev is None else self.prev.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prev = None if state.get("prev") is None else state["prev"].clone()
+
+    def __repr__(self) -> str:
+        return f"CClip(tau={self.tau}, L={self.L})"
+
+
+class ProDiGyScores(NamedTuple):
+    """Per-client ProDiGy scores (float64, length N); bad vectors have all four equal to 0."""
+
+    proximity: Tensor
+    dissimilarity: Tensor
+    composite: Tensor
+    weight: Tensor  # normalised: sums to 1 over the kept clients, 0 for the zeroed ones
+
+
+class ProDiGy(Rule):
+    """ProDiGy: proximity x dissimilarity scoring (the paper's rule).
+
+    s_p(k) = 1 / sum_{i=f}^{N-f-1} delta_{k,i}  (delta_{k,i}: i-th smallest squared distance to the others)
+    s_d(k) = sigma(N_f(k)) / ||mu(N_f(k))||    (N_f(k): k and its f-1 nearest others;
+                                                sigma^2 = mean_i ||g^i - mu||^2 = sum_ij D_ij / (2 f^2))
+    s(k) = s_p(k) s_d(k); every client whose score is <= the f-th lowest gets weight 0 (ties too);
+    output = sum_k s(k) g^k / sum_k s(k) over the kept clients.
+
+    Guards: a zero distance sum is floored at 1e-12 x the largest one and a zero mean norm at 1e-12 x the
+    largest client norm, so that clusters of identical vectors get large but finite scores; if every kept
+    score is 0 (a degenerate input, e.g. all vectors equal), the output is the coordinate-wise median.
+    Needs 2 <= f < N/2 (f = 1 makes every s_d zero)."""
+
+    def __init__(self, f: int):
+        if isinstance(f, int) and not isinstance(f, bool) and f < 2:
+            raise ValueError(f"ProDiGy: needs f >= 2 (with f < 2 every dissimilarity score is 0), got f={f}")
+        self.f = _check_f("ProDiGy", f)
+        self.last_scores: ProDiGyScores | None = None
+
+    def check_n(self, n: int) -> None:
+        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
+
+    def scores(self, G: Tensor) -> ProDiGyScores:
+        _check_input(G, repr(self))
+        self.check_n(G.shape[0])
+        return self._scores(G)[0]
+
+    def _scores(self, G: Tensor) -> tuple[ProDiGyScores, Tensor]:
+        N, f = G.shape[0], self.f
+        K, D, bad = geometry(G, extra=G.new_zeros(1, G.shape[1]))  # point N is the origin, for ||mu||
+        delta, index = _sort_without_self(D)
+        spread = delta[:, f - 1 : N - f - 1].sum(dim=1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
+        largest = spread.masked_fill(bad, 0.0).max()
+        proximity = 1.0 / spread.clamp(min=_FLOOR * largest if largest > 0 else 1.0)
+        A = _neighbourhood(index, f, torch.float64)
+        D_good = D.masked_fill(torch.isinf(D), 0.0)  # neighbourhoods of good clients hold good clients only
+        sigma = (0.5 * ((A @ D_good) * A).sum(dim=1)).clamp(min=0).sqrt()
+        AK = A @ K[:N]
+        mean_norm = ((AK[:, :N] * A).sum(dim=1) - 2 * AK[:, N] + K[N, N]).clamp(min=0).sqrt()
+        norms = (K.diagonal()[:N] - 2 * K[:N, N] + K[N, N]).clamp(min=0).sqrt()
+        top_norm = norms.masked_fill(bad, 0.0).max()
+        dissimilarity = sigma / mean_norm.clamp(min=_FLOOR * top_norm if top_norm > 0 else 1.0)
+        proximity, dissimilarity = proximity.masked_fill(bad, 0.0), dissimilarity.masked_fill(bad, 0.0)
+        composite = proximity * dissimilarity
+        kept = torch.where(composite > composite.kthvalue(f).values, composite, 0.0)
+        total = kept.sum()
+        weight = kept / total if total > 0 else kept
+        return ProDiGyScores(proximity, dissimilarity, composite, weight), bad
+
+    def _aggregate_with_scores(self, G: Tensor) -> tuple[Tensor, ProDiGyScores]:
+        _check_input(G, repr(self))
+        self.check_n(G.shape[0])
+        scores, bad = self._scores(G)
+        if not scores.weight.sum() > 0:
+            return _coordinate_median(_nan_to_inf(G)).to(G.dtype), scores
+        return _weighted_sum(G, scores.weight, bad), scores
+
+    def __call__(self, G: Tensor) -> Tensor:
+        out, self.last_scores = self._aggregate_with_scores(G)
+        return out
+
+    def peek(self, G: Tensor) -> Tensor:
+        return self._aggregate_with_scores(G)[0]
+
+    def reset(self) -> None:
+        self.last_scores = None
+
+
+# --------------------------------------------------------------------------------------- pre-aggregators
+
+
+class NNM(Rule):
+    """Nearest-neighbour mixing (Allouah et al., 2023): g_k -> mean of N_{N-f}(k), k and its N-f-1 nearest
+    others, as an (N, N) averaging matrix times G. A bad vector's own output is NaN (so that the next rule
+    still sees it as bad); a good vector's neighbourhood never holds a bad one. Needs f < N/2."""
+
+    def __init__(self, f: int):
+        self.f = _check_f("NNM", f)
+
+    def check_n(self, n: int) -> int:
+        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
+        return n
+
+    def peek(self, G: Tensor) -> Tensor:
+        _check_input(G, repr(self))
+        self.check_n(G.shape[0])
+        _, D, bad = geometry(G)
+        A = _neighbourhood(_sort_without_self(D)[1], G.shape[0] - self.f, G.dtype)
+        if not bad.any():
+            return A @ G
+        good = (~bad).nonzero().squeeze(1)
+        return (A[:, good] @ G[good]).masked_fill(bad[:, None], math.nan)
+
+
+class Bucketing(Rule):
+    """Bucketing (Karimireddy et al., 2022): shuffle the N vectors, split them into ceil(N/s) buckets of s
+    (the last may be smaller) and return the bucket means (M, d). ``peek`` restores the generator, so it
+    returns the same buckets as the next ``__call__``. generator=None uses torch's default CPU generator."""
+
+    def __init__(self, s: int = 2, generator: torch.Generator | None = None):
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"Bucketing: bucket size s must be an integer >= 1, got s={s!r}")
+        self.s, self.generator = s, generator
+
+    def check_n(self, n: int) -> int:
+        return -(-n // self.s)
+
+    def __call__(self, G: Tensor) -> Tensor:
+        _check_input(G, repr(self))
+        generator = self.generator or torch.default_generator
+        perm = torch.randperm(G.shape[0], generator=generator, device=generator.device).to(G.device)
+        return torch.stack([G[bucket].mean(dim=0) for bucket in perm.split(self.s)])
+
+    def peek(self, G: Tensor) -> Tensor:
+        generator = self.generator or torch.default_generator
+        state = generator.get_state()
+        try:
+            return self(G)
+        finally:
+            generator.set_state(state)
+
+    def state_dict(self) -> dict:
+        return {} if self.generator is None else {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.generator is not None and "generator" in state:
+            self.generator.set_state(state["generator"])
+
+    def __repr__(self) -> str:
+        return f"Bucketing(s={self.s})"
+
+
+# -------------------------------------------------------------------------------------------- pipelines
+
+
+class Pipeline:
+    """Pre-aggregators then a rule: ``pipeline(G)`` commits state (CClip), ``peek(G)`` changes none."""
+
+    def __init__(self, name: str, rule: Rule, pre: list[Rule] | None = None):
+        self.name, self.rule, self.pre = name, rule, list(pre or [])
+
+    def check_n(self, n: int) -> None:
+        m = n
+        try:
+            for p in self.pre:
+                m = p.check_n(m)
+            self.rule.check_n(m)
+        except ValueError as e:
+            via = f" ({m} vectors after {', '.join(map(repr, self.pre))})" if self.pre else ""
+            raise ValueError(f"{self.name} with {n} clients{via}: {e}") from None
+
+    def __call__(self, G: Tensor) -> Tensor:
+        _check_input(G, self.name)
+        self.check_n(G.shape[0])
+        for p in self.pre:
+            G = p(G)
+        return self.rule(G)
+
+    def peek(self, G: Tensor) -> Tensor:
+        _check_input(G, self.name)
+        self.check_n(G.shape[0])
+        for p in self.pre:
+            G = p.peek(G)
+        return self.rule.peek(G)
+
+    def reset(self) -> None:
+        self.rule.reset()
+
+    def state_dict(self) -> dict:
+        return {"rule": self.rule.state_dict(), "pre": [p.state_dict() for p in self.pre]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rule.load_state_dict(state.get("rule", {}))
+        for p, s in zip(self.pre, state.get("pre", []), strict=False):
+            p.load_state_dict(s)
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.name!r}, rule={self.rule!r}, pre={self.pre!r})"
+
+
+_RULES = {
+    "average": Average,
+    "none": Average,
+    "median": Median,
+    "trimmed_mean": TrimmedMean,
+    "geomed": GeoMed,
+    "krum": Krum,
+    "cclip": CClip,
+    "prodigy": ProDiGy,
+    "multikrum": MultiKrum,
+    "bulyan": Bulyan,
+}
+
+
+def make_aggregator(name: str, f: int, n_clients: int | None = None) -> Pipeline:
+    """Build the server pipeline for a defence name of ``AGGREGATOR_NAMES`` (``nnm+krum``, ``prodigy``, ...)
+    with f assumed Byzantine clients; with n_clients, check every N-dependent limit now."""
+    key = str(name).strip().lower()
+    if key not in AGGREGATOR_NAMES:
+        hint = did_you_mean(key, AGGREGATOR_NAMES)
+        if not hint.startswith("; valid"):
+            hint += f"; valid: {', '.join(AGGREGATOR_NAMES)}"
+        raise ValueError(f"unknown aggregator {name!r}{hint}")
+    _check_f(key, f)
+    prefix, base = key.split("+") if "+" in key else ("", key)
+    pre = {"": [], "nnm": [NNM(f)], "bucketing": [Bucketing()]}[prefix]
+    pipeline = Pipeline(key, _RULES[base](f), pre)
+    if n_clients is not None:
+        pipeline.check_n(n_clients)
+    return pipeline

@@ -1,0 +1,445 @@
+"""Byzantine attacks: what the f colluding, omniscient Byzantine clients send each round.
+
+Every attack is built by ``make_attack(name, **params)``. Update-level attacks craft the Byzantine updates:
+
+    byzantine = attack.craft(honest, own, server)    # (f, d)
+
+``honest`` (h, d) holds this round's honest updates, ``own`` (f, d) what the Byzantine clients would honestly
+send (sign flip negates it; f is read from its first dimension), ``server`` the defence: a callable mapping
+an (N, d) matrix to the (d,) aggregate, usually a ``prodigy_core.aggregators.Pipeline``. The server sees
+``torch.cat([byzantine, honest])``: the Byzantine clients are client ids 0..f-1, as in the paper.
+
+Search attacks (ALIE, FOE, alie_spread) are tuned against the real defence: every candidate parameter goes
+through the full pipeline (pre-aggregation included) once, via ``server.peek`` when the server has one so that
+a stateful rule such as CClip is not advanced, and the candidate whose aggregate lands farthest (L2) from the
+honest mean wins; ties go to the first candidate, a non-finite aggregate counts as infinite damage. All
+candidates are written into one preallocated (N, d) matrix whose honest rows are copied once per craft.
+After ``craft``, ``attack.last_param`` holds the chosen parameter (None for attacks without one) and
+``attack.last_search`` the (param, damage) pairs in grid order (empty for attacks without a search).
+
+Label flip is data-level: ``flips_labels`` is True and ``craft`` returns ``own`` unchanged, because those
+clients already trained on labels y' = C-1-y (the data layer flips them, ``Federation.flip_labels``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from prodigy_core.aggregators import pairwise_sq_distances
+
+# ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
+ALIE_Z_STEP = 0.25
+ALIE_Z_CAP = 2.0
+# FOE's grid: eps* in {0.1 eps, 0.2 eps, ..., eps}.
+FOE_STEPS = 10
+
+Server = Callable[[Tensor], Tensor]
+
+
+def alie_z_max(n: int, f: int) -> float:
+    """Largest "undetectable" ALIE shift (Baruch, Baruch and Goldberg, "A Little Is Enough", NeurIPS 2019).
+
+    s = floor(n/2 + 1) - f honest clients must be "won over"; z_max = Phi^-1((n - s) / n). Needs 0 <= f <= n/2
+    (otherwise s <= 0 and the Byzantine clients are a majority). The value can be <= 0 when f is small
+    against n (e.g. n=10, f=1 gives 0; n=2, f=0 gives -inf): see `alie_grid` for how the attack handles it.
+    """
+    if not (isinstance(n, int) and isinstance(f, int)) or n < 1 or not 0 <= f < n:
+        raise ValueError(f"alie_z_max(n={n!r}, f={f!r}): need integers n >= 1 and 0 <= f < n")
+    s = math.floor(n / 2 + 1) - f
+    if s <= 0:
+        raise ValueError(
+            f"alie_z_max(n={n}, f={f}): s = floor(n/2 + 1) - f = {s} <= 0, the Byzantine clients are a "
+            f"majority; ALIE needs f <= n/2 = {n / 2:g}"
+        )
+    return torch.special.ndtri(torch.tensor((n - s) / n, dtype=torch.float64)).item()
+
+
+def alie_grid(n: int, f: int) -> list[float]:
+    """ALIE's candidates z = k * 0.25 * z_max, k = 1, 2, ..., while z <= 2 (so 15 for n=10, f=3).
+
+    When z_max <= 0 (few Byzantine clients among many: no shift is undetectable by Baruch et al.'s argument)
+    the unit falls back to z_max = 1, i.e. z in {0.25, 0.5, ..., 2}: the search still picks the most damaging
+    shift, which is the attack's intent, instead of sending the honest mean or failing mid-run.
+    """
+    z_max = alie_z_max(n, f)
+    unit = ALIE_Z_STEP * (z_max if z_max > 0 else 1.0)
+    count = max(1, math.floor(ALIE_Z_CAP / unit * (1 + 1e-12)))
+    return [k * unit for k in range(1, count + 1)]
+
+
+class Attack:
+    """An attack: ``craft(honest, own, server) -> (f, d)`` Byzantine updates, plus what it chose.
+
+    Subclasses implement ``_craft``; ``craft`` checks the input, handles f = 0 and runs without autograd.
+    """
+
+    name: str = "attack"
+    flips_labels: bool = False
+
+    def __init__(self) -> None:
+        self.last_param: float | None = None
+        self.last_search: list[tuple[Any, float]] = []
+
+    def craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        _check_shapes(self.name, honest, own)
+        self.last_param, self.last_search = None, []
+        if own.shape[0] == 0:
+            return own.new_empty((0, own.shape[1]))
+        _check_honest(self.name, honest)
+        with torch.no_grad():
+            return self._craft(honest, own, server)
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class NoAttack(Attack):
+    """No attack: the f clients behave honestly and send ``own``."""
+
+    name = "none"
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        return own
+
+
+class SignFlip(Attack):
+    """Sign flip: each Byzantine client sends -g, the negation of the update it would honestly send.
+
+    It keeps honest local momentum and negates only what it sends (the authors' code negates the momentum
+    buffer in place, which makes the sign oscillate from round to round). Reference: Allen-Zhu et al.,
+    "Byzantine-Resilient Non-Convex Stochastic Gradient Descent", ICLR 2021; ProDiGy's SF.
+    """
+
+    name = "sf"
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        return -own
+
+
+class LabelFlip(Attack):
+    """Label flip (data-level): the Byzantine clients train honestly on labels y' = C-1-y and send the result.
+
+    ``flips_labels`` tells the training loop to call ``Federation.flip_labels`` on clients 0..f-1; ``craft``
+    returns ``own`` unchanged. Reference: ProDiGy's LF (9-y on CIFAR-10, 61-y on FEMNIST).
+    """
+
+    name = "lf"
+    flips_labels = True
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        return own
+
+
+class GaussianNoise(Attack):
+    """Gaussian noise: each Byzantine client sends an independent draw from N(mean, std^2 I).
+
+    Reference: Xie, Koyejo and Gupta, "Generalized Byzantine-tolerant SGD", arXiv:1802.10116 (std = 200).
+    ``generator`` (any device) makes the draws repeatable.
+    """
+
+    name = "gaussian"
+
+    def __init__(
+        self, mean: float = 0.0, std: float = 200.0, generator: torch.Generator | None = None
+    ) -> None:
+        super().__init__()
+        if not std >= 0:
+            raise ValueError(f"gaussian: std={std} must be >= 0")
+        self.mean, self.std, self.generator = float(mean), float(std), generator
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        return self.mean + self.std * _randn(own.shape, honest, self.generator)
+
+
+class Mimic(Attack):
+    """Mimic: every Byzantine client copies the honest update that most increases the apparent heterogeneity.
+
+    Karimireddy, He and Jaggi, "Byzantine-Robust Learning on Heterogeneous Datasets via Bucketing", ICLR 2022:
+    target i* = argmax_i <g_i - mu_H, v> along the top principal direction v of the honest updates. Theirs
+    keeps a running power-iteration estimate of v over warm-up rounds and then fixes the target; this version
+    takes this round's exact v (top eigenvector of the centred Gram matrix, from the pairwise distances) and,
+    since the sign of v is arbitrary, the largest |projection|. ``last_param`` is the index of the copied
+    honest client in ``honest``.
+    """
+
+    name = "mimic"
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        dist = pairwise_sq_distances(honest).double()
+        h = dist.shape[0]
+        centring = torch.eye(h, dtype=dist.dtype, device=dist.device) - 1.0 / h
+        gram = -0.5 * centring @ dist @ centring  # <g_i - mu, g_j - mu> (classical MDS)
+        _, vectors = torch.linalg.eigh(gram)
+        # projection of g_i - mu on v is sqrt(lambda_max) * u_i for the top eigenvector u
+        target = int(vectors[:, -1].abs().argmax())
+        self.last_param = target
+        return honest[target].expand(own.shape).clone()
+
+
+class _MinMaxMinSum(Attack):
+    """Shared part of Min-Max and Min-Sum (Shejwalkar and Houmansadr, "Manipulating the Byzantine: Optimizing
+    Model Poisoning Attacks and Defenses for Federated Learning", NDSS 2021).
+
+    Byzantine update m = mu_H - gamma * p for a deviation direction p: ``std`` (the honest per-coordinate
+    population std, the paper's strongest), ``unit_vec`` (mu_H / norm(mu_H)) or ``sign`` (sign(mu_H)).
+    gamma is the largest value meeting the attack's constraint, which is a sum or a maximum of quadratics
+    q_i(gamma) = norm(mu_H - g_i - gamma p)^2, convex in gamma and met at gamma = 0: the paper finds it by
+    bisection; here it is the exact root of the quadratic (the point the bisection converges to).
+    All Byzantine clients send m; ``last_param`` is gamma.
+    """
+
+    DEVIATIONS = ("std", "unit_vec", "sign")
+
+    def __init__(self, deviation: str = "std") -> None:
+        super().__init__()
+        if deviation not in self.DEVIATIONS:
+            raise ValueError(
+                f"{self.name}: deviation={deviation!r} is unknown; valid: {', '.join(self.DEVIATIONS)}"
+            )
+        self.deviation = deviation
+
+    def _gamma(self, sq_norms: Tensor, dots: Tensor, p_sq: float, dist: Tensor) -> float:
+        raise NotImplementedError
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        mean, sigma = honest.mean(0), honest.std(0, correction=0)
+        if self.deviation == "std":
+            p = sigma
+        elif self.deviation == "unit_vec":
+            p = mean / mean.norm().clamp_min(torch.finfo(mean.dtype).tiny)
+        else:
+            p = mean.sign()
+        offsets = mean - honest  # a_i = mu_H - g_i
+        sq_norms = offsets.pow(2).sum(1, dtype=torch.float64)
+        dots = (offsets @ p).double()  # <a_i, p>
+        p_sq = p.pow(2).sum(dtype=torch.float64).item()
+        del offsets
+        dist = pairwise_sq_distances(honest).double()
+        gamma = 0.0 if p_sq == 0 else self._gamma(sq_norms, dots, p_sq, dist)
+        self.last_param = gamma
+        return (mean - gamma * p).expand(own.shape).clone()
+
+
+class MinMax(_MinMaxMinSum):
+    """Min-Max: the largest gamma with max_i norm(m - g_i) <= max_{i,j} norm(g_i - g_j) (see `_MinMaxMinSum`).
+
+    Per honest i, q_i(gamma) <= T holds up to gamma_i = (b_i + sqrt(b_i^2 + c (T - norm(a_i)^2))) / c with
+    a_i = mu_H - g_i, b_i = <a_i, p>, c = norm(p)^2, T = max pairwise honest squared distance; gamma = min_i.
+    """
+
+    name = "minmax"
+
+    def _gamma(self, sq_norms: Tensor, dots: Tensor, p_sq: float, dist: Tensor) -> float:
+        slack = (dist.max() - sq_norms).clamp_min(0)
+        return ((dots + (dots.pow(2) + p_sq * slack).sqrt()) / p_sq).min().item()
+
+
+class MinSum(_MinMaxMinSum):
+    """Min-Sum: the largest gamma with sum_i norm(m - g_i)^2 <= max_i sum_j norm(g_i - g_j)^2
+    (see `_MinMaxMinSum`): sum_i q_i(gamma) = A - 2 gamma B + h c gamma^2 <= T, solved for its larger root.
+    """
+
+    name = "minsum"
+
+    def _gamma(self, sq_norms: Tensor, dots: Tensor, p_sq: float, dist: Tensor) -> float:
+        h = sq_norms.shape[0]
+        slack = (dist.sum(1).max() - sq_norms.sum()).clamp_min(0)
+        b = dots.sum()
+        return ((b + (b.pow(2) + h * p_sq * slack).sqrt()) / (h * p_sq)).item()
+
+
+class LineSearchAttack(Attack):
+    """An attack with one parameter chosen per round by maximising norm(server(cat[byzantine, honest]) - mu_H)
+    over a grid, through the real server (``peek`` when present). Subclasses give the grid, the per-round
+    statistics and the Byzantine rows for a parameter; the search runs the pipeline once per candidate.
+    """
+
+    def grid(self, n: int, f: int) -> list[Any]:
+        raise NotImplementedError
+
+    def _prepare(self, honest: Tensor, f: int) -> dict[str, Tensor]:
+        # population std (Baruch et al.); the mean is honest.mean(0) itself, so FOE sends exactly -eps* mu_H
+        return {"mean": honest.mean(0), "sigma": honest.std(0, correction=0)}
+
+    def _rows(self, param: Any, stats: dict[str, Tensor]) -> Tensor:
+        """The Byzantine rows for ``param``: (d,) when all f clients send the same vector, else (f, d)."""
+        raise NotImplementedError
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        f, (h, d) = own.shape[0], honest.shape
+        stats = self._prepare(honest, f)
+        evaluate = server.peek if hasattr(server, "peek") else server
+        candidates = torch.empty((f + h, d), dtype=honest.dtype, device=honest.device)
+        candidates[f:] = honest
+        best, best_damage = None, -math.inf
+        for param in self.grid(f + h, f):
+            candidates[:f] = self._rows(param, stats)
+            damage = _damage(evaluate(candidates), stats["mean"], self.name)
+            self.last_search.append((param, damage))
+            if damage > best_damage:
+                best, best_damage = param, damage
+        self._record(best)
+        return self._rows(best, stats).expand(f, d).clone()
+
+    def _record(self, best: Any) -> None:
+        self.last_param = best
+
+
+class ALIE(LineSearchAttack):
+    """A Little Is Enough (Baruch, Baruch and Goldberg, NeurIPS 2019): every Byzantine client sends
+    mu_H - z* sigma_H (honest mean and per-coordinate population std), z* from `alie_grid` (multiples of
+    0.25 z_max up to 2, z_max from `alie_z_max`) chosen against the real defence (ProDiGy paper).
+    """
+
+    name = "alie"
+
+    def grid(self, n: int, f: int) -> list[float]:
+        return alie_grid(n, f)
+
+    def _rows(self, z: float, stats: dict[str, Tensor]) -> Tensor:
+        return stats["mean"] - z * stats["sigma"]
+
+
+class FOE(LineSearchAttack):
+    """Fall of Empires / inner-product manipulation (Xie, Koyejo and Gupta, UAI 2019): every Byzantine client
+    sends -eps* mu_H, eps* in {0.1 eps, 0.2 eps, ..., eps} chosen against the real defence (ProDiGy paper:
+    eps = 0.1 and eps = 100, the attacks ``foe_0.1`` and ``foe_100``).
+    """
+
+    name = "foe"
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        if not eps > 0:
+            raise ValueError(f"foe: eps={eps} must be > 0")
+        self.eps = float(eps)
+
+    def grid(self, n: int, f: int) -> list[float]:
+        return [k * self.eps / FOE_STEPS for k in range(1, FOE_STEPS + 1)]
+
+    def _rows(self, eps: float, stats: dict[str, Tensor]) -> Tensor:
+        return -eps * stats["mean"]
+
+
+class ALIESpread(LineSearchAttack):
+    """ALIE with spread, aimed at ProDiGy's dissimilarity score s_d (this package's attack; no peer has it).
+
+    ProDiGy scores a client by how dissimilar its nearest neighbours are (s_d = sigma / norm(mu) of N_f(k)),
+    and identical ALIE rows give the colluders s_d = 0. Here Byzantine client j sends
+    mu_H - z sigma_H + rho * (xi_j * sigma_H) with xi_j ~ N(0, I) independent per client (drawn once per
+    craft, shared by all candidates), (z, rho) chosen by the same damage-maximising search over
+    `alie_grid` x ``rhos``. ``last_param`` is z*, ``last_rho`` rho*; ``last_search`` holds ((z, rho), damage).
+    """
+
+    name = "alie_spread"
+
+    def __init__(
+        self, rhos: tuple[float, ...] = (0.25, 0.5, 1.0), generator: torch.Generator | None = None
+    ) -> None:
+        super().__init__()
+        rhos = tuple(float(r) for r in rhos)
+        if not rhos or min(rhos) < 0:
+            raise ValueError(f"alie_spread: rhos={rhos} must be a non-empty tuple of values >= 0")
+        self.rhos, self.generator = rhos, generator
+        self.last_rho: float | None = None
+
+    def craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        self.last_rho = None
+        return super().craft(honest, own, server)
+
+    def grid(self, n: int, f: int) -> list[tuple[float, float]]:
+        return [(z, rho) for z in alie_grid(n, f) for rho in self.rhos]
+
+    def _prepare(self, honest: Tensor, f: int) -> dict[str, Tensor]:
+        stats = super()._prepare(honest, f)
+        stats["spread"] = _randn((f, honest.shape[1]), honest, self.generator) * stats["sigma"]
+        return stats
+
+    def _rows(self, param: tuple[float, float], stats: dict[str, Tensor]) -> Tensor:
+        z, rho = param
+        return torch.add(stats["mean"] - z * stats["sigma"], stats["spread"], alpha=rho)
+
+    def _record(self, best: tuple[float, float]) -> None:
+        self.last_param, self.last_rho = best
+
+
+ATTACKS: dict[str, Callable[..., Attack]] = {
+    "none": NoAttack,
+    "alie": ALIE,
+    "foe_0.1": lambda: FOE(eps=0.1),
+    "foe_100": lambda: FOE(eps=100.0),
+    "sf": SignFlip,
+    "lf": LabelFlip,
+    "mimic": Mimic,
+    "minmax": MinMax,
+    "minsum": MinSum,
+    "gaussian": GaussianNoise,
+    "alie_spread": ALIESpread,
+}
+
+
+def make_attack(name: str, **params: Any) -> Attack:
+    """Build the attack called ``name`` (a key of `ATTACKS`) with keyword ``params`` (e.g. ``generator``)."""
+    if name not in ATTACKS:
+        raise ValueError(f"unknown attack {name!r}; valid: {', '.join(ATTACKS)}")
+    factory = ATTACKS[name]
+    valid = list(inspect.signature(factory).parameters)
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"attack {name!r} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(valid) or 'none'}"
+        )
+    attack = factory(**params)
+    attack.name = name
+    return attack
+
+
+def _check_shapes(name: str, honest: Tensor, own: Tensor) -> None:
+    if not (isinstance(honest, Tensor) and isinstance(own, Tensor)):
+        raise ValueError(f"{name}: honest and own must be torch tensors, got {type(honest)} and {type(own)}")
+    if honest.dim() != 2 or own.dim() != 2 or honest.shape[1] != own.shape[1]:
+        raise ValueError(
+            f"{name}: expected honest (h, d) and own (f, d) with the same d, got honest "
+            f"{tuple(honest.shape)} and own {tuple(own.shape)}"
+        )
+    if honest.device != own.device or honest.dtype != own.dtype:
+        raise ValueError(
+            f"{name}: honest ({honest.dtype}, {honest.device}) and own ({own.dtype}, {own.device}) must "
+            f"share dtype and device"
+        )
+    if not honest.dtype.is_floating_point:
+        raise ValueError(f"{name}: updates must be floating point, got {honest.dtype}")
+
+
+def _check_honest(name: str, honest: Tensor) -> None:
+    if honest.shape[0] == 0:
+        raise ValueError(f"{name}: no honest client (honest has shape {tuple(honest.shape)}); need h >= 1")
+    finite = torch.isfinite(honest).all(dim=1)
+    if not finite.all():
+        bad = torch.nonzero(~finite).flatten().tolist()
+        raise ValueError(f"{name}: honest updates {bad[:10]} (rows of honest) contain NaN or Inf")
+
+
+def _damage(aggregate: Tensor, honest_mean: Tensor, name: str) -> float:
+    """norm(aggregate - mu_H); a non-finite aggregate is infinite damage."""
+    if aggregate.shape != honest_mean.shape:
+        raise ValueError(
+            f"{name}: the server returned shape {tuple(aggregate.shape)}, expected {tuple(honest_mean.shape)}"
+        )
+    damage = torch.linalg.vector_norm(aggregate.to(honest_mean.dtype) - honest_mean).item()
+    return damage if math.isfinite(damage) else math.inf
+
+
+def _randn(shape: tuple[int, ...] | torch.Size, like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Standard normal draws on ``like``'s device and dtype, from ``generator`` (any device) if given."""
+    device = like.device if generator is None else generator.device
+    return torch.randn(tuple(shape), generator=generator, device=device, dtype=like.dtype).to(like.device)

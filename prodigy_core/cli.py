@@ -1,0 +1,249 @@
+"""The `prodigy-fl` command line: run one config, run a params grid, report it, quickstart, data, reproduce.
+
+    prodigy-fl run [PARAMS.yaml] [--set key=value ...] [--json]
+    prodigy-fl grid PARAMS.yaml [--smoke] [--executor local|ray] [--jobs N] [--force]
+    prodigy-fl report PARAMS.yaml [--smoke]
+    prodigy-fl quickstart
+    prodigy-fl data cifar10 | prodigy-fl data femnist PATH
+    prodigy-fl reproduce [--scale smoke|paper] [--only NAME ...]
+
+Bad input (an unknown field, an impossible config, a missing file) ends with one line
+`prodigy-fl: error: ...` and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import prodigy_core
+from prodigy_core.config import ConfigError, RunConfig, field_names, parse_value
+
+EXIT_USAGE = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.command(args) or 0
+    except (ConfigError, ValueError, FileNotFoundError, ImportError) as e:
+        print(f"prodigy-fl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(
+            "prodigy-fl: interrupted; finished runs are stored, rerun the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prodigy-fl",
+        description="Byzantine-robust federated learning experiments (ProDiGy reproduction).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {prodigy_core.__version__}")
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    def results_dir(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--results-dir", type=Path, help="results folder (default: env PRODIGY_RESULTS_DIR or ./results)"
+        )
+
+    p = sub.add_parser("run", help="run one config (defaults, a params file, --set overrides)")
+    p.add_argument("params", nargs="?", help="params file or name; it must come down to one run after --set")
+    p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a run field, e.g. --set rounds=50 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--smoke", action="store_true", help="the smoke profile: a few rounds on a stand-in dataset"
+    )
+    p.add_argument("--json", action="store_true", help="print the result record as JSON on stdout")
+    p.add_argument("--force", action="store_true", help="rerun even when a record for this config exists")
+    results_dir(p)
+    p.set_defaults(command=cmd_run)
+
+    p = sub.add_parser("grid", help="run every config of a params file (resumable)")
+    p.add_argument("params", help="params file or name (see params/)")
+    p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
+                   help="pin a run field in every run, e.g. --set device=cuda (repeatable)")  # fmt: skip
+    p.add_argument("--smoke", action="store_true", help="the smoke profile: seconds, stand-in datasets (CI)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="local: worker processes; ray: CPUs of a local runtime"
+    )
+    p.add_argument("--force", action="store_true", help="rerun runs that already have a record")
+    p.add_argument("--address", help="ray: join this cluster (e.g. auto, ray://head:10001)")
+    p.add_argument("--num-cpus", type=float, default=1, help="ray: CPUs per run (default 1)")
+    p.add_argument(
+        "--num-gpus", type=float, default=0, help="ray: GPUs per run, fractions allowed (0.25: 4 per GPU)"
+    )
+    results_dir(p)
+    p.set_defaults(command=cmd_grid)
+
+    p = sub.add_parser("report", help="tables and figures from the stored results of a params file")
+    p.add_argument("params", help="params file or name")
+    p.add_argument("--smoke", action="store_true", help="report the smoke results")
+    p.add_argument("--out-dir", type=Path, help="where figures go (default: figures/)")
+    results_dir(p)
+    p.set_defaults(command=cmd_report)
+
+    p = sub.add_parser("quickstart", help="the digits grid (all defenses x all attacks), then its report")
+    p.add_argument("--smoke", action="store_true", help="a few seconds instead of a few minutes")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--out-dir", type=Path, help="where figures go (default: figures/)")
+    results_dir(p)
+    p.set_defaults(command=cmd_quickstart)
+
+    p = sub.add_parser("data", help="download CIFAR-10 or validate a LEAF FEMNIST directory")
+    p.add_argument("dataset", choices=("cifar10", "femnist"))
+    p.add_argument("path", nargs="?", type=Path, help="cifar10: download root; femnist: the LEAF directory")
+    p.set_defaults(command=cmd_data)
+
+    p = sub.add_parser("reproduce", help="every paper table and figure, then the reports")
+    p.add_argument("--scale", choices=("smoke", "paper"), default="smoke")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="only these params files")
+    p.add_argument("--executor", choices=("local", "ray"), default="local")
+    p.set_defaults(command=cmd_reproduce)
+    return parser
+
+
+def parse_fields(pairs: list[str]) -> dict[str, Any]:
+    """`["rounds=50", "defense=prodigy"]` -> {"rounds": 50, "defense": "prodigy"}, typed like RunConfig."""
+    fields = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set rounds=50")
+        fields[name.strip()] = parse_value(name.strip(), text)
+    return fields
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from prodigy_core import results, training
+    from prodigy_core.experiments import Experiment, load_experiment, smoke_profile
+
+    fields = parse_fields(args.fields)
+    if args.params:
+        experiment = load_experiment(args.params, smoke=args.smoke, fields=fields)
+    else:
+        config = RunConfig.from_dict(fields, source="--set")
+        experiment = Experiment(name="runs", title="single runs", paper_table=None, configs=[config])
+        experiment = smoke_profile(experiment) if args.smoke else experiment
+    if len(experiment.configs) != 1:
+        configs = experiment.configs
+        varying = [n for n in field_names() if len({getattr(c, n) for c in configs}) > 1]
+        raise ConfigError(
+            f"{args.params} has {len(configs)} runs (varying: {', '.join(varying)}); pin them with --set, "
+            f"e.g. --set {varying[0]}={getattr(configs[0], varying[0])}, or use `prodigy-fl grid`"
+        )
+    config = experiment.configs[0]
+    folder = results.experiment_dir(experiment.results_name, args.results_dir)
+    path = results.record_path(folder, config.key())
+    if path.exists() and not args.force:
+        record = json.loads(path.read_text())
+        print(f"stored result {path} (use --force to rerun)", file=sys.stderr)
+    else:
+        result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder))
+        result.stand_in = experiment.stand_in_for(config)
+        results.save_record(folder, config.key(), result.to_dict(), experiment.results_name)
+        record = json.loads(path.read_text())
+    stand_in = f" [stand-in: {record['stand_in']}]" if record.get("stand_in") else ""
+    accuracy = record["final_accuracy"]
+    print(
+        f"{config.defense} vs {config.attack}: {accuracy:.2f}% final accuracy{stand_in} -> {path}",
+        file=sys.stderr,
+    )
+    if args.json:
+        json.dump(record, sys.stdout, indent=1)
+        print()
+    return 0
+
+
+def cmd_grid(args: argparse.Namespace) -> int:
+    from prodigy_core import results
+    from prodigy_core.experiments import load_experiment, run_grid
+
+    experiment = load_experiment(args.params, smoke=args.smoke, fields=parse_fields(args.fields))
+    df = run_grid(
+        experiment, executor=args.executor, jobs=args.jobs, force=args.force, results_dir=args.results_dir,
+        address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+    )  # fmt: skip
+    del df
+    folder = results.experiment_dir(experiment.results_name, args.results_dir)
+    failed = [c for c in experiment.configs if results.failure_path(folder, c.key()).exists()]
+    return 1 if failed else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from prodigy_core import results
+    from prodigy_core.experiments import load_experiment
+
+    experiment = load_experiment(args.params, smoke=args.smoke)
+    df = results.load(experiment, args.results_dir)
+    if df.empty:
+        smoke = " --smoke" if args.smoke else ""
+        raise ValueError(
+            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{smoke}`"
+        )
+    for path in _write_report(experiment, df, args.out_dir):
+        print(path)
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from prodigy_core.experiments import load_experiment, run_grid
+
+    experiment = load_experiment("quickstart_digits", smoke=args.smoke)
+    df = run_grid(experiment, jobs=args.jobs, results_dir=args.results_dir)
+    paths = _write_report(experiment, df, args.out_dir)
+    for path in paths:
+        if path.suffix == ".md":
+            print(path.read_text())
+    print("files: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _write_report(experiment: Any, df: Any, out_dir: Path | None) -> list[Path]:
+    from prodigy_core.report import write_report
+
+    return list(write_report(experiment, df) if out_dir is None else write_report(experiment, df, out_dir))
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from prodigy_core import data
+
+    if args.dataset == "cifar10":
+        root = args.path or data.DATA_DIR
+        data.load_federation("cifar10", n_clients=1, distribution="iid", data_dir=root, download=True)
+        print(f"CIFAR-10 is in {root}")
+        return 0
+    if args.path is None:
+        raise ValueError(
+            "data femnist needs the LEAF directory: prodigy-fl data femnist PATH (with train/ and test/)"
+        )
+    fed = data.load_federation("femnist", n_clients=1, distribution="natural", data_dir=args.path)
+    del fed
+    writers = _count_leaf_writers(args.path)
+    print(f"{args.path}: a valid LEAF FEMNIST directory with {writers} writers (N must be at most {writers})")
+    return 0
+
+
+def _count_leaf_writers(path: Path) -> int:
+    users: set[str] = set()
+    for file in sorted((path / "train").glob("*.json")):
+        users.update(json.loads(file.read_text()).get("users", []))
+    return len(users)
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from prodigy_core.reproduce import reproduce
+
+    return reproduce(scale=args.scale, only=args.only, executor=args.executor)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,527 @@
+"""Experiments: a params file (one paper table or figure) expanded into run configs, and the executors that
+run a grid into the results store (`prodigy_core.results`), resumably, locally or on a Ray cluster.
+
+A params file (params/*.yaml) has these top-level keys:
+
+    experiment: table1_cifar10        # results/<experiment>/, figures/<experiment>.*
+    title: "Table I: ..."
+    paper_table: bigtable             # value of `table` in paper_results.csv, or null
+    base: {dataset: cifar10, ...}     # RunConfig fields shared by every run
+    grid: {defense: [...], ...}       # Cartesian product of the listed values; or a LIST of such mappings,
+                                      # whose products are joined (use it when one field is tied to another)
+    seeds: [0, 1, 2]                  # sets RunConfig.seed; every grid point runs once per seed
+    report: {rows: defense, columns: attack, blocks: [...], figures: [...]}
+
+Every file is validated on load: unknown keys (with a "did you mean"), wrong types and impossible runs are
+ConfigErrors that name the file, the key and the value.
+
+Smoke profile (`smoke=True`): the same grid shrunk to seconds for CI, see `smoke_profile` for the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prodigy_core import results as store
+from prodigy_core.config import ConfigError, RunConfig, did_you_mean, field_names
+
+PARAMS_DIR = Path(__file__).resolve().parents[1] / "params"
+TOP_LEVEL_KEYS = ("experiment", "title", "paper_table", "base", "grid", "seeds", "report")
+REPORT_KEYS = ("rows", "columns", "blocks", "figures")
+EXECUTORS = ("local", "ray")
+
+# Smoke profile: the one place that says how a grid is shrunk (see smoke_profile).
+SMOKE_ROUNDS = 3
+SMOKE_LOCAL_STEPS = 2
+SMOKE_MAX_CLIENTS = 10
+SMOKE_MAX_RUNS = 12
+SMOKE_DEFENSES = ("none", "nnm+trimmed_mean", "prodigy")
+SMOKE_ATTACKS = ("alie", "sf")
+
+
+@dataclass
+class Experiment:
+    """One params file, expanded: the run configs in grid order and how to report them."""
+
+    name: str
+    title: str
+    paper_table: str | None
+    configs: list[RunConfig]
+    report: dict[str, Any] = field(default_factory=dict)
+    smoke: bool = False
+    stand_in: str | None = None  # "digits (offline stand-in for cifar10)", ...; None for the real datasets
+    source: Path | None = None
+    stand_ins: dict[str, str] = field(default_factory=dict, repr=False)  # run key -> stand-in label
+
+    @property
+    def results_name(self) -> str:
+        """Folder under the results directory: smoke runs never mix with paper-scale ones."""
+        return f"{self.name}-smoke" if self.smoke else self.name
+
+    def stand_in_for(self, config: RunConfig) -> str | None:
+        """The stand-in label of one run (None when it runs on the dataset the params file names)."""
+        return self.stand_ins.get(config.key())
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def resolve_params(path_or_name: str | os.PathLike) -> Path:
+    """A params file by path, or by name in PARAMS_DIR (`table1_cifar10` or `table1_cifar10.yaml`)."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    for candidate in (PARAMS_DIR / path.name, PARAMS_DIR / f"{path.name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    available = sorted(p.stem for p in PARAMS_DIR.glob("*.yaml"))
+    raise FileNotFoundError(
+        f"params file {str(path_or_name)!r} not found (as a path or in {PARAMS_DIR}); "
+        f"available: {', '.join(available)}"
+    )
+
+
+def load_experiment(
+    path_or_name: str | os.PathLike,
+    smoke: bool = False,
+    overrides: dict[str, Any] | None = None,
+    fields: dict[str, Any] | None = None,
+) -> Experiment:
+    """Load, validate and expand a params file.
+
+    overrides: top-level YAML keys to replace (base, grid, seeds, ...); keys whose value is None are ignored
+    (the notebooks' papermill parameters). fields: RunConfig fields to pin in every run (`--set key=value`):
+    they go into `base` and the grid axis of the same name, if any, is dropped.
+    """
+    path = resolve_params(path_or_name)
+    with open(path) as fh:
+        try:
+            spec = yaml.safe_load(fh)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping of {', '.join(TOP_LEVEL_KEYS)}, got {type(spec).__name__}"
+        )
+    spec.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return experiment_from_spec(spec, source=path, smoke=smoke, fields=fields)
+
+
+def experiment_from_spec(
+    spec: dict[str, Any],
+    source: Path | str = "params",
+    smoke: bool = False,
+    fields: dict[str, Any] | None = None,
+) -> Experiment:
+    """Validate a params mapping (as read from YAML) and expand its grid; see `load_experiment`."""
+    where = str(source)
+    for key in spec:
+        if key not in TOP_LEVEL_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
+    name = spec.get("experiment") or (Path(source).stem if isinstance(source, Path) else None)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ConfigError(f"{where}: experiment={name!r} must be a name of letters, digits, '_', '-' or '.'")
+    title = spec.get("title") or name
+    paper_table = spec.get("paper_table")
+    if paper_table is not None and not isinstance(paper_table, str):
+        raise ConfigError(f"{where}: paper_table={paper_table!r} must be a table name or null")
+    base = _mapping(spec.get("base") or {}, f"{where}: base")
+    base.update(fields or {})
+    grids = spec.get("grid") or [{}]
+    grids = [grids] if isinstance(grids, dict) else grids
+    if not isinstance(grids, list):
+        raise ConfigError(f"{where}: grid must be a mapping of field: [values] or a list of such mappings")
+    grids = [_mapping(g, f"{where}: grid[{i}]") for i, g in enumerate(grids)]
+    seeds = spec.get("seeds")
+    seeds = [base.pop("seed", RunConfig.seed)] if seeds is None else seeds
+    if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds):
+        raise ConfigError(f"{where}: seeds={seeds!r} must be a non-empty list of integers, e.g. [0, 1, 2]")
+    report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
+    for key in ("rows", "columns", "blocks"):
+        for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
+            if value not in field_names():
+                raise ConfigError(
+                    f"{where}: report.{key}={value!r} is not a run field{did_you_mean(value, field_names())}"
+                )
+
+    names = field_names()
+    for key in base:
+        if key not in names:
+            raise ConfigError(f"{where}: base.{key} is not a run field{did_you_mean(key, names)}")
+    configs: dict[str, RunConfig] = {}
+    for i, grid in enumerate(grids):
+        label = "grid" if len(grids) == 1 else f"grid[{i}]"
+        axes = {}
+        for key, values in grid.items():
+            if key not in names:
+                raise ConfigError(f"{where}: {label}.{key} is not a run field{did_you_mean(key, names)}")
+            if key == "seed":
+                raise ConfigError(f"{where}: {label}.seed: list the seeds in the top-level `seeds` key")
+            if key in (fields or {}):
+                continue  # pinned by --set
+            if not isinstance(values, list) or not values:
+                raise ConfigError(
+                    f"{where}: {label}.{key}={values!r} must be a non-empty list of values (e.g. [{values}])"
+                )
+            axes[key] = values
+        for point in itertools.product(*axes.values()):
+            chosen = dict(zip(axes, point, strict=True))
+            for seed in seeds:
+                config = _build(base, chosen, seed, where, label)
+                configs.setdefault(config.key(), config)  # the union of products may repeat a run
+    experiment = Experiment(
+        name=name, title=title, paper_table=paper_table, configs=list(configs.values()), report=report,
+        source=Path(source) if isinstance(source, Path) else None,
+    )  # fmt: skip
+    return smoke_profile(experiment) if smoke else experiment
+
+
+def _mapping(value: Any, where: str, names: Iterable[str] | None = None, check_fields: bool = True) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping (key: value), got {value!r}")
+    for key in value:
+        if names is not None and key not in names:
+            raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, names)}")
+    return dict(value)
+
+
+def _build(base: dict, chosen: dict, seed: int, where: str, label: str) -> RunConfig:
+    """One RunConfig; on a ConfigError say which params key set the offending field and to what."""
+    values = {**base, **chosen, "seed": seed}
+    try:
+        return RunConfig.from_dict(values)
+    except ConfigError as e:
+        message = str(e).removeprefix("config: ")
+        culprit = re.match(r"(\w+)=", message)
+        name = culprit.group(1) if culprit else None
+        if name in chosen:
+            origin = f"{label}.{name}={chosen[name]!r}"
+        elif name in base:
+            origin = f"base.{name}={base[name]!r}"
+        elif name == "seed":
+            origin = f"seeds: {seed!r}"
+        else:
+            origin = f"{name} (default)" if name else "run"
+        point = ", ".join(f"{k}={v!r}" for k, v in chosen.items())
+        raise ConfigError(
+            f"{where}: {origin}: {message}" + (f" [grid point: {point}]" if point else "")
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------- smoke
+
+
+def smoke_profile(experiment: Experiment) -> Experiment:
+    """The experiment shrunk to seconds (CI, a first look), clearly labelled as such.
+
+    The rule, applied to the expanded runs:
+      1. seeds: the first seed only.
+      2. block axes (every field that varies across the runs, except defense and attack): the value of the
+         first run only (for a list-of-mappings grid, the first mapping's first point).
+      3. defense x attack: kept whole when it has at most SMOKE_MAX_RUNS runs; otherwise the defenses in
+         SMOKE_DEFENSES and the attacks in SMOKE_ATTACKS that the grid has (the grid's first three defenses /
+         first two attacks when it has none of them).
+      4. per run: rounds <= SMOKE_ROUNDS, local_steps <= SMOKE_LOCAL_STEPS, eval_every <= rounds,
+         record_distances_at clipped to the last round; cifar10 is replaced by the embedded digits, femnist by
+         the 10-writer LEAF subset when it is available and by digits otherwise; on a stand-in,
+         n_clients <= SMOKE_MAX_CLIENTS, f scaled to keep f/N (at least 2 if the grid has ProDiGy).
+         The replacement is named in `stand_in`: in every record, the results frame and the report.
+    """
+    if experiment.smoke:
+        return experiment
+    configs = experiment.configs
+    first = configs[0]
+    varying = {n for n in field_names() if len({getattr(c, n) for c in configs}) > 1}
+    blocks = varying - {"defense", "attack", "seed"}
+    kept = [
+        c for c in configs if c.seed == first.seed and all(getattr(c, n) == getattr(first, n) for n in blocks)
+    ]
+    defenses = list(dict.fromkeys(c.defense for c in kept))
+    attacks = list(dict.fromkeys(c.attack for c in kept))
+    if len(kept) > SMOKE_MAX_RUNS:
+        defenses = [d for d in defenses if d in SMOKE_DEFENSES] or defenses[:3]
+        attacks = [a for a in attacks if a in SMOKE_ATTACKS] or attacks[:2]
+        kept = [c for c in kept if c.defense in defenses and c.attack in attacks]
+
+    # One f per original (N, f) for the whole table, so that a row is not split by a per-defense f.
+    min_byzantine = 2 if any("prodigy" in c.defense for c in kept) else 1
+    stand_ins: dict[str, str] = {}
+    smoke_configs: dict[str, RunConfig] = {}
+    for config in kept:
+        small, label = _smoke_config(config, min_byzantine)
+        key = small.key()
+        smoke_configs.setdefault(key, small)
+        if label:
+            stand_ins[key] = label
+    labels = sorted(set(stand_ins.values()))
+    return dataclasses.replace(
+        experiment,
+        title=f"{experiment.title} [SMOKE: {SMOKE_ROUNDS} rounds"
+        + (f"; {'; '.join(labels)}]" if labels else "]"),
+        configs=list(smoke_configs.values()),
+        smoke=True,
+        stand_in="; ".join(labels) or None,
+        stand_ins=stand_ins,
+    )
+
+
+def _smoke_config(config: RunConfig, min_byzantine: int) -> tuple[RunConfig, str | None]:
+    rounds = min(config.rounds, SMOKE_ROUNDS)
+    changes: dict[str, Any] = {
+        "rounds": rounds,
+        "local_steps": min(config.local_steps, SMOKE_LOCAL_STEPS),
+        "eval_every": min(config.eval_every, rounds),
+        "lr_decay_at": None if config.lr_decay_at is None else min(config.lr_decay_at, rounds),
+        "record_distances_at": sorted({min(r, rounds) for r in config.record_distances_at}),
+    }
+    label = None
+    if config.dataset == "femnist":
+        from prodigy_core.data import default_femnist_dir
+
+        subset = default_femnist_dir()
+        if subset is not None:
+            n = min(config.n_clients, SMOKE_MAX_CLIENTS)
+            f = _scaled_byzantine(config, n, min_byzantine)
+            changes.update(n_clients=n, n_byzantine=f, data_dir=str(subset))
+            label = f"FEMNIST {n}-writer LEAF subset (stand-in for full FEMNIST)"
+        else:
+            label = "digits (offline stand-in for femnist)"
+            changes.update(dataset="digits", distribution="dirichlet", data_dir=None)
+    if config.dataset == "cifar10":
+        label = "digits (offline stand-in for cifar10)"
+        changes.update(dataset="digits", data_dir=None, download=False)
+    if changes.get("dataset") == "digits":
+        n = min(config.n_clients, SMOKE_MAX_CLIENTS)
+        changes.update(n_clients=n, n_byzantine=_scaled_byzantine(config, n, min_byzantine))
+    return config.replace(**changes), label
+
+
+def _scaled_byzantine(config: RunConfig, n: int, min_byzantine: int) -> int:
+    """f for n clients keeping the fraction f/N, at least min_byzantine (2 when ProDiGy runs), below n/2."""
+    if config.n_byzantine == 0:
+        return 0
+    return min(max(round(config.n_byzantine * n / config.n_clients), min_byzantine), (n - 1) // 2)
+
+
+# ------------------------------------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class Task:
+    """One run to execute: what a worker needs, picklable (process pools, Ray)."""
+
+    config: dict[str, Any]
+    checkpoint_dir: str
+    stand_in: str | None
+
+
+def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
+    """Run one task in this process and return its record (RunResult.to_dict() with stand_in set)."""
+    import torch
+
+    from prodigy_core import training
+
+    if threads:
+        torch.set_num_threads(threads)
+    result = training.run(
+        RunConfig.from_dict(task.config), progress=False, checkpoint_dir=task.checkpoint_dir
+    )
+    result.stand_in = task.stand_in
+    return result.to_dict()
+
+
+Outcome = dict[str, Any] | BaseException
+
+
+def run_grid(
+    experiment: Experiment,
+    executor: str = "local",
+    jobs: int = 1,
+    force: bool = False,
+    results_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    address: str | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+) -> Any:
+    """Run every run of the experiment that has no record yet (all of them with force) and return the
+    results frame (`results.load`). Records are written by this process as runs finish; a run that raises
+    is recorded as failed (`<key>.failed.json`) and the grid goes on.
+
+    executor="local": in this process for jobs=1, a pool of `jobs` processes otherwise.
+    executor="ray": each run a Ray task with `num_cpus`/`num_gpus` (fractions allowed: 0.25 GPU runs four per
+    GPU), retried once on failure; `address` joins an existing cluster (e.g. "auto" or "ray://host:10001"),
+    otherwise a local Ray runtime with `jobs` CPUs is started.
+    """
+    from tqdm.auto import tqdm
+
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
+    if jobs < 1:
+        raise ValueError(f"jobs={jobs} must be >= 1")
+    folder = store.experiment_dir(experiment.results_name, results_dir)
+    todo = [c for c in experiment.configs if force or not store.record_path(folder, c.key()).exists()]
+    tasks = {
+        c.key(): Task(c.to_dict(), str(store.checkpoint_dir(folder)), experiment.stand_in_for(c))
+        for c in todo
+    }
+    varying = [n for n in field_names() if len({getattr(c, n) for c in experiment.configs}) > 1]
+    claims = store.Claims(folder, skip_done=not force)
+    finished = failed = 0
+    total = len(experiment.configs)
+    bar = tqdm(total=total, initial=total - len(todo), unit="run", desc=experiment.results_name,
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+    try:
+        if executor == "ray":
+            outcomes = _ray_outcomes(tasks, claims, jobs, address, num_cpus, num_gpus)
+        elif jobs == 1:
+            outcomes = _inline_outcomes(tasks, claims)
+        else:
+            outcomes = _pool_outcomes(tasks, claims, jobs)
+        for key, outcome, seconds in outcomes:
+            config = RunConfig.from_dict(tasks[key].config)
+            what = " ".join(f"{n}={getattr(config, n)}" for n in varying) or config.key()
+            if isinstance(outcome, BaseException):
+                store.save_failure(folder, key, tasks[key].config, outcome, experiment.results_name)
+                failed += 1
+                line = f"FAILED {what}: {type(outcome).__name__}: {outcome}"
+            else:
+                store.save_record(folder, key, outcome, experiment.results_name)
+                finished += 1
+                flag = " [stand-in]" if outcome.get("stand_in") else ""
+                line = f"done   {what}: {outcome['final_accuracy']:.2f}% in {seconds:.1f}s{flag}"
+            claims.release(key)
+            bar.update(1)
+            if progress:
+                bar.write(line, file=sys.stderr)
+    finally:
+        claims.release_all()
+        bar.close()
+    if progress:
+        skipped = len(experiment.configs) - len(todo)
+        busy = len(todo) - finished - failed
+        print(
+            f"{experiment.results_name}: {finished} run, {skipped} already done, {failed} failed"
+            + (f", {busy} claimed by another process" if busy else "")
+            + f"; records in {folder}",
+            file=sys.stderr,
+        )
+    return store.load(experiment, results_dir)
+
+
+def _inline_outcomes(tasks: dict[str, Task], claims: store.Claims) -> Iterator[tuple[str, Outcome, float]]:
+    for key, task in tasks.items():
+        if not claims.claim(key):
+            continue
+        start = time.perf_counter()
+        try:
+            outcome: Outcome = execute(task)
+        except Exception as e:  # recorded as a failed run; the grid goes on
+            outcome = _with_traceback(e)
+        yield key, outcome, time.perf_counter() - start
+
+
+def _pool_outcomes(
+    tasks: dict[str, Task], claims: store.Claims, jobs: int
+) -> Iterator[tuple[str, Outcome, float]]:
+    """A pool of `jobs` processes; at most `jobs` runs claimed at a time (the rest stay free for others)."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    # spawn, not fork: forking a process that has started torch's thread pools can deadlock.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = iter(tasks.items())
+        running: dict[Any, tuple[str, float]] = {}
+
+        def fill() -> None:
+            while len(running) < jobs:
+                key, task = next(pending, (None, None))
+                if key is None:
+                    return
+                if claims.claim(key):
+                    running[pool.submit(execute, task, threads)] = (key, time.perf_counter())
+
+        fill()
+        try:
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    key, start = running.pop(future)
+                    error = future.exception()
+                    yield key, error if error is not None else future.result(), time.perf_counter() - start
+                fill()
+        finally:
+            for future in running:
+                future.cancel()
+
+
+def _ray_outcomes(
+    tasks: dict[str, Task],
+    claims: store.Claims,
+    jobs: int,
+    address: str | None,
+    num_cpus: float,
+    num_gpus: float,
+) -> Iterator[tuple[str, Outcome, float]]:
+    """Every claimed run as a Ray task; yields them as they complete (the driver writes the records)."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError('executor="ray" needs Ray: pip install "prodigy-fl[ray]"') from None
+    started_here = not ray.is_initialized()
+    if started_here:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+    remote = ray.remote(max_retries=1, retry_exceptions=True)(execute)
+    refs: dict[Any, tuple[str, float]] = {}
+    try:
+        for key, task in tasks.items():
+            if claims.claim(key):
+                ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(task)
+                refs[ref] = (key, time.perf_counter())
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1)
+            key, start = refs.pop(done[0])
+            try:
+                outcome: Outcome = ray.get(done[0])
+            except Exception as e:  # failed twice (one retry): record it, keep going
+                outcome = getattr(e, "cause", None) or e
+            yield key, outcome, time.perf_counter() - start
+    finally:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        if started_here:
+            ray.shutdown()
+
+
+def _with_traceback(error: BaseException) -> BaseException:
+    error.traceback_text = "".join(traceback.format_exception(error))  # type: ignore[attr-defined]
+    return error
+
+
+__all__ = [
+    "PARAMS_DIR",
+    "Experiment",
+    "Task",
+    "execute",
+    "experiment_from_spec",
+    "load_experiment",
+    "resolve_params",
+    "run_grid",
+    "smoke_profile",
+]

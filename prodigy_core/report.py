@@ -1,0 +1,822 @@
+"""Tables and figures from a results DataFrame: the paper's layout as Markdown and LaTeX, heatmaps, curves.
+
+The input is the frame of :func:`prodigy_core.results.load` / :func:`prodigy_core.experiments.run_grid`: one
+row per run, the ``RunConfig`` fields as columns plus the ``RunResult`` fields (``final_accuracy`` in percent,
+``accuracy_curve``, ``stand_in``, ...). A *layout* (the ``report`` mapping of a params file) says which field
+gives the table's rows (``defense``), its columns (``attack``) and its column blocks (e.g. ``distribution``,
+``local_momentum``, ``local_steps`` for Table I). Cells are mean ± std over seeds; the worst case of a row
+within a block (the lowest mean over the attacks, "no attack" excluded, ties included) is bold, as in the
+paper.
+
+Figure files are deterministic: every figure is built on a plain :class:`matplotlib.figure.Figure` (no pyplot
+state, no GUI backend) under one fixed style, and saved without creation dates or version strings, so writing
+the same results twice gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import textwrap
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import torch
+from matplotlib.figure import Figure
+
+from prodigy_core.config import RunConfig
+
+FIGURES_DIR = Path(os.environ.get("PRODIGY_FIGURES_DIR", Path(__file__).resolve().parent.parent / "figures"))
+SMOKE_SUBDIR = "smoke"
+SMOKE_LABEL = "SMOKE / stand-in"
+NO_ATTACK = "none"
+
+# Names as the paper prints them; values not listed are shown as they are.
+DISPLAY_NAMES: dict[str, dict[Any, str]] = {
+    "defense": {
+        "none": "No defense",
+        "average": "Average",
+        "median": "Median",
+        "trimmed_mean": "Trimmed mean",
+        "geomed": "GeoMed",
+        "krum": "Krum",
+        "cclip": "CClip",
+        "multikrum": "Multi-Krum",
+        "bulyan": "Bulyan",
+        "prodigy": "ProDiGy",
+    },
+    "attack": {
+        "none": "No attack",
+        "alie": "ALIE",
+        "foe_0.1": "FOE ε=0.1",
+        "foe_100": "FOE ε=100",
+        "lf": "LF",
+        "sf": "SF",
+        "mimic": "Mimic",
+        "minmax": "Min-Max",
+        "minsum": "Min-Sum",
+        "gaussian": "Gaussian",
+        "alie_spread": "ALIE (spread)",
+    },
+    "distribution": {"iid": "IID", "dirichlet": "Dirichlet", "natural": "Natural"},
+}
+FIELD_SYMBOLS = {"local_momentum": "β", "n_clients": "N", "n_byzantine": "f", "dirichlet_alpha": "α"}
+
+# One fixed style for every saved figure (fonts shipped with matplotlib, so the same on every machine).
+STYLE = {
+    "font.family": "DejaVu Sans",
+    "font.size": 8,
+    "axes.titlesize": 9,
+    "figure.dpi": 100,
+    "savefig.dpi": 150,
+    "pdf.fonttype": 3,
+    "svg.hashsalt": "prodigy-fl",
+    "image.cmap": "viridis",
+}
+FIXED_METADATA = {
+    "pdf": {"CreationDate": None, "ModDate": None, "Creator": None, "Producer": None},
+    "png": {"Software": None},
+}
+BYZANTINE_COLOUR = "#d62728"
+HONEST_COLOUR = "#1f77b4"
+
+
+# ---------------------------------------------------------------------------------------------- labels
+
+
+def display_value(field: str, value: Any) -> str:
+    """How one value of a config field is printed in tables and figures ("sf" -> "SF", beta -> "β=0.9")."""
+    if field == "defense" and isinstance(value, str) and value.startswith("nnm+"):
+        return "NNM+" + display_value(field, value[4:])
+    if value in DISPLAY_NAMES.get(field, {}):
+        return DISPLAY_NAMES[field][value]
+    if field == "local_steps":
+        return "FedSGD" if int(value) == 1 else f"FedAVG (E={int(value)})"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"{FIELD_SYMBOLS.get(field, field)}={value}"
+
+
+def field_title(field: str) -> str:
+    """Column header for a field name: "n_byzantine" -> "N byzantine"."""
+    return field.replace("_", " ").capitalize()
+
+
+def block_label(blocks: Sequence[str], key: Any) -> str:
+    """Label of one column block, e.g. "Dirichlet, β=0.9, FedAVG (E=10)"."""
+    values = key if isinstance(key, tuple) else (key,)
+    return ", ".join(display_value(b, v) for b, v in zip(blocks, values, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+
+def _layout(layout: Mapping[str, Any]) -> tuple[str, str, list[str]]:
+    rows, columns = layout.get("rows", "defense"), layout.get("columns", "attack")
+    blocks = layout.get("blocks") or []
+    blocks = [blocks] if isinstance(blocks, str) else list(blocks)
+    return rows, columns, blocks
+
+
+def _ordered(values: pd.Series, order: Sequence[Any] | None) -> list[Any]:
+    """Unique values in the given order (values not in it follow, in order of first appearance)."""
+    seen = list(dict.fromkeys(values.tolist()))
+    if order is None:
+        return seen
+    return [v for v in dict.fromkeys(order) if v in seen] + [v for v in seen if v not in order]
+
+
+def summarize(
+    df: pd.DataFrame, layout: Mapping[str, Any], order: Mapping[str, Sequence[Any]] | None = None
+) -> pd.DataFrame:
+    """Mean, std and number of seeds of ``final_accuracy`` per table cell, in table order.
+
+    std is the population std over seeds (numpy's default, ddof=0); it is NaN where a cell has one seed.
+    ``worst_case`` marks, within each row and block, the attacks whose mean equals the row's minimum over
+    the attacks other than "no attack" (the paper's bold cells).
+    """
+    rows, columns, blocks = _layout(layout)
+    keys = blocks + [rows, columns]
+    missing = [k for k in keys + ["final_accuracy"] if k not in df.columns]
+    if missing:
+        raise ValueError(
+            f"results frame lacks columns {missing} needed by the layout {dict(layout)}; "
+            f"available: {', '.join(map(str, df.columns))}"
+        )
+    if df.empty:
+        raise ValueError("results frame is empty: run the grid first (prodigy-fl grid ...)")
+    grouped = df.groupby(keys, sort=False, dropna=False)["final_accuracy"]
+    out = pd.DataFrame({"mean": grouped.mean(), "std": grouped.std(ddof=0), "n_seeds": grouped.count()})
+    out.loc[out["n_seeds"] < 2, "std"] = np.nan
+    out = out.reset_index()
+    order = dict(order or {})
+    for key in keys:
+        values = _ordered(df[key], order.get(key))
+        out[key] = pd.Categorical(out[key], categories=values, ordered=True)
+    out = out.sort_values(keys, kind="stable").reset_index(drop=True)
+    for key in keys:
+        out[key] = out[key].astype(object)
+    attacked = out[out[columns] != NO_ATTACK]
+    row_min = attacked.groupby(blocks + [rows], sort=False, dropna=False)["mean"].transform("min")
+    out["worst_case"] = False
+    out.loc[attacked.index, "worst_case"] = np.isclose(attacked["mean"], row_min, rtol=0, atol=1e-9)
+    return out
+
+
+def accuracy_table(
+    df: pd.DataFrame,
+    layout: Mapping[str, Any],
+    stat: str = "mean",
+    order: Mapping[str, Sequence[Any]] | None = None,
+) -> pd.DataFrame:
+    """Wide table of one statistic (``mean``, ``std``, ``n_seeds`` or ``worst_case``): index = row values,
+    columns = (block values..., column value) as a MultiIndex when the layout has blocks, else column
+    values."""
+    rows, columns, blocks = _layout(layout)
+    long = summarize(df, layout, order)
+    table = long.pivot_table(index=rows, columns=blocks + [columns], values=stat, sort=False, dropna=False)
+    if stat == "worst_case":
+        table = table.fillna(False).astype(bool)
+    row_order = list(dict.fromkeys(long[rows]))
+    col_order = list(dict.fromkeys(zip(*[long[k] for k in blocks + [columns]], strict=True)))
+    if not blocks:
+        col_order = [c[0] for c in col_order]
+    return table.reindex(index=row_order, columns=col_order)
+
+
+def worst_case(
+    df: pd.DataFrame, layout: Mapping[str, Any], order: Mapping[str, Sequence[Any]] | None = None
+) -> pd.DataFrame:
+    """Wide boolean table of the paper's bold cells: per row and column block, the attacks with the lowest
+    mean accuracy ("no attack" excluded, ties all marked); see :func:`summarize`."""
+    return accuracy_table(df, layout, "worst_case", order)
+
+
+def _block_groups(columns: pd.Index) -> dict[Any, list[Any]]:
+    """Columns grouped by block key (all block levels but the last), in order; one group without blocks."""
+    groups: dict[Any, list[Any]] = {}
+    for c in columns:
+        key = c[:-1] if isinstance(c, tuple) and len(c) > 1 else ()
+        groups.setdefault(key, []).append(c)
+    return groups
+
+
+def _cell(mean: float, std: float, digits: int = 2) -> str:
+    if pd.isna(mean):
+        return "–"
+    return f"{mean:.{digits}f}" if pd.isna(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _tables(df: pd.DataFrame, layout: Mapping[str, Any], order: Mapping[str, Sequence[Any]] | None):
+    return tuple(accuracy_table(df, layout, stat, order) for stat in ("mean", "std", "worst_case"))
+
+
+def to_markdown(
+    df: pd.DataFrame,
+    layout: Mapping[str, Any],
+    title: str,
+    order: Mapping[str, Sequence[Any]] | None = None,
+    note: str | None = None,
+) -> str:
+    """The table as Markdown: one pipe table per column block, worst case per row in bold."""
+    rows, columns, blocks = _layout(layout)
+    mean, std, worst = _tables(df, layout, order)
+    lines = [f"# {title}", ""]
+    if note:
+        lines += [note, ""]
+    lines += [f"Final test accuracy (%), mean ± std over seeds; **bold**: worst case per {rows}.", ""]
+    for key, cols in _block_groups(mean.columns).items():
+        if blocks:
+            lines += [f"## {block_label(blocks, key)}", ""]
+        header = [field_title(rows)] + [display_value(columns, c[-1] if blocks else c) for c in cols]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join([":---"] + ["---:"] * len(cols)) + "|")
+        for r in mean.index:
+            cells = []
+            for c in cols:
+                text = _cell(mean.at[r, c], std.at[r, c])
+                cells.append(f"**{text}**" if worst.at[r, c] else text)
+            lines.append("| " + " | ".join([display_value(rows, r)] + cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+_LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+                  "ε": r"$\varepsilon$", "β": r"$\beta$", "α": r"$\alpha$", "–": "--"}  # fmt: skip
+
+
+def latex_escape(text: str) -> str:
+    return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in str(text))
+
+
+def to_latex(
+    df: pd.DataFrame,
+    layout: Mapping[str, Any],
+    title: str,
+    order: Mapping[str, Sequence[Any]] | None = None,
+    label: str | None = None,
+) -> str:
+    """The table as a LaTeX ``table`` (booktabs): one header row per block level with merged cells,
+    worst case per row in bold. Needs ``\\usepackage{booktabs}``."""
+    rows, columns, blocks = _layout(layout)
+    mean, std, worst = _tables(df, layout, order)
+    cols = list(mean.columns)
+    keys = [c if isinstance(c, tuple) else (c,) for c in cols]
+    lines = [
+        r"\begin{table}[t]",
+        r"\centering",
+        rf"\caption{{{latex_escape(title)}: final test accuracy (\%), mean $\pm$ std over seeds; "
+        rf"bold: worst case over attacks per {latex_escape(rows)}.}}",
+    ]
+    if label:
+        lines.append(rf"\label{{{label}}}")
+    lines += [r"\resizebox{\linewidth}{!}{%", rf"\begin{{tabular}}{{l{'c' * len(cols)}}}", r"\toprule"]
+    for level, field in enumerate(blocks):
+        # (block prefix, first column, last column); LaTeX columns are 1-based, column 1 is the row label
+        spans: list[tuple[Any, int, int]] = []
+        for i, k in enumerate(keys, start=2):
+            if spans and spans[-1][0] == k[: level + 1]:
+                spans[-1] = (spans[-1][0], spans[-1][1], i)
+            else:
+                spans.append((k[: level + 1], i, i))
+        names = [latex_escape(display_value(field, prefix[-1])) for prefix, _, _ in spans]
+        cells = [
+            rf"\multicolumn{{{b - a + 1}}}{{c}}{{{name}}}"
+            for name, (_, a, b) in zip(names, spans, strict=True)
+        ]
+        lines.append(" & ".join([""] + cells) + r" \\")
+        lines.append(" ".join(rf"\cmidrule(lr){{{a}-{b}}}" for _, a, b in spans))
+    header = [latex_escape(field_title(rows))] + [latex_escape(display_value(columns, k[-1])) for k in keys]
+    lines += [" & ".join(header) + r" \\", r"\midrule"]
+    for r in mean.index:
+        cells = []
+        for c in cols:
+            m, s = mean.at[r, c], std.at[r, c]
+            text = "--" if pd.isna(m) else (f"{m:.2f}" if pd.isna(s) else rf"{m:.2f} $\pm$ {s:.2f}")
+            cells.append(rf"\textbf{{{text}}}" if worst.at[r, c] else text)
+        lines.append(" & ".join([latex_escape(display_value(rows, r))] + cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}}", r"\end{table}", ""]
+    return "\n".join(lines)
+
+
+def frame_to_markdown(frame: pd.DataFrame, title: str | None = None, floatfmt: str = ".2f") -> str:
+    """A plain DataFrame as a Markdown pipe table (no tabulate dependency); index left out."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float | np.floating):
+            return "–" if math.isnan(v) else format(v, floatfmt)
+        return str(v)
+
+    lines = [f"# {title}", ""] if title else []
+    lines.append("| " + " | ".join(map(str, frame.columns)) + " |")
+    lines.append("|" + "|".join("---" for _ in frame.columns) + "|")
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+
+@contextlib.contextmanager
+def figure_style() -> Iterator[None]:
+    """The fixed style every figure is drawn and saved under (so files do not depend on the user's rc)."""
+    with matplotlib.rc_context(STYLE):
+        yield
+
+
+def save_figure(fig: Figure, base: str | Path) -> list[Path]:
+    """Write ``<base>.pdf`` and ``<base>.png`` without dates or version strings (byte-reproducible)."""
+    base = Path(base)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    with figure_style():
+        for fmt, metadata in FIXED_METADATA.items():
+            path = base.with_name(f"{base.name}.{fmt}")
+            fig.savefig(path, format=fmt, metadata=metadata)
+            paths.append(path)
+    return paths
+
+
+def wrap(title: str, fig: Figure) -> str:
+    """A title broken into lines that fit the figure's width (about 10 characters per inch at 9 pt)."""
+    width = max(24, int(fig.get_figwidth() * 10))
+    return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
+
+
+def _grid(n: int, max_cols: int = 4) -> tuple[int, int]:
+    ncols = max(1, min(n, max_cols))
+    return math.ceil(n / ncols), ncols
+
+
+def heatmap(
+    df: pd.DataFrame,
+    layout: Mapping[str, Any],
+    title: str = "",
+    order: Mapping[str, Sequence[Any]] | None = None,
+) -> Figure:
+    """Annotated heatmap of the mean accuracy table, one panel per column block; worst cases in bold."""
+    rows, columns, blocks = _layout(layout)
+    mean, _, worst = _tables(df, layout, order)
+    groups = _block_groups(mean.columns)
+    nr, nc = _grid(len(groups))
+    width = max(len(cols) for cols in groups.values())
+    with figure_style():
+        size = (nc * (0.75 * width + 0.8) + 1.6, nr * (0.32 * len(mean) + 1.4) + 0.4)
+        fig = Figure(figsize=size, layout="constrained")
+        axes = fig.subplots(nr, nc, squeeze=False)
+        image = None
+        for i, (key, cols) in enumerate(groups.items()):
+            ax = axes.flat[i]
+            values = mean[cols].to_numpy(dtype=float)
+            image = ax.imshow(values, vmin=0, vmax=100, aspect="auto")
+            for (r, c), v in np.ndenumerate(values):
+                if not np.isnan(v):
+                    weight = "bold" if worst[cols].iat[r, c] else "normal"
+                    colour = "black" if v > 60 else "white"
+                    ax.text(
+                        c,
+                        r,
+                        f"{v:.1f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color=colour,
+                        fontweight=weight,
+                    )
+            ax.set_xticks(range(len(cols)), [display_value(columns, c[-1] if blocks else c) for c in cols],
+                          rotation=45, ha="right")  # fmt: skip
+            row_labels = [display_value(rows, r) for r in mean.index] if i % nc == 0 else []
+            ax.set_yticks(range(len(mean)), row_labels)
+            if blocks:
+                ax.set_title(block_label(blocks, key))
+        for ax in axes.flat[len(groups) :]:
+            ax.set_visible(False)
+        fig.colorbar(image, ax=axes, label="final test accuracy (%)", shrink=0.8)
+        if title:
+            fig.suptitle(wrap(title, fig))
+    return fig
+
+
+def curves_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """Long frame (run index, round, accuracy) from the ``accuracy_curve`` column ([[round, acc%], ...])."""
+    records = [
+        (i, int(point[0]), float(point[1]))
+        for i, curve in df["accuracy_curve"].items()
+        if isinstance(curve, list | tuple)
+        for point in curve
+    ]
+    return pd.DataFrame(records, columns=["run", "round", "accuracy"])
+
+
+def accuracy_curves(
+    df: pd.DataFrame,
+    layout: Mapping[str, Any],
+    title: str = "",
+    order: Mapping[str, Sequence[Any]] | None = None,
+) -> Figure:
+    """Test accuracy over rounds, mean over seeds: a panel per (block, column value), a line per row value."""
+    rows, columns, blocks = _layout(layout)
+    cells = summarize(df, layout, order)
+    panels = list(dict.fromkeys(zip(*[cells[k] for k in blocks + [columns]], strict=True)))
+    row_values = list(dict.fromkeys(cells[rows]))
+    points = curves_frame(df)
+    if not points.empty:
+        points = points.join(df[blocks + [rows, columns]], on="run")
+    n_attacks = len(dict.fromkeys(cells[columns]))
+    nr, nc = math.ceil(len(panels) / n_attacks), n_attacks
+    colours = matplotlib.colormaps["tab10"]
+    with figure_style():
+        fig = Figure(figsize=(2.3 * nc + 1.8, 1.9 * nr + 0.6), layout="constrained")
+        axes = fig.subplots(nr, nc, squeeze=False, sharex=True, sharey=True)
+        for ax, panel in zip(axes.flat, panels, strict=False):
+            *block_key, column = panel
+            name = display_value(columns, column)
+            ax.set_title(f"{block_label(blocks, tuple(block_key))}\n{name}" if blocks else name, fontsize=7)
+            if points.empty:
+                continue
+            here = points
+            for field, value in zip(blocks + [columns], panel, strict=True):
+                here = here[here[field] == value]
+            for j, r in enumerate(row_values):
+                line = here[here[rows] == r].groupby("round")["accuracy"].mean()
+                if not line.empty:
+                    label = display_value(rows, r)
+                    ax.plot(
+                        line.index,
+                        line.to_numpy(),
+                        color=colours(j % 10),
+                        lw=1.2,
+                        marker="o",
+                        ms=3,
+                        label=label,
+                    )
+            ax.set_ylim(0, 100)
+            ax.grid(alpha=0.3)
+        for ax in axes.flat[len(panels) :]:
+            ax.set_visible(False)
+        for ax in axes[-1]:
+            ax.set_xlabel("round")
+        for ax in axes[:, 0]:
+            ax.set_ylabel("test accuracy (%)")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="outside right center", title=field_title(rows))
+        if title:
+            fig.suptitle(wrap(title, fig))
+    return fig
+
+
+def byzantine_ids(n_byzantine: int) -> list[int]:
+    """The Byzantine clients' ids: 0..f-1, the training loop's convention (as in the paper)."""
+    return list(range(int(n_byzantine)))
+
+
+def _as_array(x: Any) -> np.ndarray:
+    """Tensor, list or array -> float numpy array (matplotlib's input type)."""
+    if hasattr(x, "detach"):
+        x = x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, dtype=float)
+
+
+def distance_heatmap(
+    D: Any, byzantine_ids: Sequence[int], title: str = "Pairwise squared distances", log: bool = False
+) -> Figure:
+    """N x N heatmap of squared distances between client updates; Byzantine clients' labels red, "(B)"."""
+    D = _as_array(D)
+    n = D.shape[0]
+    byz = set(int(i) for i in byzantine_ids)
+    with figure_style():
+        fig = Figure(figsize=(0.32 * n + 2.2, 0.3 * n + 1.4), layout="constrained")
+        ax = fig.subplots()
+        norm = None
+        if log:
+            positive = D[D > 0]
+            floor = positive.min() if positive.size else 1.0
+            norm = matplotlib.colors.LogNorm(vmin=floor, vmax=max(D.max(), floor * 10))
+            D = np.where(D > 0, D, floor)
+        image = ax.imshow(D, norm=norm, cmap="magma_r")
+        labels = [f"{i}{' (B)' if i in byz else ''}" for i in range(n)]
+        ax.set_xticks(range(n), labels, rotation=90)
+        ax.set_yticks(range(n), labels)
+        for tick_labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+            for i, label in enumerate(tick_labels):
+                if i in byz:
+                    label.set_color(BYZANTINE_COLOUR)
+                    label.set_fontweight("bold")
+        ax.set_xlabel("client")
+        ax.set_ylabel("client")
+        fig.colorbar(image, ax=ax, label="squared distance" + (" (log scale)" if log else ""))
+        ax.set_title(wrap(title, fig))
+    return fig
+
+
+SCORE_PANELS = ("proximity", "dissimilarity", "composite")
+
+
+def score_bars(scores: Any, byzantine_ids: Sequence[int], title: str = "ProDiGy scores per client") -> Figure:
+    """Bars of ProDiGy's proximity, dissimilarity and composite scores per client (``ProDiGy(f).scores(G)``
+    or a mapping with those keys). Byzantine clients in red; clients given weight 0 (not kept) hatched."""
+    fields = dict(scores) if isinstance(scores, Mapping) else scores._asdict()
+    weight = fields.get("weight")
+    kept = _as_array(weight) > 0 if weight is not None else None
+    byz = set(int(i) for i in byzantine_ids)
+    with figure_style():
+        fig = Figure(figsize=(9.0, 2.6), layout="constrained")
+        axes = fig.subplots(1, len(SCORE_PANELS))
+        for ax, name in zip(axes, SCORE_PANELS, strict=True):
+            values = _as_array(fields[name])
+            n = len(values)
+            colours = [BYZANTINE_COLOUR if i in byz else HONEST_COLOUR for i in range(n)]
+            bars = ax.bar(range(n), values, color=colours)
+            if kept is not None:
+                for bar, keep in zip(bars, kept, strict=True):
+                    if not keep:
+                        bar.set_hatch("///")
+                        bar.set_edgecolor("black")
+            ax.set_title(name)
+            ax.set_xticks(range(n), [str(i) for i in range(n)])
+            ax.set_xlabel("client")
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        handles = [matplotlib.patches.Patch(color=HONEST_COLOUR, label="honest"),
+                   matplotlib.patches.Patch(color=BYZANTINE_COLOUR, label="Byzantine")]  # fmt: skip
+        if kept is not None:
+            zeroed = matplotlib.patches.Patch(
+                facecolor="white", edgecolor="black", hatch="///", label="weight 0"
+            )
+            handles.append(zeroed)
+        fig.legend(handles=handles, loc="outside right center")
+        fig.suptitle(wrap(title, fig))
+    return fig
+
+
+SEARCH_PARAMETERS = {"alie": "z", "foe_0.1": "ε", "foe_100": "ε", "alie_spread": "(z, ρ)"}
+
+
+def damage_plot(search: Sequence[tuple[float, float]], attack: str, title: str | None = None) -> Figure:
+    """Damage (distance of the aggregate to the honest mean) against the attack's candidate parameter,
+    from ``attack.last_search``; the chosen (most damaging) candidate is marked."""
+    with figure_style():
+        fig = Figure(figsize=(4.2, 2.8), layout="constrained")
+        ax = fig.subplots()
+        if search:
+            params, damage = zip(*search, strict=True)
+            numeric = all(isinstance(p, int | float) for p in params)  # alie_spread's are (z, rho) pairs
+            x = list(params) if numeric else list(range(len(params)))
+            y = [d if math.isfinite(d) else np.nan for d in damage]  # an infinite damage is not drawable
+            best = max(range(len(damage)), key=damage.__getitem__)  # the first maximum, as the attack picks
+            ax.plot(x, y, marker="o", color=HONEST_COLOUR)
+            label = f"chosen: {params[best]:.3g}" if numeric else f"chosen: {params[best]}"
+            ax.plot([x[best]], [y[best]], marker="*", ms=14, color=BYZANTINE_COLOUR, ls="none", label=label)
+            if not numeric:
+                ax.set_xticks(x, [str(p) for p in params], rotation=90)
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, f"{display_value('attack', attack)} has no parameter search", ha="center",
+                    va="center", transform=ax.transAxes)  # fmt: skip
+        ax.set_xlabel(f"candidate {SEARCH_PARAMETERS.get(attack, 'parameter')}")
+        ax.set_ylabel("‖aggregate − honest mean‖")
+        ax.set_title(wrap(title or f"Damage of {display_value('attack', attack)} per candidate", fig))
+        ax.grid(alpha=0.3)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def stand_in_of(experiment: Any, df: pd.DataFrame | None = None) -> str | None:
+    """The stand-in data set description of an experiment or of its runs (None: the real data)."""
+    if getattr(experiment, "stand_in", None):
+        return str(experiment.stand_in)
+    if df is not None and "stand_in" in df.columns:
+        values = [v for v in df["stand_in"].tolist() if isinstance(v, str) and v]
+        if values:
+            return values[0]
+    return None
+
+
+def is_smoke(experiment: Any, df: pd.DataFrame | None = None) -> bool:
+    """Smoke scale or stand-in data: such outputs are never mistaken for paper-scale results."""
+    return bool(getattr(experiment, "smoke", False)) or stand_in_of(experiment, df) is not None
+
+
+def output_dir(smoke: bool, out_dir: str | Path | None = None) -> Path:
+    """Folder for an experiment's figures: ``out_dir`` (default FIGURES_DIR), or its smoke/ subfolder."""
+    base = Path(out_dir) if out_dir is not None else FIGURES_DIR
+    return base / SMOKE_SUBDIR if smoke else base
+
+
+def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
+    title = getattr(experiment, "title", None) or experiment.name
+    if not is_smoke(experiment, df) or "SMOKE" in title:  # smoke_profile already labels its titles
+        return title
+    stand_in = stand_in_of(experiment, df)
+    return f"{title} [{SMOKE_LABEL}{': ' + stand_in if stand_in else ''}]"
+
+
+def grid_order(experiment: Any) -> dict[str, list[Any]]:
+    """Order of each field's values as the params file lists them (rows and columns follow the grid)."""
+    configs = getattr(experiment, "configs", None) or []
+    if not configs:
+        return {}
+    dicts = [c.to_dict() if hasattr(c, "to_dict") else dict(c) for c in configs]
+    return {k: list(dict.fromkeys(d[k] for d in dicts if not isinstance(d[k], list))) for k in dicts[0]}
+
+
+def paper_comparison_markdown(comparison: pd.DataFrame, title: str) -> str:
+    """``results.compare_with_paper`` as Markdown: the setting columns that vary, then ours, paper, delta and
+    the worst-case flags; headed by the mean absolute delta and the worst-case agreement over table rows."""
+    setting = list(comparison.columns[: comparison.columns.get_loc("attack")])  # ... defense: one table row
+    varying = [c for c in setting if comparison[c].nunique(dropna=False) > 1]
+    frame = comparison.drop(columns=[c for c in setting if c not in varying])
+    ran = comparison["ours"].notna()
+    summary = [f"Cells run: {int(ran.sum())} of {len(comparison)}."]
+    if ran.any():
+        summary.append(f"Mean |ours - paper|: {comparison.loc[ran, 'delta'].abs().mean():.2f} points.")
+    # worst_case_match is one flag per (setting, defense) row, repeated on each attack of the row
+    rows = comparison.groupby([comparison[c].fillna(-1) for c in setting], sort=False)[
+        "worst_case_match"
+    ].first()
+    rows = rows.dropna()
+    if len(rows):
+        agree = int(rows.astype(bool).sum())
+        summary.append(f"Worst-case attack agrees with the paper's on {agree} of {len(rows)} rows.")
+    body = frame_to_markdown(frame)
+    return "\n".join([f"# {title}", "", *summary, "", body])
+
+
+# What a layout's `figures` list may name; heatmap and curves by default. "distances": one distance heatmap
+# per run and recorded round (`record_distances_at`), named <name> when there is just one.
+FIGURES = ("heatmap", "curves", "distances")
+DEFAULT_FIGURES = ("heatmap", "curves")
+
+
+def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None = None) -> list[Path]:
+    """Write an experiment's table (``<name>.md``, ``.tex``), heatmap (``.pdf``, ``.png``), accuracy curves
+    (``<name>_curves.pdf``/``.png``) and, at paper scale for a paper table, ``<name>_vs_paper.md``.
+
+    Smoke-scale or stand-in results go to ``<out_dir>/smoke/`` and say so in every title.
+    """
+    smoke = is_smoke(experiment, df)
+    folder = output_dir(smoke, out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    layout = getattr(experiment, "report", None) or {}
+    title = report_title(experiment, df)
+    order = grid_order(experiment)
+    name = experiment.name
+    seeds = sorted(set(df["seed"].tolist())) if "seed" in df.columns else []
+    note = f"{len(df)} runs, seeds {', '.join(map(str, seeds))}." if seeds else f"{len(df)} runs."
+    if smoke:
+        note = f"**{SMOKE_LABEL}**: tiny scale, not comparable with the paper. " + note
+
+    paths = [folder / f"{name}.md", folder / f"{name}.tex"]
+    paths[0].write_text(to_markdown(df, layout, title, order, note=note), encoding="utf-8")
+    paths[1].write_text(to_latex(df, layout, title, order, label=f"tab:{name}"), encoding="utf-8")
+    figures = layout.get("figures") or DEFAULT_FIGURES
+    unknown = sorted(set(figures) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"report.figures: unknown {unknown}; valid: {', '.join(FIGURES)}")
+    if "heatmap" in figures:
+        paths += save_figure(heatmap(df, layout, title, order), folder / name)
+    if "curves" in figures and "accuracy_curve" in df.columns:
+        paths += save_figure(accuracy_curves(df, layout, title, order), folder / f"{name}_curves")
+    if "distances" in figures and "distance_matrices" in df.columns:
+        recorded = [
+            (i, int(r), D)
+            for i, matrices in df["distance_matrices"].items()
+            if isinstance(matrices, dict)
+            for r, D in sorted(matrices.items(), key=lambda item: int(item[0]))
+        ]
+        for i, r, D in recorded:
+            run = df.loc[i]
+            base = name if len(recorded) == 1 else f"{name}_{run.get('key', i)}_round{r}"
+            subtitle = f"{title}\n{display_value('defense', run['defense'])}, round {r}"
+            paths += save_figure(
+                distance_heatmap(D, byzantine_ids(run["n_byzantine"]), subtitle), folder / base
+            )
+    paper_table = getattr(experiment, "paper_table", None)
+    if paper_table and not smoke:
+        from prodigy_core.results import compare_with_paper
+
+        comparison = compare_with_paper(df, paper_table)
+        path = folder / f"{name}_vs_paper.md"
+        path.write_text(
+            paper_comparison_markdown(comparison, f"{title}: ours vs the paper"), encoding="utf-8"
+        )
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- explorer
+
+
+@dataclass
+class Exploration:
+    """One round seen from the server: what `explore` measured at the last round of a short run."""
+
+    config: RunConfig
+    round: int
+    byzantine: list[int]
+    distances: torch.Tensor  # (N, N) squared distances between the updates the server received
+    scores: Any  # ProDiGyScores of those updates (None when ProDiGy cannot run: f < 2)
+    kept: list[int]  # clients with a non-zero ProDiGy weight
+    search: list[tuple[Any, float]]  # the attack's (candidate, damage) pairs this round
+    chosen: Any  # the attack's chosen parameter (None without a search)
+    damage: float  # ||Agg(updates) - honest mean|| under the configured defense
+    accuracy: float  # test accuracy (%) after the run
+
+
+EXPLORE_DEFAULTS: dict[str, Any] = {"dataset": "digits", "rounds": 3, "eval_every": 3, "attack": "alie"}
+
+
+def explore(config: RunConfig | None = None, **fields: Any) -> Exploration:
+    """Train a short run (default: digits, 3 rounds, ALIE against ProDiGy) and look at its last round: the
+    distance matrix, ProDiGy's scores and kept set, and the attack's damage per candidate parameter.
+
+    ``fields`` override RunConfig fields of ``config`` (default: ``EXPLORE_DEFAULTS`` over RunConfig's).
+    """
+    from prodigy_core import training
+    from prodigy_core.aggregators import ProDiGy, pairwise_sq_distances
+
+    base = config if config is not None else RunConfig(**EXPLORE_DEFAULTS)
+    config = base.replace(**fields)
+    f = config.n_byzantine
+    seen: dict[str, Any] = {}
+
+    def on_round(r: int, updates: torch.Tensor, momentum: torch.Tensor, pipeline: Any, attack: Any) -> None:
+        if r != config.rounds:
+            return
+        honest_mean = momentum[f:].mean(dim=0)
+        seen["distances"] = pairwise_sq_distances(updates).cpu()
+        seen["scores"] = ProDiGy(f).scores(updates) if 2 <= f < config.n_clients / 2 else None
+        seen["search"] = list(getattr(attack, "last_search", []) or [])
+        seen["chosen"] = getattr(attack, "last_param", None)
+        seen["damage"] = torch.linalg.vector_norm(pipeline.peek(updates) - honest_mean).item()
+
+    result = training.run(config, progress=False, on_round=on_round)
+    scores = seen["scores"]
+    kept = [] if scores is None else torch.nonzero(scores.weight > 0).flatten().tolist()
+    return Exploration(config=config, round=config.rounds, byzantine=byzantine_ids(f), kept=kept,
+                       accuracy=result.final_accuracy, **seen)  # fmt: skip
+
+
+def exploration_figures(ex: Exploration) -> dict[str, Figure]:
+    """The explorer's three views: distance heatmap, ProDiGy score bars, damage per attack candidate."""
+    c = ex.config
+    attack = display_value("attack", c.attack)
+    setting = f"{c.dataset}, N={c.n_clients}, f={c.n_byzantine}, {attack}, round {ex.round}"
+    figures = {"distances": distance_heatmap(ex.distances, ex.byzantine, f"Squared distances ({setting})")}
+    if ex.scores is not None:
+        figures["scores"] = score_bars(ex.scores, ex.byzantine, f"ProDiGy scores ({setting})")
+    figures["damage"] = damage_plot(ex.search, c.attack)
+    return figures
+
+
+def write_exploration(
+    ex: Exploration,
+    name: str,
+    smoke: bool,
+    out_dir: str | Path | None = None,
+    views: Sequence[str] | None = None,
+) -> list[Path]:
+    """Save the explorer's views (all, or those named in ``views``) as ``<name>_<view>.pdf``/``.png``."""
+    folder = output_dir(smoke, out_dir)
+    paths = []
+    for view, fig in exploration_figures(ex).items():
+        if views is None or view in views:
+            paths += save_figure(fig, folder / f"{name}_{view}")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------- notebooks
+
+
+def show(*items: Figure | str | Path | Sequence[Path]) -> None:
+    """Display figures and written files in a notebook: a Figure as PNG, ``.md`` as Markdown, ``.png`` as an
+    image (``.pdf``/``.tex`` are listed only). Works headless (papermill, nbval) and without pyplot."""
+    import io
+
+    from IPython.display import Image, Markdown, display
+
+    for item in items:
+        if isinstance(item, Figure):
+            buffer = io.BytesIO()
+            with figure_style():
+                item.savefig(buffer, format="png", metadata=FIXED_METADATA["png"])
+            display(Image(data=buffer.getvalue()))
+        elif isinstance(item, str | Path):
+            path = Path(item)
+            if path.suffix == ".md":
+                display(Markdown(path.read_text(encoding="utf-8")))
+            elif path.suffix == ".png":
+                display(Image(filename=str(path)))
+            else:
+                print(f"wrote {path}")
+        else:
+            show(*item)

@@ -1,0 +1,114 @@
+"""Re-execute the paper's notebooks with papermill (``prodigy-fl reproduce --scale smoke|paper --only NAME``).
+
+Each notebook in notebooks/ has one cell tagged ``parameters`` whose defaults are the smoke scale. At paper
+scale the top-level keys of its params file (params/*.yaml) are injected as parameters, with ``smoke=False``.
+Executed copies go to the git-ignored build/ folder; the tables and figures are files that the notebooks write
+through ``prodigy_core.report`` into figures/ (figures/smoke/ at smoke scale).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prodigy_core.config import did_you_mean
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+BUILD_DIR = REPO_ROOT / "build"
+SCALES = ("smoke", "paper")
+KERNEL = "python3"
+
+# name -> (notebook in NOTEBOOKS_DIR, params file in PARAMS_DIR or None when the notebook has none)
+NOTEBOOKS: dict[str, tuple[str, str | None]] = {
+    "quickstart": ("00_quickstart.ipynb", "quickstart_digits.yaml"),
+    "table1_cifar10": ("table1_cifar10.ipynb", "table1_cifar10.yaml"),
+    "table2_femnist_n20": ("table2_femnist_n20.ipynb", "table2_femnist_n20.yaml"),
+    "table3_femnist_n100": ("table3_femnist_n100.ipynb", "table3_femnist_n100.yaml"),
+    "table4_fraction_byzantine": ("table4_fraction_byzantine.ipynb", "table4_fraction_byzantine.yaml"),
+    "table5_n_clients": ("table5_n_clients.ipynb", "table5_n_clients.yaml"),
+    "figure1_pairwise_distances": ("figure1_pairwise_distances.ipynb", "figure1_pairwise_distances.yaml"),
+    "explore_attacks": ("explore_attacks.ipynb", None),
+}
+
+
+def notebook_parameters(
+    params_file: str | None, scale: str, executor: str = "local", jobs: int = 1
+) -> dict[str, Any]:
+    """Parameters papermill injects: the run controls, plus at paper scale every top-level key of the
+    params file (which the notebook hands to ``load_experiment`` as overrides)."""
+    parameters: dict[str, Any] = {"smoke": scale == "smoke", "executor": executor, "jobs": jobs}
+    if scale == "paper" and params_file is not None:
+        from prodigy_core.experiments import resolve_params
+
+        with open(resolve_params(params_file)) as fh:
+            parameters = {**yaml.safe_load(fh), **parameters}
+    return parameters
+
+
+def reproduce(
+    scale: str = "smoke",
+    only: Sequence[str] | None = None,
+    executor: str = "local",
+    jobs: int = 1,
+    *,
+    notebooks: Mapping[str, tuple[str, str | None]] | None = None,
+    notebooks_dir: str | Path | None = None,
+    build_dir: str | Path | None = None,
+) -> int:
+    """Execute the notebooks (all, or those named in ``only``) and return 0, or 1 when any failed.
+
+    A failure is reported on stderr as ``notebook <name>: cell <n>: <error>: <message>`` and the remaining
+    notebooks still run. Executed notebooks are written to ``build_dir`` (default build/) as ``<name>.ipynb``.
+    """
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    notebooks = dict(NOTEBOOKS if notebooks is None else notebooks)
+    notebooks_dir = Path(notebooks_dir) if notebooks_dir is not None else NOTEBOOKS_DIR
+    build_dir = Path(build_dir) if build_dir is not None else BUILD_DIR
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is unknown; valid: {', '.join(SCALES)}")
+    for name in only or []:
+        if name not in notebooks:
+            raise ValueError(f"unknown notebook {name!r}{did_you_mean(name, notebooks)}")
+    if not notebooks_dir.is_dir():
+        raise FileNotFoundError(
+            f"notebooks folder {notebooks_dir} not found: `reproduce` runs from a source checkout "
+            "(git clone ...; pip install -e .)"
+        )
+    build_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name, (notebook, params_file) in notebooks.items():
+        if only and name not in only:
+            continue
+        output = build_dir / f"{name}.ipynb"
+        tic = time.perf_counter()
+        try:
+            papermill.execute_notebook(
+                str(notebooks_dir / notebook),
+                str(output),
+                parameters=notebook_parameters(params_file, scale, executor, jobs),
+                cwd=str(notebooks_dir),
+                kernel_name=KERNEL,
+                progress_bar=False,
+            )
+        except PapermillExecutionError as e:
+            failed.append(name)
+            print(
+                f"notebook {name}: cell {e.exec_count}: {e.ename}: {e.evalue} (see {output})", file=sys.stderr
+            )
+            continue
+        except Exception as e:  # a missing file, a kernel that died: still name the notebook, go on
+            failed.append(name)
+            print(f"notebook {name}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        print(f"notebook {name}: ok in {time.perf_counter() - tic:.1f} s -> {output}", file=sys.stderr)
+    if failed:
+        print(f"reproduce: {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,405 @@
+"""Federated training engine: the paper's Algorithm 1 with local momentum, all clients in one batched step.
+
+One round t (0-indexed internally, reported as round r = t + 1 everywhere in `RunResult`):
+
+1. every client k starts from the server model theta_t and runs E local SGD steps at lr gamma_t on batches of
+   b = min(batch_size, |D_k|) samples drawn without replacement, with weight decay in the step
+   (g <- grad + wd * theta; theta <- theta - gamma_t g) and no client-side SGD momentum;
+2. it forms the pseudo-gradient g_t^k = (theta_t - theta_t^{k,(E)}) / gamma_t and its local momentum
+   m_t^k = beta m_{t-1}^k + (1 - beta) g_t^k, m_{-1}^k = 0 (beta = `local_momentum`; m_t = g_t when beta = 0),
+   kept for ALL clients: a sign-flipping client keeps its honest momentum, the attack negates what is sent;
+3. Byzantine clients are ids 0..f-1: the attack replaces their rows, `attack.craft(m[f:], m[:f], pipeline)`
+   (label flipping instead trains them on y' = C-1-y and sends their honest-looking momentum);
+4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t = `config.lr_at(t)`.
+
+The update vector holds the trainable parameters only (BatchNorm buffers and `num_batches_tracked` are not
+part of it).
+
+BatchNorm running statistics: each client starts a round from the server's buffers and updates its own copy
+during its local steps (per-client buffers, stacked along the client axis in the batched engine). The server
+then sets each floating-point buffer to the coordinate-wise median of the N reported buffers (mean of the two
+middle values for even N). Since f < N/2, the median lies within the range of the honest reports whatever
+the Byzantine clients report (in this simulation they report the statistics of their own honest or
+label-flipped training; the attack model only crafts the update vector). The authors' code never sends the
+buffers and evaluates in training mode; we evaluate in eval mode under `no_grad`.
+
+Engines (same semantics, same batches drawn from the same generator):
+- ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters and
+  BatchNorm buffers (`randomness="different"`: independent dropout masks per client), elementwise SGD on the
+  stacked tensors. Clients smaller than batch_size are vmapped in groups of equal batch width, so every
+  client's loss and BatchNorm batch statistics use exactly its own b_k samples.
+- ``sequential``: the reference, one model copy trained client after client on exactly its valid entries.
+- ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
+  (`AUTO_CPU_ENGINE`).
+
+ProDiGy detection: when the rule is `ProDiGy` and its scores have one entry per client, the clients with
+weight 0 are logged each round. Precision and recall against the true Byzantine ids {0..f-1} are
+micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t |Z_t & B| / (T f).
+
+A run whose aggregate or model becomes non-finite stops and is recorded as diverged, with chance-level
+accuracy 100 / num_classes and no loss. Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir`
+is given, named `<config.key()>.pt`) hold the model, the momentum, the pipeline state and every RNG state,
+so a resumed run reproduces the uninterrupted one; the checkpoint is deleted when the run completes.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import os
+import platform
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from tqdm.auto import tqdm
+
+import prodigy_core
+from prodigy_core.aggregators import ProDiGy, make_aggregator, pairwise_sq_distances
+from prodigy_core.attacks import make_attack
+from prodigy_core.config import RunConfig
+from prodigy_core.data import Federation, load_federation
+from prodigy_core.models import make_model
+from prodigy_core.seeding import resolve_device, seed_everything
+
+# Engine picked by engine="auto" on a CPU, per dataset, from benchmarks/training.py (see the numbers there).
+AUTO_CPU_ENGINE = {"digits": "batched", "femnist": "batched", "cifar10": "batched"}
+EVAL_BATCH_SIZE = 1000
+
+
+@dataclass
+class RunResult:
+    """Everything a run reports; `to_dict()` is JSON-safe (non-finite floats become None)."""
+
+    config: dict[str, Any]
+    final_accuracy: float  # percent, 0-100
+    final_loss: float | None  # mean test cross-entropy; None when diverged
+    accuracy_curve: list[list[float]] = field(default_factory=list)  # [round, accuracy %]
+    round_times: list[float] = field(default_factory=list)  # seconds per round (training + aggregation)
+    attack_params: list[float | None] = field(default_factory=list)  # attack.last_param per round
+    zeroed_clients: list[list[int]] = field(default_factory=list)  # ProDiGy: weight-0 clients per round
+    detection_precision: float | None = None
+    detection_recall: float | None = None
+    diverged: bool = False
+    diverged_at: int | None = None  # round at which the model became non-finite
+    rounds_completed: int = 0
+    distance_matrices: dict[int, list[list[float | None]]] = field(default_factory=dict)  # {round: N x N}
+    environment: dict[str, Any] = field(default_factory=dict)
+    stand_in: str | None = None  # set by callers that ran a stand-in for the paper's setting
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunResult:
+        d = dict(d)
+        d["distance_matrices"] = {int(r): m for r, m in d.get("distance_matrices", {}).items()}
+        return cls(**d)
+
+
+def run(
+    config: RunConfig,
+    *,
+    progress: bool = True,
+    checkpoint_dir: str | Path | None = None,
+    on_round: Callable[..., None] | None = None,
+    _stop_after: int | None = None,
+) -> RunResult:
+    """Train one federated run described by `config` and return its `RunResult`.
+
+    `checkpoint_dir`: save a checkpoint every `config.checkpoint_every` rounds and resume from it when one
+    for the same `config.key()` exists. `_stop_after` (tests only) returns after that round without
+    finishing, as if the process had been killed. `on_round(r, updates, momentum, pipeline, attack)`, if
+    given, is called every round once the server's input `updates` is formed and before it is aggregated
+    (`momentum`: what every client would honestly send; attack None without one); it must not modify them
+    (used by `prodigy_core.report.explore`).
+    """
+    if not isinstance(config, RunConfig):
+        raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
+    cfg = config.resolved()
+    device = resolve_device(cfg.device)
+    n, f, beta = cfg.n_clients, cfg.n_byzantine, cfg.local_momentum
+    fed = _load_federation(cfg, device)
+    seed_everything(cfg.seed)
+    model = make_model(cfg.dataset).to(device).train()
+    engine = pick_engine(cfg.engine, device, cfg.dataset)
+    local_steps = _local_steps_batched if engine == "batched" else _local_steps_sequential
+    pipeline = make_aggregator(cfg.defense, f, n_clients=n)
+    attack = None
+    if f > 0 and cfg.attack != "none":
+        attack = make_attack(cfg.attack)
+        if attack.flips_labels:
+            fed.flip_labels(range(f))
+    data_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    momentum = torch.zeros(n, sum(p.numel() for p in model.parameters()), device=device)
+    result = RunResult(config=config.to_dict(), final_accuracy=float("nan"), final_loss=None)
+    result.environment = _environment(device, engine)
+    hits = 0  # ProDiGy: zeroed clients that are Byzantine, summed over rounds
+
+    ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
+    start = 0
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        if state["key"] != config.key():
+            raise ValueError(
+                f"checkpoint {ckpt} belongs to another config ({state['key']} != {config.key()})"
+            )
+        start, momentum = state["round"], state["momentum"]
+        model.load_state_dict(state["model"])
+        pipeline.load_state_dict(state["pipeline"])
+        result = RunResult.from_dict(state["result"])
+        hits = state["hits"]
+        _set_rng_states(state["rng"], data_gen)
+
+    bar = tqdm(total=cfg.rounds, initial=start, disable=not progress, unit="round",
+               desc=f"{cfg.dataset} {cfg.defense}/{cfg.attack}")  # fmt: skip
+    for r in range(start + 1, cfg.rounds + 1):
+        tic = time.perf_counter()
+        gamma = cfg.lr_at(r - 1)
+        pseudo_grads, client_buffers = local_steps(model, fed, cfg.local_steps, gamma, cfg, data_gen)
+        momentum = pseudo_grads if beta == 0 else beta * momentum + (1 - beta) * pseudo_grads
+        updates = momentum
+        if attack is not None:
+            byzantine = attack.craft(momentum[f:], momentum[:f], pipeline)
+            updates = torch.cat([byzantine.to(momentum.dtype), momentum[f:]])
+        result.attack_params.append(None if attack is None else _as_float(attack.last_param))
+        if r in cfg.record_distances_at:
+            result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
+        if on_round is not None:
+            on_round(r, updates, momentum, pipeline, attack)
+        aggregate = pipeline(updates)
+        if isinstance(pipeline.rule, ProDiGy) and len(pipeline.rule.last_scores.weight) == n:
+            zeroed = torch.nonzero(pipeline.rule.last_scores.weight == 0).flatten().tolist()
+            result.zeroed_clients.append(zeroed)
+            hits += sum(k < f for k in zeroed)
+        theta = parameters_to_vector(model.parameters()) - gamma * aggregate
+        result.rounds_completed = r
+        if not bool(torch.isfinite(theta).all()):
+            result.diverged, result.diverged_at = True, r
+            break
+        vector_to_parameters(theta, model.parameters())
+        _set_server_buffers(model, client_buffers)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        result.round_times.append(time.perf_counter() - tic)
+
+        if r % cfg.eval_every == 0 or r == cfg.rounds:
+            result.final_accuracy, result.final_loss = evaluate(model, fed)
+            result.accuracy_curve.append([r, result.final_accuracy])
+        bar.set_postfix(lr=gamma, acc=f"{result.final_accuracy:.1f}", refresh=False)
+        bar.update(1)
+        if ckpt is not None and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
+            state = {"key": config.key(), "round": r, "model": model.state_dict(), "momentum": momentum,
+                     "pipeline": pipeline.state_dict(), "result": result.to_dict(), "hits": hits,
+                     "rng": _get_rng_states(data_gen)}  # fmt: skip
+            _atomic_save(state, ckpt)
+        if _stop_after == r:
+            bar.close()
+            return result
+    bar.close()
+
+    if result.diverged:
+        result.final_accuracy, result.final_loss = 100.0 / fed.num_classes, None
+    if result.zeroed_clients and f > 0:
+        flagged = sum(len(z) for z in result.zeroed_clients)
+        result.detection_precision = hits / flagged if flagged else None
+        result.detection_recall = hits / (len(result.zeroed_clients) * f)
+    if ckpt is not None and ckpt.exists():
+        ckpt.unlink()
+    return result
+
+
+def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
+    """Resolve engine="auto": batched on CUDA, the measured faster one on CPU (`AUTO_CPU_ENGINE`)."""
+    if engine != "auto":
+        return engine
+    return "batched" if device.type == "cuda" else AUTO_CPU_ENGINE[dataset]
+
+
+# ---------------------------------------------------------------------------------------------- local steps
+def _draw_batch(fed: Federation, batch_size: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """One local step's data for all clients: images (N,B,C,H,W), labels (N,B), mask (N,B)."""
+    idx, mask = fed.sample_batch(batch_size, gen)
+    return fed.train_batch(idx, gen), fed.train_labels[idx], mask
+
+
+def _client_loss(model: nn.Module, params: dict, buffers: dict, x: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
+
+
+def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:
+    """Clients grouped by their batch width b_k = min(batch_size, |D_k|): [(b, client ids or None = all)]."""
+    widths = torch.tensor([min(batch_size, len(ix)) for ix in fed.client_indices])
+    if bool((widths == widths[0]).all()):
+        return [(int(widths[0]), None)]
+    return [(int(w), torch.nonzero(widths == w).flatten().to(fed.device)) for w in torch.unique(widths)]
+
+
+def _local_steps_batched(
+    model: nn.Module, fed: Federation, steps: int, lr: float, cfg: RunConfig, gen: torch.Generator
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """All N clients' E local SGD steps as one vmapped computation; returns the pseudo-gradients (N, d) and
+    the clients' BatchNorm buffers {name: (N, ...)}.
+
+    Clients with fewer than batch_size samples form one vmapped group per batch width, so that every client
+    trains on exactly its b_k valid samples (padding would enter BatchNorm's batch statistics); with IID data
+    or large clients there is a single group and no indexing.
+    """
+    n = fed.n_clients
+
+    def stack(t: Tensor) -> Tensor:
+        return t.detach().unsqueeze(0).repeat(n, *([1] * t.dim()))
+
+    params = {name: stack(p) for name, p in model.named_parameters()}
+    buffers = {name: stack(b) for name, b in model.named_buffers()}
+    per_client_grad = vmap(grad(functools.partial(_client_loss, model)), randomness="different")
+    groups = _width_groups(fed, cfg.batch_size)
+    for _ in range(steps):
+        x, y, _ = _draw_batch(fed, cfg.batch_size, gen)
+        for width, ids in groups:
+            if ids is None:
+                p, b, xs, ys = params, buffers, x[:, :width], y[:, :width]
+            else:
+                p = {name: v[ids] for name, v in params.items()}
+                b = {name: v[ids] for name, v in buffers.items()}
+                xs, ys = x[ids, :width], y[ids, :width]
+            grads, weights = list(per_client_grad(p, b, xs, ys).values()), list(p.values())
+            if cfg.weight_decay:
+                torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
+            torch._foreach_add_(weights, grads, alpha=-lr)
+            if ids is not None:  # write the group's weights and BatchNorm buffers back
+                for name, v in p.items():
+                    params[name][ids] = v
+                for name, v in b.items():
+                    buffers[name][ids] = v
+    start = parameters_to_vector(model.parameters()).detach()
+    end = torch.cat([p.reshape(n, -1) for p in params.values()], dim=1)
+    return (start - end) / lr, buffers
+
+
+def _local_steps_sequential(
+    model: nn.Module, fed: Federation, steps: int, lr: float, cfg: RunConfig, gen: torch.Generator
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Reference: the same E local steps on the same batches, one client after another on one model copy."""
+    batches = [_draw_batch(fed, cfg.batch_size, gen) for _ in range(steps)]
+    server_state = copy.deepcopy(model.state_dict())
+    client = copy.deepcopy(model)
+    weights = list(client.parameters())
+    start = parameters_to_vector(model.parameters()).detach()
+    rows, reports = [], []
+    for k in range(fed.n_clients):
+        client.load_state_dict(server_state)
+        for x, y, mask in batches:
+            loss = F.cross_entropy(client(x[k][mask[k]]), y[k][mask[k]])
+            grads = list(torch.autograd.grad(loss, weights))
+            with torch.no_grad():
+                if cfg.weight_decay:
+                    torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
+                torch._foreach_add_(weights, grads, alpha=-lr)
+        rows.append((start - parameters_to_vector(weights).detach()) / lr)
+        reports.append({name: b.detach().clone() for name, b in client.named_buffers()})
+    buffers = {name: torch.stack([rep[name] for rep in reports]) for name in reports[0]} if reports[0] else {}
+    return torch.stack(rows), buffers
+
+
+def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> None:
+    """Server BatchNorm statistics = coordinate-wise median of the clients' reports (robust for f < N/2)."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            reports = client_buffers[name]
+            if reports.is_floating_point():
+                b.copy_(torch.quantile(reports, 0.5, dim=0))  # averages the two middle values for even N
+            else:
+                b.copy_(reports.median(dim=0).values)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(model: nn.Module, fed: Federation, batch_size: int = EVAL_BATCH_SIZE) -> tuple[float, float]:
+    """Test accuracy (percent) and mean cross-entropy, in eval mode."""
+    model.eval()
+    correct = loss = torch.zeros((), device=fed.test_labels.device)
+    for x, y in fed.test_batches(batch_size):
+        out = model(x)
+        loss = loss + F.cross_entropy(out, y, reduction="sum")
+        correct = correct + (out.argmax(dim=1) == y).sum()
+    model.train()
+    total = len(fed.test_labels)
+    return 100.0 * correct.item() / total, loss.item() / total
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _load_federation(cfg: RunConfig, device: torch.device) -> Federation:
+    """The run's federation; femnist without data_dir falls back to `data.default_femnist_dir()`."""
+    return load_federation(cfg.dataset, cfg.n_clients, distribution=cfg.distribution,
+                           dirichlet_alpha=cfg.dirichlet_alpha, seed=cfg.data_seed, device=device,
+                           data_dir=cfg.data_dir, download=cfg.download,
+                           min_samples=cfg.femnist_min_samples)  # fmt: skip
+
+
+def _environment(device: torch.device, engine: str) -> dict[str, Any]:
+    env = {"device": str(device), "engine": engine, "torch": torch.__version__,
+           "prodigy_fl": prodigy_core.__version__, "python": platform.python_version(),
+           "threads": torch.get_num_threads()}  # fmt: skip
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _get_rng_states(data_gen: torch.Generator) -> dict[str, Any]:
+    states = {"torch": torch.get_rng_state(), "data": data_gen.get_state(), "python": random.getstate(),
+              "numpy": np.random.get_state()}  # fmt: skip
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any], data_gen: torch.Generator) -> None:
+    torch.set_rng_state(states["torch"].cpu())
+    data_gen.set_state(states["data"].cpu())
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
+
+
+def _atomic_save(state: dict[str, Any], path: Path) -> None:
+    """Write to a temporary file in the same folder, then rename: a kill never leaves a half checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _as_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+__all__ = ["RunResult", "run", "evaluate", "pick_engine", "AUTO_CPU_ENGINE"]

@@ -1,0 +1,409 @@
+"""Aggregators against brute-force loops of the paper's formulas, invariants and hostile input."""
+
+import math
+
+import pytest
+import torch
+
+from prodigy_core import aggregators as agg
+from prodigy_core.aggregators import (
+    AGGREGATOR_NAMES,
+    NNM,
+    Average,
+    Bucketing,
+    Bulyan,
+    CClip,
+    GeoMed,
+    Krum,
+    Median,
+    MultiKrum,
+    ProDiGy,
+    TrimmedMean,
+    make_aggregator,
+    pairwise_sq_distances,
+)
+
+# ------------------------------------------------------------------ brute force (float64, Python loops)
+
+
+def bf_dist(G):
+    N = len(G)
+    return [[float(((G[i] - G[j]) ** 2).sum()) for j in range(N)] for i in range(N)]
+
+
+def bf_others(D, k):
+    """(distance, index) to the other clients, increasing, ties by index."""
+    return sorted((D[k][j], j) for j in range(len(D)) if j != k)
+
+
+def bf_krum_scores(G, f):
+    D = bf_dist(G)
+    return [sum(v for v, _ in bf_others(D, k)[: len(G) - f - 2]) for k in range(len(G))]
+
+
+def bf_krum(G, f):
+    s = bf_krum_scores(G, f)
+    return G[min(range(len(G)), key=lambda k: (s[k], k))]
+
+
+def bf_krum_without(G, f, bad_rows):
+    """Krum with bad rows infinitely far: the N-f-2 nearest others of a good row are all good."""
+    good = G[[i for i in range(len(G)) if i not in bad_rows]].double()
+    D = bf_dist(good)
+    s = [sum(v for v, _ in bf_others(D, k)[: len(G) - f - 2]) for k in range(len(good))]
+    return good[min(range(len(good)), key=lambda k: (s[k], k))]
+
+
+def bf_multikrum(G, f, m=None):
+    m = len(G) - f if m is None else m
+    s = bf_krum_scores(G, f)
+    chosen = sorted(range(len(G)), key=lambda k: (s[k], k))[:m]
+    return sum(G[k] for k in chosen) / m
+
+
+def bf_median_1d(values):
+    v, n = sorted(values), len(values)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def bf_coordinatewise(G, fn):
+    return torch.tensor(
+        [fn([float(G[i, j]) for i in range(len(G))]) for j in range(G.shape[1])], dtype=torch.float64
+    )
+
+
+def bf_median(G):
+    return bf_coordinatewise(G, bf_median_1d)
+
+
+def bf_trimmed(G, f):
+    return bf_coordinatewise(G, lambda v: sum(sorted(v)[f : len(v) - f]) / (len(v) - 2 * f))
+
+
+def bf_geomed(G, nu=0.1, R=3):
+    z = torch.zeros(G.shape[1], dtype=torch.float64)
+    for _ in range(R):
+        b = [1 / max(nu, float((z - g).norm())) for g in G]
+        z = sum(bi * g for bi, g in zip(b, G, strict=True)) / sum(b)
+    return z
+
+
+def bf_cclip(G, prev, tau=10.0, L=3):
+    v = prev.clone()
+    for _ in range(L):
+        step = torch.zeros_like(v)
+        for g in G:
+            x = g - v
+            step += x * min(1.0, tau / float(x.norm())) if float(x.norm()) > 0 else x
+        v = v + step / len(G)
+    return v
+
+
+def bf_prodigy(G, f):
+    N = len(G)
+    D = bf_dist(G)
+    s_p, s_d = [], []
+    for k in range(N):
+        others = bf_others(D, k)
+        s_p.append(1 / sum(v for v, _ in others[f - 1 : N - f - 1]))  # delta_{k,f} .. delta_{k,N-f-1}
+        hood = [G[k]] + [G[j] for _, j in others[: f - 1]]
+        mu = sum(hood) / f
+        sigma = math.sqrt(sum(float(((g - mu) ** 2).sum()) for g in hood) / f)
+        s_d.append(sigma / float(mu.norm()))
+    s = [a * b for a, b in zip(s_p, s_d, strict=True)]
+    threshold = sorted(s)[f - 1]
+    w = [si if si > threshold else 0.0 for si in s]
+    out = sum(wi * g for wi, g in zip(w, G, strict=True)) / sum(w) if sum(w) > 0 else bf_median(G)
+    return out, s_p, s_d, s, w
+
+
+def bf_nnm(G, f):
+    D = bf_dist(G)
+    return torch.stack(
+        [
+            (G[k] + sum(G[j] for _, j in bf_others(D, k)[: len(G) - f - 1])) / (len(G) - f)
+            for k in range(len(G))
+        ]
+    )
+
+
+def bf_bulyan(G, f):
+    N = len(G)
+    D = bf_dist(G)
+    remaining, selected = list(range(N)), []
+    for _ in range(N - 2 * f):
+        k = max(len(remaining) - f - 2, 1)
+        scores = [sum(sorted(D[i][j] for j in remaining if j != i)[:k]) for i in remaining]
+        best = min(range(len(remaining)), key=lambda a: (scores[a], a))
+        selected.append(remaining.pop(best))
+    S = G[selected]
+
+    def closest_mean(v):
+        med = bf_median_1d(v)
+        return sum(sorted(v, key=lambda x: abs(x - med))[: N - 4 * f]) / (N - 4 * f)
+
+    return bf_coordinatewise(S, closest_mean)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+SHAPES = [(7, 1, 5), (10, 3, 6), (11, 2, 4), (15, 3, 5), (20, 4, 3)]
+
+
+def random_inputs(N, f, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    plain = torch.randn(N, d, generator=gen, dtype=torch.float64)
+    twins = plain.clone()
+    twins[:f] = torch.randn(d, generator=gen, dtype=torch.float64) * 3  # identical Byzantine rows
+    offset = plain + 5.0  # a shared component
+    return [plain, twins, offset]
+
+
+def cases(ok):
+    return [
+        pytest.param(G, f, id=f"N{N}-f{f}-d{d}-{i}")
+        for N, f, d in SHAPES
+        if ok(N, f)
+        for i, G in enumerate(random_inputs(N, f, d, seed=N * 100 + f))
+    ]
+
+
+def close(a, b, tol=1e-8):
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------------- brute-force checks
+
+
+@pytest.mark.parametrize("G,f", cases(lambda N, f: True))
+def test_distances_median_trimmed_mean_geomed_cclip(G, f):
+    close(pairwise_sq_distances(G), torch.tensor(bf_dist(G), dtype=torch.float64))
+    close(Median()(G), bf_median(G))
+    close(TrimmedMean(f)(G), bf_trimmed(G, f))
+    close(GeoMed()(G), bf_geomed(G))
+    rule, prev = CClip(tau=1.5), torch.zeros(G.shape[1], dtype=torch.float64)
+    for _ in range(2):  # the second round starts from the first round's aggregate
+        prev = bf_cclip(G, prev, tau=1.5)
+        close(rule(G), prev)
+
+
+@pytest.mark.parametrize("G,f", cases(lambda n, f: n > 2 * f + 2))
+def test_krum_multikrum_nnm(G, f):
+    close(Krum(f)(G), bf_krum(G, f))
+    close(MultiKrum(f)(G), bf_multikrum(G, f))
+    close(MultiKrum(f, m=2)(G), bf_multikrum(G, f, m=2))
+    close(NNM(f)(G), bf_nnm(G, f))
+
+
+@pytest.mark.parametrize("G,f", cases(lambda n, f: n >= 4 * f + 3))
+def test_bulyan(G, f):
+    close(Bulyan(f)(G), bf_bulyan(G, f))
+
+
+@pytest.mark.parametrize("G,f", cases(lambda N, f: 2 <= f < N / 2))
+def test_prodigy(G, f):
+    out, s_p, s_d, s, w = bf_prodigy(G, f)
+    scores = ProDiGy(f).scores(G)
+    close(scores.proximity, torch.tensor(s_p), tol=1e-6)
+    close(scores.dissimilarity, torch.tensor(s_d), tol=1e-6)
+    close(scores.composite, torch.tensor(s), tol=1e-6)
+    close(scores.weight, torch.tensor(w) / sum(w), tol=1e-6)
+    close(ProDiGy(f)(G), out, tol=1e-6)
+    if len(set(s)) == len(s):  # no ties: exactly the f lowest scores are zeroed
+        lowest = set(torch.tensor(s).argsort()[:f].tolist())
+        assert set((scores.weight == 0).nonzero().squeeze(1).tolist()) == lowest
+
+
+def test_exact_ties():
+    # +-e_i: the mean is exactly 0 and every distance is exactly 0, 2 or 4, so ties are exact.
+    d = 5
+    G = torch.cat([torch.eye(d), -torch.eye(d)]).double()
+    f = 2
+    close(pairwise_sq_distances(G), torch.tensor(bf_dist(G), dtype=torch.float64))
+    close(Krum(f)(G), bf_krum(G, f))  # all scores tie: the lowest index wins
+    close(MultiKrum(f)(G), bf_multikrum(G, f))
+    close(NNM(f)(G), bf_nnm(G, f))
+    close(Median()(G), bf_median(G))
+    close(TrimmedMean(f)(G), bf_trimmed(G, f))
+    # Every ProDiGy score ties, so every client sits at the threshold: all zeroed, median fallback.
+    scores = ProDiGy(f).scores(G)
+    assert (scores.weight == 0).all()
+    close(ProDiGy(f)(G), bf_prodigy(G, f)[0])
+
+
+def test_even_median_and_identical_rows():
+    G = torch.tensor([[1.0, 5.0], [4.0, 5.0], [2.0, 5.0], [3.0, 7.0]])
+    close(Median()(G), torch.tensor([2.5, 5.0]))
+    same = torch.ones(7, 3)
+    for name in ["median", "trimmed_mean", "krum", "multikrum", "geomed", "prodigy", "nnm+krum"]:
+        close(make_aggregator(name, 2)(same), torch.ones(3), tol=1e-6)
+    assert (pairwise_sq_distances(same) == 0).all()
+
+
+# ---------------------------------------------------------------------------------------- invariants
+
+NAMES = [n for n in AGGREGATOR_NAMES if not n.startswith("bucketing+")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_permutation_invariance(name):
+    N, f = 15, 3
+    G = torch.randn(N, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(2))
+    close(make_aggregator(name, f)(G[perm]), make_aggregator(name, f)(G), tol=1e-7)
+
+
+TRANSLATION = ["average", "median", "trimmed_mean", "krum", "multikrum", "bulyan", "nnm+krum", "nnm+median"]
+SCALING = TRANSLATION + ["prodigy", "nnm+prodigy"]
+
+
+@pytest.mark.parametrize("name", SCALING)
+def test_translation_and_scaling_equivariance(name):
+    N, f = 15, 3
+    G = torch.randn(N, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    shift = torch.randn(8, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 10
+    out = make_aggregator(name, f)(G)
+    close(make_aggregator(name, f)(3.5 * G), 3.5 * out, tol=1e-7)
+    if name in TRANSLATION:
+        close(make_aggregator(name, f)(G + shift), out + shift, tol=1e-7)
+
+
+def test_distances_accurate_with_large_shared_offset():
+    gen = torch.Generator().manual_seed(0)
+    d = 200_000
+    G = 100.0 + 1e-2 * torch.randn(12, d, generator=gen)  # float32: the offset is 1e4 times the spread
+    truth = torch.cdist(G.double(), G.double()) ** 2
+    D = pairwise_sq_distances(G)
+    off = ~torch.eye(12, dtype=torch.bool)
+    assert ((D - truth).abs()[off] / truth[off]).max() < 1e-4
+    assert (D.diagonal() == 0).all() and (D >= 0).all()
+    # A Byzantine outlier drags the mean far away: the distances must stay accurate (recentring).
+    G[0] = 1e5
+    truth = torch.cdist(G.double(), G.double()) ** 2
+    D = pairwise_sq_distances(G)
+    assert ((D - truth).abs()[off] / truth[off]).max() < 1e-4
+
+
+# ----------------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize("name", [n for n in AGGREGATOR_NAMES if not n.endswith(("average", "none"))])
+def test_non_finite_rows_give_finite_output(name):
+    N = 20
+    f = {"bucketing+bulyan": 1}.get(name, 2 if name.startswith("bucketing+") else 4)
+    G = torch.randn(N, 6, generator=torch.Generator().manual_seed(5))
+    bad_rows = [3, 7, 11, 15][:f]
+    G[3] = math.nan
+    G[7, 2] = math.inf
+    G[11, 0] = -math.inf
+    G[15] = 3e38  # finite, but its squared norm overflows
+    G[[i for i in (3, 7, 11, 15) if i not in bad_rows]] = 0.5  # rows beyond f stay honest
+    before = G.clone()
+    out = make_aggregator(name, f, n_clients=N)(G)
+    assert torch.isfinite(out).all(), name
+    assert torch.equal(G.isnan(), before.isnan()) and torch.equal(G.nan_to_num(), before.nan_to_num())
+    if name == "krum":
+        close(out, bf_krum_without(G, f, bad_rows), tol=1e-6)
+
+
+def test_non_finite_distances_and_nnm():
+    G = torch.randn(8, 4)
+    G[2, 1] = math.nan
+    D = pairwise_sq_distances(G)
+    assert torch.isinf(D[2, [0, 1, 3]]).all() and D[2, 2] == 0
+    out = NNM(2)(G)
+    assert out[2].isnan().all() and torch.isfinite(out[[0, 1, 3, 4, 5, 6, 7]]).all()
+    close(ProDiGy(2).scores(G).weight[2], torch.tensor(0.0))
+    close(Krum(2)(G), bf_krum_without(G, 2, [2]), tol=1e-6)
+
+
+def test_average_warns_on_non_finite():
+    G = torch.randn(5, 3)
+    G[1, 0] = math.nan
+    with pytest.warns(RuntimeWarning, match="not robust"):
+        Average()(G)
+
+
+@pytest.mark.parametrize(
+    "rule,G,match",
+    [
+        (Median(), torch.randn(5), r"Median.*2-D"),
+        (Median(), torch.randn(2, 3, 4), r"2-D"),
+        (Krum(1), torch.randn(1, 4), r"N=1"),
+        (TrimmedMean(1), torch.randn(5, 0), r"d=0"),
+        (Krum(3), torch.randn(8, 4), r"Krum\(f=3\).*N > 2f\+2 = 8, got N=8"),
+        (ProDiGy(3), torch.randn(6, 4), r"ProDiGy\(f=3\).*f < N/2.*got N=6"),
+        (Bulyan(2), torch.randn(10, 4), r"Bulyan\(f=2\).*N >= 4f\+3 = 11, got N=10"),
+        (TrimmedMean(3), torch.randn(6, 4), r"TrimmedMean\(f=3\).*N > 2f = 6"),
+        (MultiKrum(1, m=9), torch.randn(8, 4), r"m <= N - f"),
+        (Median(), torch.ones(4, 3, dtype=torch.int64), r"floating"),
+    ],
+)
+def test_bad_input_errors(rule, G, match):
+    with pytest.raises(ValueError, match=match):
+        rule(G)
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError, match=r"Krum: f must be an integer >= 0, got f=-1"):
+        Krum(-1)
+    with pytest.raises(ValueError, match=r"ProDiGy: needs f >= 2.*got f=1"):
+        ProDiGy(1)
+    with pytest.raises(
+        ValueError, match=r"unknown aggregator 'krumm'.*did you mean 'krum'.*valid:.*nnm\+prodigy"
+    ):
+        make_aggregator("krumm", 2)
+    with pytest.raises(ValueError, match=r"krum with 8 clients: Krum\(f=3\) needs N > 2f\+2 = 8"):
+        make_aggregator("krum", 3, n_clients=8)
+    with pytest.raises(ValueError, match=r"5 vectors after Bucketing"):
+        make_aggregator("bucketing+krum", 2, n_clients=10)
+    assert make_aggregator(" NNM+ProDiGy ", 3, n_clients=10).name == "nnm+prodigy"
+    assert isinstance(make_aggregator("none", 0).rule, Average)
+
+
+# ------------------------------------------------------------------------------------ state and peek
+
+
+def test_cclip_state_peek_and_checkpoint():
+    G = torch.randn(10, 5, dtype=torch.float64) * 20
+    pipeline = make_aggregator("nnm+cclip", 3)
+    first = pipeline.peek(G)
+    assert pipeline.rule.prev is None  # peek commits nothing
+    close(pipeline(G), first)
+    state = pipeline.state_dict()
+    second = pipeline(G)
+    assert not torch.allclose(second, first)  # started from the committed aggregate
+    pipeline.load_state_dict(state)
+    close(pipeline.peek(G), second)
+    pipeline.reset()
+    close(pipeline(G), first)
+
+
+def test_prodigy_last_scores_and_bucketing_peek():
+    G = torch.randn(10, 5)
+    rule = ProDiGy(3)
+    rule.peek(G)
+    assert rule.last_scores is None
+    rule(G)
+    close(rule.last_scores.weight, rule.scores(G).weight)
+    bucketing = Bucketing(s=3, generator=torch.Generator().manual_seed(0))
+    peeked = bucketing.peek(G)
+    assert peeked.shape == (4, 5)
+    close(bucketing(G), peeked)
+    # Buckets of 3, 3, 3 and 1 rows: the size-weighted bucket means add up to the sum of the rows.
+    close(3 * peeked[:3].sum(0) + peeked[3], G.sum(0), tol=1e-5)
+    assert any(torch.allclose(peeked[-1], g) for g in G)
+
+
+def test_dtype_and_device_follow_input():
+    for dtype in (torch.float32, torch.float64):
+        G = torch.randn(10, 7, dtype=dtype)
+        for name in ["average", "median", "prodigy", "nnm+geomed", "cclip", "bucketing+trimmed_mean"]:
+            out = make_aggregator(name, 2)(G)
+            assert out.dtype == dtype and out.device == G.device and out.shape == (7,)
+
+
+def test_chunked_gram_matches_unchunked(monkeypatch):
+    G = torch.randn(9, 1000, dtype=torch.float64)
+    monkeypatch.setattr(agg, "_CHUNK_ELEMENTS", 50)  # many chunks of 5 columns
+    close(pairwise_sq_distances(G), torch.tensor(bf_dist(G), dtype=torch.float64))

@@ -1,0 +1,312 @@
+"""Tests for prodigy_core.attacks: formulas against independent computations, searches against brute force."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from prodigy_core.aggregators import make_aggregator
+from prodigy_core.attacks import ATTACKS, alie_grid, alie_z_max, make_attack
+
+N, F, D = 10, 3, 40
+PIPELINES = ["nnm+trimmed_mean", "prodigy"]
+
+
+def independent_z_max(n: int, f: int) -> float:
+    s = math.floor(n / 2 + 1) - f
+    return statistics.NormalDist().inv_cdf((n - s) / n)
+
+
+def make_updates(seed: int, n: int = N, f: int = F, d: int = D) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heterogeneous honest updates (a shared drift plus client-specific parts of different sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    drift = torch.randn(d, generator=g)
+    scales = torch.linspace(0.5, 2.0, n - f)[:, None]
+    honest = drift + scales * torch.randn(n - f, d, generator=g)
+    own = drift + torch.randn(f, d, generator=g)
+    return honest, own
+
+
+def brute_force(rows_for, params, honest, f, defense):
+    """(best param, damages): a fresh pipeline per candidate, torch.cat every time, first maximum wins."""
+    mean = honest.mean(0)
+    damages = []
+    for param in params:
+        byzantine = rows_for(param).expand(f, honest.shape[1])
+        aggregate = make_aggregator(defense, f)(torch.cat([byzantine, honest]))
+        damages.append(torch.linalg.vector_norm(aggregate - mean).item())
+    best = max(range(len(params)), key=lambda i: (damages[i], -i))
+    return params[best], damages
+
+
+@pytest.mark.parametrize("n,f", [(10, 2), (10, 3), (20, 2), (20, 4), (20, 6), (30, 6), (50, 10), (100, 30)])
+def test_alie_z_max_matches_normal_quantile(n, f):
+    assert alie_z_max(n, f) == pytest.approx(independent_z_max(n, f), abs=1e-12)
+
+
+def test_alie_z_max_design_note_values():
+    for (n, f), value in {(10, 3): 0.52, (20, 4): 0.39, (20, 6): 0.67, (100, 30): 0.81}.items():
+        assert round(alie_z_max(n, f), 2) == value
+
+
+def test_alie_z_max_rejects_byzantine_majority_and_nonsense():
+    with pytest.raises(ValueError, match="majority"):
+        alie_z_max(10, 6)
+    for n, f in [(0, 0), (5, -1), (5, 5)]:
+        with pytest.raises(ValueError, match="alie_z_max"):
+            alie_z_max(n, f)
+
+
+def test_alie_grid_multiples_of_quarter_z_max_up_to_two():
+    z_max = independent_z_max(10, 3)  # 0.524: 15 multiples of 0.131 fit under 2
+    grid = alie_grid(10, 3)
+    assert len(grid) == math.floor(2 / (0.25 * z_max)) == 15
+    assert grid == pytest.approx([k * 0.25 * z_max for k in range(1, 16)], abs=1e-12)
+
+
+def test_alie_grid_falls_back_when_z_max_not_positive():
+    assert alie_z_max(10, 1) == pytest.approx(0.0, abs=1e-12)  # s = 5, Phi^-1(0.5) = 0
+    assert alie_z_max(10, 0) < 0
+    expected = [0.25 * k for k in range(1, 9)]
+    assert alie_grid(10, 1) == pytest.approx(expected)
+    assert alie_grid(10, 0) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("defense", PIPELINES)
+def test_alie_search_matches_brute_force(defense):
+    honest, own = make_updates(0)
+    sigma = honest.std(0, unbiased=False)
+    mean = honest.mean(0)
+    grid = [k * 0.25 * independent_z_max(N, F) for k in range(1, 16)]
+    best, damages = brute_force(lambda z: mean - z * sigma, grid, honest, F, defense)
+    attack = make_attack("alie")
+    server = make_aggregator(defense, F)
+    rows = attack.craft(honest, own, server)
+    assert getattr(server.rule, "last_scores", None) is None  # the search only peeks
+    assert attack.last_param == pytest.approx(best, abs=1e-12)
+    assert [p for p, _ in attack.last_search] == pytest.approx(grid, abs=1e-12)
+    assert [dmg for _, dmg in attack.last_search] == pytest.approx(damages, rel=1e-4, abs=1e-6)
+    assert rows.shape == (F, D)
+    assert torch.equal(rows, rows[:1].expand(F, D))  # all Byzantine rows identical
+    torch.testing.assert_close(rows[0], mean - best * sigma)
+    assert len(set(round(dmg, 4) for dmg in damages)) > 1  # the search had something to choose
+
+
+@pytest.mark.parametrize("defense", PIPELINES)
+@pytest.mark.parametrize("name,eps", [("foe_0.1", 0.1), ("foe_100", 100.0)])
+def test_foe_search_matches_brute_force(defense, name, eps):
+    honest, own = make_updates(1)
+    mean = honest.mean(0)
+    grid = [eps * k / 10 for k in range(1, 11)]
+    best, damages = brute_force(lambda e: -e * mean, grid, honest, F, defense)
+    attack = make_attack(name)
+    rows = attack.craft(honest, own, make_aggregator(defense, F))
+    assert attack.name == name
+    assert attack.last_param == pytest.approx(best)
+    assert [dmg for _, dmg in attack.last_search] == pytest.approx(damages, rel=1e-4, abs=1e-6)
+    assert torch.equal(rows, (-attack.last_param * honest.mean(0)).expand(F, D))  # exactly -eps* mu_H
+
+
+def test_ties_go_to_first_candidate_and_nonfinite_aggregate_is_maximal():
+    honest, own = make_updates(2)
+    attack = make_attack("foe_100")
+    attack.craft(honest, own, lambda X: torch.zeros(D))  # every candidate equally harmful
+    assert attack.last_param == pytest.approx(10.0)
+    calls = []
+
+    def nan_on_third(X):
+        calls.append(1)
+        return torch.full((D,), math.nan) if len(calls) == 3 else X.mean(0)
+
+    attack.craft(honest, own, nan_on_third)
+    assert attack.last_param == pytest.approx(30.0)
+    assert attack.last_search[2][1] == math.inf
+
+
+def test_sign_flip_sends_exactly_minus_own():
+    honest, own = make_updates(3)
+    assert torch.equal(make_attack("sf").craft(honest, own, make_aggregator("average", F)), -own)
+
+
+def test_none_and_label_flip_send_own():
+    honest, own = make_updates(4)
+    for name, flips in [("none", False), ("lf", True)]:
+        attack = make_attack(name)
+        assert attack.flips_labels is flips
+        assert torch.equal(attack.craft(honest, own, make_aggregator("average", F)), own)
+        assert attack.last_param is None and attack.last_search == []
+
+
+def same_state(a, b) -> bool:
+    """Deep equality of nested state dicts holding tensors."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("name", ["alie", "foe_0.1", "alie_spread"])
+def test_cclip_state_unchanged_by_search(name):
+    honest, own = make_updates(5)
+    server = make_aggregator("cclip", F)
+    server(torch.cat([own, honest]))  # a committed round, so the state is not the initial zero
+    before = server.state_dict()
+    reference = server.peek(torch.cat([own, honest]))
+    make_attack(name).craft(honest, own, server)
+    assert same_state(before, server.state_dict())
+    assert torch.equal(server.peek(torch.cat([own, honest])), reference)
+    make_attack(name).craft(honest, own, server.__call__)  # control: without peek the search commits
+    assert not same_state(before, server.state_dict())
+
+
+class CountingServer:
+    def __init__(self, defense: str):
+        self.pipeline, self.calls, self.peeks = make_aggregator(defense, F), 0, 0
+
+    def __call__(self, X):
+        self.calls += 1
+        return self.pipeline(X)
+
+    def peek(self, X):
+        self.peeks += 1
+        return self.pipeline.peek(X)
+
+
+@pytest.mark.parametrize("name", ["alie", "foe_0.1", "alie_spread"])
+def test_search_runs_pipeline_once_per_candidate_via_peek(name):
+    honest, own = make_updates(6)
+    server = CountingServer("nnm+trimmed_mean")
+    attack = make_attack(name)
+    attack.craft(honest, own, server)
+    assert server.calls == 0
+    assert server.peeks == len(attack.grid(N, F)) == len(attack.last_search)
+
+
+def test_alie_spread_search_matches_brute_force_and_rows_differ():
+    honest, own = make_updates(7)
+    mean, sigma = honest.mean(0), honest.std(0, unbiased=False)
+    xi = torch.randn(F, D, generator=torch.Generator().manual_seed(11))  # the attack's draw, reproduced
+    rhos = (0.25, 0.5, 1.0)
+    grid = [(k * 0.25 * independent_z_max(N, F), rho) for k in range(1, 16) for rho in rhos]
+    best, damages = brute_force(lambda p: mean - p[0] * sigma + p[1] * xi * sigma, grid, honest, F, "prodigy")
+    attack = make_attack("alie_spread", generator=torch.Generator().manual_seed(11))
+    rows = attack.craft(honest, own, make_aggregator("prodigy", F))
+    assert (attack.last_param, attack.last_rho) == pytest.approx(best)
+    assert [dmg for _, dmg in attack.last_search] == pytest.approx(damages, rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(rows, mean - best[0] * sigma + best[1] * xi * sigma)
+    assert not torch.allclose(rows[0], rows[1])  # the colluders are no longer uniform
+
+
+def test_mimic_copies_most_extreme_honest_client_on_top_principal_direction():
+    honest, own = make_updates(8)
+    centred = honest - honest.mean(0)
+    direction = torch.linalg.svd(centred.double(), full_matrices=False).Vh[0]
+    target = int((centred.double() @ direction).abs().argmax())
+    attack = make_attack("mimic")
+    rows = attack.craft(honest, own, make_aggregator("average", F))
+    assert attack.last_param == target
+    assert torch.equal(rows, honest[target].expand(F, D))
+
+
+def ndss_bisection(honest, p, feasible, gamma=10.0, threshold=1e-7):
+    """Shejwalkar and Houmansadr's search: step from gamma, halving the step, keep the last success."""
+    step, success = gamma, 0.0
+    while abs(success - gamma) > threshold:
+        if feasible(honest.mean(0) - gamma * p):
+            success = gamma
+            gamma += step / 2
+        else:
+            gamma -= step / 2
+        step /= 2
+    return success
+
+
+@pytest.mark.parametrize("name", ["minmax", "minsum"])
+@pytest.mark.parametrize("deviation", ["std", "unit_vec", "sign"])
+def test_minmax_minsum_gamma_matches_bisection(name, deviation):
+    honest, own = make_updates(9)
+    honest64 = honest.double()
+    dist = torch.cdist(honest64, honest64) ** 2
+    mean = honest64.mean(0)
+    directions = {"std": honest64.std(0, unbiased=False), "unit_vec": mean / mean.norm(), "sign": mean.sign()}
+    p = directions[deviation]
+    if name == "minmax":
+
+        def feasible(m):
+            return ((honest64 - m).norm(dim=1) ** 2).max() <= dist.max()
+    else:
+
+        def feasible(m):
+            return ((honest64 - m).norm(dim=1) ** 2).sum() <= dist.sum(1).max()
+
+    expected = ndss_bisection(honest64, p, feasible)
+    attack = make_attack(name, deviation=deviation)
+    rows = attack.craft(honest, own, make_aggregator("average", F))
+    assert attack.last_param == pytest.approx(expected, rel=1e-5)
+    assert attack.last_param > 0
+    torch.testing.assert_close(rows, (mean - attack.last_param * p).float().expand(F, D))
+
+
+def test_gaussian_is_seeded_and_has_the_stated_distribution():
+    honest, own = make_updates(10, d=20_000)
+    draws = [
+        make_attack("gaussian", std=3.0, mean=1.0, generator=torch.Generator().manual_seed(5)).craft(
+            honest, own, make_aggregator("average", F)
+        )
+        for _ in range(2)
+    ]
+    assert torch.equal(draws[0], draws[1])
+    assert draws[0].mean().item() == pytest.approx(1.0, abs=0.05)
+    assert draws[0].std().item() == pytest.approx(3.0, rel=0.02)
+    assert not torch.allclose(draws[0][0], draws[0][1])
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_zero_byzantine_returns_empty(name):
+    honest, _ = make_updates(11)
+    attack = make_attack(name)
+    out = attack.craft(honest, honest.new_empty((0, D)), make_aggregator("average", 0))
+    assert out.shape == (0, D)
+    assert attack.last_param is None and attack.last_search == []
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_bad_input_raises_clear_errors(name):
+    honest, own = make_updates(12)
+    server = make_aggregator("average", F)
+    attack = make_attack(name)
+    with pytest.raises(ValueError, match="no honest client"):
+        attack.craft(honest[:0], own, server)
+    bad = honest.clone()
+    bad[2, 5] = math.nan
+    with pytest.raises(ValueError, match=r"\[2\].*NaN or Inf"):
+        attack.craft(bad, own, server)
+    with pytest.raises(ValueError, match="same d"):
+        attack.craft(honest, own[:, :-1], server)
+    with pytest.raises(ValueError, match="same d"):
+        attack.craft(honest[0], own, server)
+
+
+def test_make_attack_rejects_unknown_names_and_parameters():
+    with pytest.raises(ValueError, match="valid: none, alie, foe_0.1, foe_100, sf, lf, mimic"):
+        make_attack("alei")
+    with pytest.raises(ValueError, match="no parameter.*eps"):
+        make_attack("foe_0.1", eps=3)
+    with pytest.raises(ValueError, match="deviation"):
+        make_attack("minmax", deviation="cosine")
+    assert {"none", "alie", "foe_0.1", "foe_100", "sf", "lf"} <= set(ATTACKS)
+
+
+def test_works_on_every_available_device():
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        honest, own = (t.to(device) for t in make_updates(13))
+        for name in ATTACKS:
+            out = make_attack(name).craft(honest, own, make_aggregator("nnm+trimmed_mean", F))
+            assert out.shape == (F, D) and out.device == honest.device and torch.isfinite(out).all()

@@ -1,0 +1,211 @@
+"""The prodigy-fl command line, end to end on the real training loop (digits, a few rounds): one run, errors,
+a grid killed and resumed, two processes on one grid, the Ray executor, quickstart and data."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import prodigy_core
+from prodigy_core import results
+from prodigy_core.cli import main
+from prodigy_core.data import default_femnist_dir
+from prodigy_core.experiments import experiment_from_spec, load_experiment, run_grid
+
+GRID_YAML = """
+experiment: cli_small
+title: "CLI test grid"
+base: {dataset: digits, n_clients: 10, n_byzantine: 3, rounds: 4, eval_every: 2, checkpoint_every: 1}
+grid: {defense: [nnm+median, prodigy], attack: [alie, sf]}
+seeds: [0]
+report: {rows: defense, columns: attack}
+"""
+
+
+@pytest.fixture
+def grid_file(tmp_path):
+    path = tmp_path / "cli_small.yaml"
+    path.write_text(GRID_YAML)
+    return path
+
+
+def cli(*args: str, results_dir: Path, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PRODIGY_RESULTS_DIR": str(results_dir)}
+    return subprocess.Popen([sys.executable, "-m", "prodigy_core.cli", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)  # fmt: skip
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Finished records: name -> (mtime, content)."""
+    return {
+        p.name: (p.stat().st_mtime_ns, p.read_bytes())
+        for p in folder.glob("*.json")
+        if ".failed" not in p.name
+    }
+
+
+def outcomes(df) -> dict[str, tuple]:
+    return {r.key: (r.final_accuracy, str(r.accuracy_curve)) for r in df.itertuples()}
+
+
+# ------------------------------------------------------------------------------------------- run
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"prodigy-fl {prodigy_core.__version__}"
+
+
+def test_run_with_defaults_and_set_prints_the_record_as_json(tmp_path, capsys):
+    code = main(["run", "--set", "rounds=2", "--set", "attack=sf", "--json", "--results-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0
+    record = json.loads(out)
+    assert 0 <= record["final_accuracy"] <= 100 and record["config"]["rounds"] == 2
+    assert record["config"]["attack"] == "sf" and record["config"]["dataset"] == "digits"  # default
+    assert "% final accuracy" in err
+    assert (tmp_path / "runs" / f"{record['key']}.json").exists()
+    # the same config again: the stored record, not a new run
+    assert (
+        main(["run", "--set", "attack=sf", "--set", "rounds=2", "--json", "--results-dir", str(tmp_path)])
+        == 0
+    )
+    out, err = capsys.readouterr()
+    assert json.loads(out) == record and "stored result" in err
+
+
+def test_run_a_params_file_pinned_to_one_config(tmp_path, grid_file, capsys):
+    args = ["run", str(grid_file), "--set", "defense=prodigy", "--set", "attack=alie", "--set", "rounds=2"]
+    assert main([*args, "--json", "--results-dir", str(tmp_path)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["config"]["defense"], record["config"]["n_clients"], record["experiment"]) == (
+        "prodigy", 10, "cli_small",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--set", "n_cleints=5"], "unknown field 'n_cleints' (did you mean 'n_clients'?)"),
+        (["run", "--set", "n_byzantine=5"], "n_byzantine=5 with n_clients=10: need 0 <= f < N/2"),
+        (["run", "--set", "rounds"], "--set 'rounds': expected KEY=VALUE"),
+        (["run", "quickstart_digits"], "quickstart_digits has 42 runs (varying: defense, attack)"),
+        (["grid", "no_such_table"], "params file 'no_such_table' not found"),
+        (["grid", "quickstart_digits", "--set", "defense=prodgy"], "defense='prodgy'"),
+        (
+            ["report", "quickstart_digits", "--results-dir", "{tmp}"],
+            "no stored results for quickstart_digits",
+        ),
+        (["data", "femnist", "{tmp}"], "has no train or test/ folder"),
+    ],
+)
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, args, message):
+    code = main([a.replace("{tmp}", str(tmp_path)) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("prodigy-fl: error: ") and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_data_femnist_validates_a_leaf_directory(capsys):
+    leaf = default_femnist_dir()
+    if leaf is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the FEMNIST subset (shared/data/femnist-leaf) must be present under CI")
+        pytest.skip("FEMNIST subset shared/data/femnist-leaf not found")
+    assert main(["data", "femnist", str(leaf)]) == 0
+    assert "valid LEAF FEMNIST directory with 10 writers" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------- grid
+
+
+def test_grid_killed_and_resumed_equals_an_uninterrupted_grid(tmp_path, grid_file):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    reference = cli("grid", str(grid_file), results_dir=whole)
+    victim = cli("grid", str(grid_file), results_dir=broken)
+    folder = broken / "cli_small"
+    deadline = time.monotonic() + 120
+    while not snapshot(folder) and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    before = snapshot(folder)
+    assert 1 <= len(before) < 4, "kill the grid between its first and its last run"
+    for _, content in before.values():
+        assert json.loads(content)["status"] == "done"  # every record on disk is whole
+
+    rerun = cli("grid", str(grid_file), results_dir=broken)
+    _, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    assert err.count("done   ") == 4 - len(before)  # no finished run redone
+    after = snapshot(folder)
+    assert len(after) == 4 and all(after[name] == before[name] for name in before)
+    assert not list(folder.glob("*.lock")) and not list((folder / "checkpoints").glob("*.pt"))
+
+    assert reference.wait(timeout=300) == 0
+    experiment = load_experiment(grid_file)
+    assert outcomes(results.load(experiment, broken)) == outcomes(results.load(experiment, whole))
+
+
+def test_two_processes_on_one_grid_run_each_run_once(tmp_path, grid_file):
+    first, second = (cli("grid", str(grid_file), results_dir=tmp_path) for _ in range(2))
+    errs = [p.communicate(timeout=300)[1] for p in (first, second)]
+    assert all("Traceback" not in e for e in errs), errs
+    assert sum(e.count("done   ") for e in errs) == 4  # every run trained exactly once across both
+    folder = tmp_path / "cli_small"
+    assert len(snapshot(folder)) == 4 and not list(folder.glob("*.lock"))
+    assert all(json.loads(c)["status"] == "done" for _, c in snapshot(folder).values())
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="Ray not installed (pip install prodigy-fl[ray])"
+)
+def test_ray_executor_runs_a_smoke_grid_and_records_a_failing_task(tmp_path):
+    spec = {
+        "experiment": "ray_small",
+        "base": {"n_clients": 10, "n_byzantine": 3, "rounds": 3, "defense": "prodigy"},
+        "grid": [
+            {"attack": ["alie", "sf"]},
+            # valid config, but the data is missing: the task raises, is retried once, then recorded as failed
+            {"attack": ["alie"], "dataset": ["femnist"], "distribution": ["natural"],
+             "data_dir": [str(tmp_path / "no-leaf")]},
+        ],
+    }  # fmt: skip
+    experiment = experiment_from_spec(spec)
+    df = run_grid(experiment, executor="ray", jobs=2, results_dir=tmp_path / "ray", progress=False)
+    bad = experiment.configs[2]
+    assert sorted(df["key"]) == sorted(c.key() for c in experiment.configs[:2])
+    failure = json.loads((tmp_path / "ray" / "ray_small" / f"{bad.key()}.failed.json").read_text())
+    assert "no-leaf" in failure["error"] and failure["config"]["dataset"] == "femnist"
+    local = run_grid(experiment, results_dir=tmp_path / "local", progress=False)
+    for key, (accuracy, _) in outcomes(df).items():
+        assert accuracy == pytest.approx(outcomes(local)[key][0], abs=0.6)  # same runs, maybe other threads
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def test_quickstart_smoke_runs_the_grid_and_writes_the_report(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("prodigy_core.report").write_report  # noqa: B018
+    code = main(
+        ["quickstart", "--smoke", "--results-dir", str(tmp_path / "r"), "--out-dir", str(tmp_path / "f")]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert len(list((tmp_path / "r" / "quickstart_digits-smoke").glob("*.json"))) == 6
+    assert "ProDiGy" in out and "|" in out and "files: " in out
+    files = [Path(p) for p in out.split("files: ")[1].strip().split(", ")]
+    assert files and all(p.exists() for p in files)
+    assert main(["report", "quickstart_digits", "--smoke", "--results-dir", str(tmp_path / "r"),
+                 "--out-dir", str(tmp_path / "g")]) == 0  # fmt: skip
+    listed = [Path(p) for p in capsys.readouterr().out.split()]
+    assert sorted(p.name for p in listed) == sorted(p.name for p in files)

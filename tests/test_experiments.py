@@ -1,0 +1,395 @@
+"""Params files, grid expansion, run keys, the smoke profile and the grid executor (with a fake training run
+where the behaviour under test is the store, the real one where it is the executor)."""
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+
+from prodigy_core import experiments, results
+from prodigy_core.config import ConfigError, RunConfig, field_names
+from prodigy_core.data import default_femnist_dir
+from prodigy_core.experiments import (
+    PARAMS_DIR,
+    SMOKE_MAX_RUNS,
+    SMOKE_ROUNDS,
+    experiment_from_spec,
+    load_experiment,
+    run_grid,
+    smoke_profile,
+)
+
+PAPER_CSV = Path(__file__).resolve().parents[1] / "prodigy_core" / "data" / "paper_results.csv"
+PAPER_FILES = {
+    "table1_cifar10": "bigtable",
+    "table2_femnist_n20": "femnist_n20",
+    "table3_femnist_n100": "femnist_n100",
+    "table4_fraction_byzantine": "fraction_byzantine",
+    "table5_n_clients": "n_clients",
+}
+ALL_FILES = [*PAPER_FILES, "figure1_pairwise_distances", "quickstart_digits"]
+PAPER_DEFENSES = ["none", "nnm+median", "nnm+trimmed_mean", "nnm+geomed", "nnm+krum", "nnm+cclip", "prodigy"]
+PAPER_ATTACKS = ["none", "alie", "foe_0.1", "foe_100", "lf", "sf"]
+
+
+def paper_rows(table: str) -> list[dict]:
+    with open(PAPER_CSV) as fh:
+        return [r for r in csv.DictReader(fh) if r["table"] == table]
+
+
+def paper_cell(row: dict) -> tuple:
+    """A paper cell in RunConfig terms: 'noniid' is Dirichlet(alpha) for CIFAR-10, per-writer for FEMNIST."""
+    distribution = row["distribution"]
+    if distribution == "noniid":
+        distribution = "natural" if row["dataset"] == "femnist" else "dirichlet"
+    alpha = float(row["dirichlet_alpha"]) if distribution == "dirichlet" else None
+    assert {"fedsgd": 1, "fedavg": 10}[row["algorithm"]] == int(row["local_steps"])
+    return (row["dataset"], distribution, alpha, int(row["n_clients"]), int(row["n_byzantine"]),
+            float(row["local_momentum"]), int(row["local_steps"]), int(row["rounds"]), row["defense"],
+            row["attack"])  # fmt: skip
+
+
+def config_cell(c: RunConfig) -> tuple:
+    alpha = c.dirichlet_alpha if c.distribution == "dirichlet" else None
+    return (c.dataset, c.distribution, alpha, c.n_clients, c.n_byzantine, c.local_momentum, c.local_steps,
+            c.rounds, c.defense, c.attack)  # fmt: skip
+
+
+def write_yaml(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------- params files
+
+
+@pytest.mark.parametrize("name, table", PAPER_FILES.items())
+def test_paper_params_file_has_exactly_the_paper_cells(name, table):
+    experiment = load_experiment(name)
+    assert experiment.paper_table == table
+    cells = [paper_cell(r) for r in paper_rows(table)]
+    assert len(set(cells)) == len(cells)
+    by_cell: dict[tuple, list[int]] = {}
+    for c in experiment.configs:
+        by_cell.setdefault(config_cell(c), []).append(c.seed)
+    assert set(by_cell) == set(cells)  # every paper cell is run, and nothing else
+    seeds = {tuple(sorted(s)) for s in by_cell.values()}
+    assert seeds == {(0,)} if table == "bigtable" else seeds == {(0, 1, 2)}
+
+
+def test_paper_scale_is_about_870_runs():
+    counts = {name: len(load_experiment(name).configs) for name in PAPER_FILES}
+    expected = {name: len(paper_rows(t)) * (1 if t == "bigtable" else 3) for name, t in PAPER_FILES.items()}
+    assert counts == expected
+    assert sum(counts.values()) == 336 + 3 * (84 + 35 + 36 + 24)
+
+
+def test_figure1_and_quickstart_settings():
+    (fig,) = load_experiment("figure1_pairwise_distances").configs
+    assert (fig.dataset, fig.distribution, fig.dirichlet_alpha, fig.n_clients, fig.n_byzantine) == (
+        "cifar10", "dirichlet", 0.1, 10, 3,
+    )  # fmt: skip
+    assert (fig.defense, fig.attack, fig.local_steps, fig.record_distances_at) == (
+        "prodigy",
+        "sf",
+        10,
+        (100,),
+    )
+    assert fig.rounds >= 100
+    quick = load_experiment("quickstart_digits")
+    assert {(c.dataset, c.distribution, c.n_clients, c.n_byzantine) for c in quick.configs} == {
+        ("digits", "dirichlet", 10, 3)
+    }
+    assert sorted((c.defense, c.attack) for c in quick.configs) == sorted(
+        (d, a) for d in PAPER_DEFENSES for a in PAPER_ATTACKS
+    )
+
+
+@pytest.mark.parametrize("name", ALL_FILES)
+def test_every_params_file_has_a_valid_report_layout(name):
+    experiment = load_experiment(name)
+    assert experiment.name == name and experiment.title
+    layout = experiment.report
+    for key in ("rows", "columns"):
+        if key in layout:
+            assert layout[key] in field_names()
+    # the layout's fields together with the seed identify every run of a table
+    if "rows" in layout:
+        fields = [layout["rows"], layout["columns"], *layout.get("blocks", []), "seed"]
+        assert len({tuple(getattr(c, f) for f in fields) for c in experiment.configs}) == len(
+            experiment.configs
+        )
+
+
+def test_load_by_name_or_path_is_the_same():
+    by_name = load_experiment("quickstart_digits")
+    by_path = load_experiment(PARAMS_DIR / "quickstart_digits.yaml")
+    assert [c.key() for c in by_name.configs] == [c.key() for c in by_path.configs]
+    with pytest.raises(FileNotFoundError, match="quickstart_digits"):
+        load_experiment("quickstart_digit")
+
+
+# ------------------------------------------------------------------------------------------- grid and keys
+
+
+def test_grid_is_the_cartesian_product_times_seeds(tmp_path):
+    path = write_yaml(tmp_path, """
+experiment: g
+base: {rounds: 5}
+grid: {defense: [prodigy, nnm+median], attack: [alie, sf, lf]}
+seeds: [0, 7]
+""")  # fmt: skip
+    experiment = load_experiment(path)
+    got = [(c.defense, c.attack, c.seed) for c in experiment.configs]
+    expected = [(d, a, s) for d in ("prodigy", "nnm+median") for a in ("alie", "sf", "lf") for s in (0, 7)]
+    assert sorted(got) == sorted(expected) and len(got) == 12
+    assert all(c.rounds == 5 for c in experiment.configs)
+
+
+def test_list_of_grids_is_the_union_without_duplicates(tmp_path):
+    path = write_yaml(tmp_path, """
+experiment: u
+grid:
+  - {n_clients: [10], n_byzantine: [2, 3], attack: [alie]}
+  - {n_clients: [10, 20], n_byzantine: [3], attack: [alie]}
+""")  # fmt: skip
+    got = sorted((c.n_clients, c.n_byzantine) for c in load_experiment(path).configs)
+    assert got == [(10, 2), (10, 3), (20, 3)]  # (10, 3) is in both products, run once
+
+
+def test_same_config_same_key_and_any_result_field_changes_it():
+    base = RunConfig(dataset="digits", distribution="dirichlet", defense="prodigy", attack="alie")
+    assert base.key() == RunConfig.from_dict(base.to_dict()).key()
+    changed = {
+        "dataset": "cifar10", "distribution": "iid", "dirichlet_alpha": 0.5, "n_clients": 12,
+        "n_byzantine": 2, "local_momentum": 0.9, "local_steps": 10, "rounds": 99, "defense": "nnm+krum",
+        "attack": "sf", "lr": 0.1,
+        "lr_decay_at": 7, "lr_decay_factor": 0.5, "weight_decay": 0.1, "batch_size": 32, "eval_every": 5,
+        "seed": 1, "data_seed": 1, "record_distances_at": [3],
+        "femnist_min_samples": 5,  # only matters for femnist: checked below
+    }  # fmt: skip
+    non_result = set(RunConfig.NON_RESULT_FIELDS)
+    assert set(changed) | non_result == set(field_names())
+    for name, value in changed.items():
+        other = base.replace(**{name: value})
+        if name == "femnist_min_samples":
+            femnist = base.replace(dataset="femnist", distribution="natural")
+            assert femnist.replace(femnist_min_samples=value).key() != femnist.key()
+        else:
+            assert other.key() != base.key(), name
+    for name, value in {"checkpoint_every": 7, "device": "cpu", "engine": "sequential", "data_dir": "/x",
+                        "download": True}.items():  # fmt: skip
+        assert base.replace(**{name: value}).key() == base.key(), name
+
+
+def test_keys_in_the_grid_are_distinct_per_run():
+    experiment = load_experiment("table1_cifar10")
+    assert len({c.key() for c in experiment.configs}) == len(experiment.configs)
+
+
+def test_overrides_replace_top_level_keys_and_fields_pin_an_axis():
+    experiment = load_experiment("quickstart_digits", overrides={"seeds": [3, 4], "base": None})
+    assert {c.seed for c in experiment.configs} == {3, 4} and len(experiment.configs) == 84
+    assert {c.n_clients for c in experiment.configs} == {10}  # base=None keeps the file's base
+    pinned = load_experiment("quickstart_digits", fields={"attack": "alie", "rounds": 2})
+    assert sorted(c.defense for c in pinned.configs) == sorted(PAPER_DEFENSES)
+    assert {(c.attack, c.rounds) for c in pinned.configs} == {("alie", 2)}
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+X = "experiment: x\n"
+
+
+@pytest.mark.parametrize(
+    "text, pattern",
+    [
+        (X + "base: {n_cleints: 10}", r"exp\.yaml: base\.n_cleints .*did you mean 'n_clients'"),
+        (X + "grid: {atack: [alie]}", r"exp\.yaml: grid\.atack .*did you mean 'attack'"),
+        (X + "grids: {attack: [alie]}", r"exp\.yaml: unknown key 'grids'.*did you mean 'grid'"),
+        (X + "base: {rounds: ten}", r"exp\.yaml: base\.rounds='ten'.*must be of type int"),
+        (X + "grid: {local_steps: [1, 2.5]}", r"exp\.yaml: grid\.local_steps=2\.5.*type int"),
+        (X + "base: {n_clients: 10, n_byzantine: 5}", r"exp\.yaml: base\.n_byzantine=5.*N/2"),
+        (X + "grid: {n_byzantine: [3, 6]}", r"exp\.yaml: grid\.n_byzantine=6.*n_clients=10"),
+        (
+            X + "base: {n_byzantine: 1}\ngrid: {defense: [median, prodigy]}",
+            r"exp\.yaml: grid\.defense='prodigy'",
+        ),
+        (X + "grid: {defense: prodigy}", r"exp\.yaml: grid\.defense='prodigy' must be a non-empty list"),
+        (X + "seeds: 0", r"exp\.yaml: seeds=0 must be a non-empty list"),
+        (X + "grid: {seed: [1, 2]}", r"exp\.yaml: grid\.seed: list the seeds in"),
+        (X + "report: {rows: defence}", r"exp\.yaml: report\.rows='defence'.*did you mean 'defense'"),
+        (X + "report: {colums: attack}", r"exp\.yaml: report: unknown key 'colums'.*'columns'"),
+        ("experiment: 'a b'\n", r"exp\.yaml: experiment='a b' must be a name"),
+        ("- 1\n- 2\n", r"exp\.yaml: expected a mapping"),
+    ],
+)
+def test_invalid_params_name_the_file_key_and_value(tmp_path, text, pattern):
+    path = write_yaml(tmp_path, text)
+    with pytest.raises(ConfigError, match=pattern):
+        load_experiment(path)
+
+
+def test_prodigy_with_one_byzantine_is_rejected_with_the_limit():
+    with pytest.raises(ConfigError, match=r"spec: base\.defense='prodigy'.*f"):
+        experiment_from_spec(
+            {"experiment": "x", "base": {"defense": "prodigy", "n_byzantine": 1}}, source="spec"
+        )
+
+
+# ------------------------------------------------------------------------------------------- smoke profile
+
+
+@pytest.mark.parametrize("name", ALL_FILES)
+def test_smoke_profile_is_small_fast_valid_and_labelled(name):
+    full = load_experiment(name)
+    smoke = load_experiment(name, smoke=True)
+    assert smoke.smoke and smoke.results_name == f"{name}-smoke" and "SMOKE" in smoke.title
+    assert 1 <= len(smoke.configs) <= SMOKE_MAX_RUNS
+    assert all(
+        c.rounds <= SMOKE_ROUNDS and c.local_steps <= 2 and c.dataset != "cifar10" for c in smoke.configs
+    )
+    assert {c.seed for c in smoke.configs} == {full.configs[0].seed}
+    assert all(r <= c.rounds for c in smoke.configs for r in c.record_distances_at)
+    if full.configs[0].dataset == "digits":
+        assert smoke.stand_in is None and all(smoke.stand_in_for(c) is None for c in smoke.configs)
+    else:
+        real = full.configs[0].dataset
+        assert real in smoke.stand_in.lower() and all(
+            real in smoke.stand_in_for(c).lower() for c in smoke.configs
+        )
+    full_cells = {(c.defense, c.attack) for c in full.configs}
+    assert {(c.defense, c.attack) for c in smoke.configs} <= full_cells
+    assert smoke_profile(smoke) is smoke
+
+
+def test_smoke_rule_on_the_paper_tables():
+    def cells(name):
+        return sorted((c.defense, c.attack) for c in load_experiment(name, smoke=True).configs)
+
+    representative = sorted((d, a) for d in ("none", "nnm+trimmed_mean", "prodigy") for a in ("alie", "sf"))
+    assert cells("table1_cifar10") == representative  # 42 defense x attack cells: the representative subset
+    assert cells("quickstart_digits") == representative
+    table4 = load_experiment("table4_fraction_byzantine", smoke=True)
+    assert len(table4.configs) == 12 and {(c.n_clients, c.n_byzantine) for c in table4.configs} == {(10, 2)}
+    table5 = load_experiment("table5_n_clients", smoke=True)
+    assert {(c.n_clients, c.n_byzantine) for c in table5.configs} == {(10, 2)}  # first block
+    (fig,) = load_experiment("figure1_pairwise_distances", smoke=True).configs
+    assert fig.record_distances_at == (SMOKE_ROUNDS,) and fig.dataset == "digits"
+
+
+def test_smoke_femnist_uses_the_leaf_subset_with_f_scaled():
+    if default_femnist_dir() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the FEMNIST subset (shared/data/femnist-leaf) must be present under CI")
+        pytest.skip("FEMNIST subset shared/data/femnist-leaf not found")
+    for name, f in (("table2_femnist_n20", 3), ("table3_femnist_n100", 3)):
+        smoke = load_experiment(name, smoke=True)
+        assert {(c.dataset, c.n_clients, c.n_byzantine) for c in smoke.configs} == {("femnist", 10, f)}
+        assert "FEMNIST" in smoke.stand_in and "stand-in" in smoke.stand_in
+
+
+def test_smoke_femnist_without_the_subset_falls_back_to_digits(monkeypatch):
+    monkeypatch.setattr("prodigy_core.data.default_femnist_dir", lambda: None)
+    smoke = load_experiment("table2_femnist_n20", smoke=True)
+    assert {c.dataset for c in smoke.configs} == {"digits"}
+    assert smoke.stand_in == "digits (offline stand-in for femnist)"
+
+
+# ------------------------------------------------------------------------------------------- executor + store
+
+
+def fake_execute(task, threads=None):
+    """Stands in for training: a record whose accuracy is a known function of the config."""
+    config = RunConfig.from_dict(task.config)
+    if config.attack == "lf":
+        raise RuntimeError("boom")
+    calls.append(config.key())
+    accuracy = 10.0 * PAPER_DEFENSES.index(config.defense) + PAPER_ATTACKS.index(config.attack) + config.seed
+    return {"config": task.config, "final_accuracy": accuracy, "final_loss": 1.0, "accuracy_curve": [],
+            "environment": {"device": "cpu"}, "stand_in": task.stand_in}  # fmt: skip
+
+
+calls: list[str] = []
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    calls.clear()
+    monkeypatch.setattr(experiments, "execute", fake_execute)
+    return calls
+
+
+def small_grid(tmp_path: Path) -> experiments.Experiment:
+    path = write_yaml(tmp_path, """
+experiment: small
+base: {dataset: cifar10, n_clients: 10, n_byzantine: 3, rounds: 50}
+grid: {defense: [none, prodigy], attack: [alie, sf, lf]}
+seeds: [0, 1]
+report: {rows: defense, columns: attack}
+""")  # fmt: skip
+    return load_experiment(path, smoke=True)
+
+
+def test_run_grid_stores_skips_finished_and_records_failures(tmp_path, fake_training):
+    experiment = small_grid(tmp_path)
+    assert len(experiment.configs) == 6  # smoke: seed 0 only
+    df = run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    folder = tmp_path / "res" / "small-smoke"
+    ok = [c for c in experiment.configs if c.attack != "lf"]
+    assert sorted(calls) == sorted(c.key() for c in ok)
+    assert sorted(p.name for p in folder.glob("*.json")) == sorted(
+        [f"{c.key()}.json" for c in ok]
+        + [f"{c.key()}.failed.json" for c in experiment.configs if c.attack == "lf"]
+    )
+    assert not list(folder.glob("*.lock")) and not list(folder.glob("*.tmp"))
+    assert len(df) == 4 and set(df["stand_in"]) == {"digits (offline stand-in for cifar10)"}
+    for _, row in df.iterrows():
+        expected = 10.0 * PAPER_DEFENSES.index(row["defense"]) + PAPER_ATTACKS.index(row["attack"])
+        assert row["final_accuracy"] == expected and row["status"] == "done" and row["rounds"] == SMOKE_ROUNDS
+    failed = results.load(experiment, tmp_path / "res", include_failed=True)
+    assert sorted(failed.loc[failed["status"] == "failed", "error"]) == ["RuntimeError: boom"] * 2
+
+    before = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.json")}
+    calls.clear()
+    run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    assert calls == []  # nothing finished is redone (the two failed runs are retried, and fail again)
+    for name, mtime in before.items():
+        if not name.endswith(".failed.json"):
+            assert (folder / name).stat().st_mtime_ns == mtime
+    run_grid(experiment, results_dir=tmp_path / "res", progress=False, force=True)
+    assert sorted(calls) == sorted(c.key() for c in ok)
+
+
+def test_a_run_claimed_by_another_live_process_is_left_alone(tmp_path, fake_training):
+    experiment = small_grid(tmp_path)
+    folder = tmp_path / "res" / "small-smoke"
+    other = results.Claims(folder)
+    busy = experiment.configs[0]
+    assert other.claim(busy.key())
+    df = run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    assert busy.key() not in calls and busy.key() not in set(df["key"])
+    other.release(busy.key())
+    run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    assert calls.count(busy.key()) == 1
+
+
+def test_executor_and_jobs_are_checked(tmp_path):
+    experiment = small_grid(tmp_path)
+    with pytest.raises(ValueError, match="executor='slurm' is unknown; valid: local, ray"):
+        run_grid(experiment, executor="slurm", results_dir=tmp_path)
+    with pytest.raises(ValueError, match="jobs=0"):
+        run_grid(experiment, jobs=0, results_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_process_pool_gives_the_same_results_as_in_process(tmp_path):
+    experiment = load_experiment("quickstart_digits", smoke=True, fields={"defense": "prodigy"})
+    inline = run_grid(experiment, results_dir=tmp_path / "a", progress=False)
+    pooled = run_grid(experiment, jobs=2, results_dir=tmp_path / "b", progress=False)
+    assert list(inline["key"]) == list(pooled["key"]) == [c.key() for c in experiment.configs]
+    assert inline["final_accuracy"].between(0, 100).all()
+    assert list(inline["final_accuracy"]) == pytest.approx(list(pooled["final_accuracy"]), abs=1e-6)

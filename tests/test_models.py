@@ -1,0 +1,78 @@
+"""The paper's CNNs: exact parameter counts (hand-computed layer by layer), shapes and outputs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prodigy_core.config import DATASETS
+from prodigy_core.models import Cifar10CNN, DigitsCNN, FemnistCNN, count_parameters, make_model
+
+
+def conv(c_in: int, c_out: int, k: int) -> int:
+    return c_in * c_out * k * k + c_out
+
+
+def linear(n_in: int, n_out: int) -> int:
+    return n_in * n_out + n_out
+
+
+def bn(c: int) -> int:
+    return 2 * c
+
+
+def test_cifar10_cnn_has_the_papers_parameter_count():
+    by_layer = (
+        (conv(3, 64, 3) + bn(64) + conv(64, 64, 3) + bn(64) + conv(64, 128, 3) + bn(128) + conv(128, 128, 3))
+        + bn(128)
+        + linear(8192, 128)
+        + linear(128, 10)
+    )
+    assert by_layer == 1_310_922
+    assert count_parameters(Cifar10CNN()) == 1_310_922
+
+
+def test_femnist_cnn_has_the_papers_parameter_count():
+    by_layer = conv(1, 32, 5) + conv(32, 64, 5) + linear(3136, 512) + linear(512, 62)
+    assert by_layer == 1_690_046
+    assert count_parameters(FemnistCNN()) == 1_690_046
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "shape", "classes"),
+    [
+        ("cifar10", Cifar10CNN, (3, 32, 32), 10),
+        ("femnist", FemnistCNN, (1, 28, 28), 62),
+        ("digits", DigitsCNN, (1, 8, 8), 10),
+    ],
+)
+def test_make_model_output_shape_and_training_step(name, cls, shape, classes):
+    torch.manual_seed(0)
+    model = make_model(name)
+    assert isinstance(model, cls)
+    x, y = torch.randn(4, *shape), torch.randint(0, classes, (4,))
+    out = model(x)
+    assert out.shape == (4, classes)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cifar10_cnn_returns_log_probabilities():
+    torch.manual_seed(0)
+    out = Cifar10CNN().eval()(torch.randn(3, 3, 32, 32))
+    torch.testing.assert_close(out.exp().sum(-1), torch.ones(3))
+    # cross-entropy on log-probabilities is the NLL of the same distribution
+    y = torch.tensor([0, 5, 9])
+    torch.testing.assert_close(F.cross_entropy(out, y), F.nll_loss(out, y))
+
+
+def test_models_with_batchnorm_have_running_buffers():
+    for model in (Cifar10CNN(), DigitsCNN()):
+        assert any(name.endswith("running_mean") for name, _ in model.named_buffers())
+
+
+def test_every_dataset_has_a_model_and_unknown_names_are_rejected():
+    assert all(make_model(name) is not None for name in DATASETS)
+    with pytest.raises(ValueError, match="valid: cifar10, femnist, digits"):
+        make_model("mnist")

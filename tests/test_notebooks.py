@@ -1,0 +1,92 @@
+"""The notebooks' papermill contract and `prodigy-fl reproduce` (the notebooks themselves run under nbval)."""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import papermill
+import pytest
+import yaml
+
+from prodigy_core import reproduce
+from prodigy_core.experiments import PARAMS_DIR
+
+RUN_CONTROLS = {"smoke", "executor", "jobs"}
+
+
+def read(name: str) -> nbformat.NotebookNode:
+    return nbformat.read(reproduce.NOTEBOOKS_DIR / name, as_version=4)
+
+
+@pytest.mark.parametrize("name", sorted(reproduce.NOTEBOOKS))
+def test_params_file_keys_are_notebook_parameters(name):
+    notebook, params_file = reproduce.NOTEBOOKS[name]
+    parameters = set(papermill.inspect_notebook(str(reproduce.NOTEBOOKS_DIR / notebook)))
+    assert parameters >= RUN_CONTROLS, f"{notebook} lacks the run controls {RUN_CONTROLS - parameters}"
+    if params_file is not None:
+        keys = set(yaml.safe_load((PARAMS_DIR / params_file).read_text()))
+        assert keys <= parameters, f"{params_file} keys {keys - parameters} are not parameters of {notebook}"
+        assert "params_file" in parameters
+
+
+def test_every_params_file_and_notebook_is_mapped():
+    mapped_params = {p for _, p in reproduce.NOTEBOOKS.values() if p}
+    assert {p.name for p in PARAMS_DIR.glob("*.yaml")} <= mapped_params
+    assert {p.name for p in reproduce.NOTEBOOKS_DIR.glob("*.ipynb")} == {
+        n for n, _ in reproduce.NOTEBOOKS.values()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(n for n, _ in reproduce.NOTEBOOKS.values()))
+def test_notebook_is_committed_clean(name):
+    nb = read(name)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in code), f"{name} carries outputs"
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name} needs exactly one cell tagged 'parameters'"
+    assert len({c.id for c in nb.cells}) == len(nb.cells)
+
+
+def write_notebook(path, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.cells[0].metadata["tags"] = ["parameters"]
+    nbformat.write(nb, path)
+
+
+def test_reproduce_names_the_failing_notebook_and_cell_and_goes_on(tmp_path, capsys):
+    write_notebook(tmp_path / "broken.ipynb", "smoke = False", "x = 1", "raise KeyError('no such run')")
+    write_notebook(tmp_path / "good.ipynb", "smoke = False", "assert smoke is True")
+    notebooks = {"broken": ("broken.ipynb", None), "good": ("good.ipynb", None)}
+    build = tmp_path / "build"
+    rc = reproduce.reproduce("smoke", notebooks=notebooks, notebooks_dir=tmp_path, build_dir=build)
+    err = capsys.readouterr().err
+    assert rc != 0
+    # the injected-parameters cell runs first, so the third source cell has execution count 4
+    assert "notebook broken: cell 4: KeyError: 'no such run'" in err
+    assert "notebook good: ok" in err  # the failure did not stop the others; smoke=True was injected
+    assert json.loads((build / "good.ipynb").read_text())["cells"]  # executed copy written
+
+    rc = reproduce.reproduce(
+        "smoke", only=["good"], notebooks=notebooks, notebooks_dir=tmp_path, build_dir=build
+    )
+    assert rc == 0
+
+
+def test_reproduce_rejects_unknown_names_and_scales():
+    with pytest.raises(ValueError, match="table1_cifar10"):
+        reproduce.reproduce(only=["table1_cifar"])
+    with pytest.raises(ValueError, match="smoke, paper"):
+        reproduce.reproduce(scale="full")
+
+
+def test_paper_scale_injects_the_params_file():
+    parameters = reproduce.notebook_parameters("table4_fraction_byzantine.yaml", "paper", "ray", 4)
+    spec = yaml.safe_load((PARAMS_DIR / "table4_fraction_byzantine.yaml").read_text())
+    assert parameters == {**spec, "smoke": False, "executor": "ray", "jobs": 4}
+    assert reproduce.notebook_parameters("table4_fraction_byzantine.yaml", "smoke") == {
+        "smoke": True, "executor": "local", "jobs": 1}  # fmt: skip

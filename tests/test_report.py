@@ -1,0 +1,220 @@
+"""Tables and figures of prodigy_core.report, on fabricated results frames (no training)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import statistics
+import types
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from prodigy_core import report
+
+LAYOUT = {"rows": "defense", "columns": "attack", "blocks": ["local_momentum"]}
+DEFENSES = ["none", "nnm+median", "prodigy"]
+ATTACKS = ["none", "alie", "sf"]
+
+
+def fabricated(seeds=(0, 1, 2), momenta=(0.0, 0.9), value=None) -> pd.DataFrame:
+    """One row per run, shaped like results.load(): config columns + final_accuracy + accuracy_curve."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for beta, d, a, s in itertools.product(momenta, DEFENSES, ATTACKS, seeds):
+        acc = float(rng.uniform(10, 90)) if value is None else value(beta, d, a, s)
+        curve = [[1, 10.0], [2, (10 + acc) / 2], [3, acc]]
+        rows.append(dict(local_momentum=beta, defense=d, attack=a, seed=s, n_byzantine=3, final_accuracy=acc,
+                         accuracy_curve=curve, stand_in=None))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def experiment(name="fab", smoke=False, paper_table=None, layout=LAYOUT, stand_in=None):
+    return types.SimpleNamespace(name=name, title="Fabricated table", paper_table=paper_table, configs=[],
+                                 report=layout, smoke=smoke, stand_in=stand_in)  # fmt: skip
+
+
+def test_cells_are_mean_and_population_std_over_seeds():
+    df = fabricated()
+    mean = report.accuracy_table(df, LAYOUT, "mean")
+    std = report.accuracy_table(df, LAYOUT, "std")
+    for (beta, d, a), runs in df.groupby(["local_momentum", "defense", "attack"]):
+        values = runs["final_accuracy"].tolist()
+        assert mean.at[d, (beta, a)] == pytest.approx(statistics.fmean(values))
+        assert std.at[d, (beta, a)] == pytest.approx(statistics.pstdev(values))
+    # rows and columns keep the order of the frame (the grid order), not alphabetical order
+    assert list(mean.index) == DEFENSES
+    assert list(mean.columns) == [(b, a) for b in (0.0, 0.9) for a in ATTACKS]
+
+
+def test_one_seed_prints_no_std():
+    df = fabricated(seeds=(0,), momenta=(0.0,))
+    assert report.accuracy_table(df, LAYOUT, "std").isna().all().all()
+    md = report.to_markdown(df, LAYOUT, "t")
+    assert "±" not in md.split("\n", 4)[-1]
+
+
+def test_explicit_order_wins_over_frame_order():
+    df = fabricated(seeds=(0,), momenta=(0.0,))
+    order = {"defense": ["prodigy", "none", "nnm+median"], "attack": ["sf", "alie", "none"]}
+    table = report.accuracy_table(df, LAYOUT, order=order)
+    assert list(table.index) == order["defense"]
+    assert [c[-1] for c in table.columns] == order["attack"]
+
+
+def test_worst_case_is_row_minimum_per_block_excluding_no_attack_with_ties():
+    # hand-worked: "no attack" is the lowest but never counts; prodigy ties between alie and sf
+    acc = {("none", "none"): 5.0, ("none", "alie"): 30.0, ("none", "sf"): 20.0,
+           ("nnm+median", "none"): 80.0, ("nnm+median", "alie"): 40.0, ("nnm+median", "sf"): 60.0,
+           ("prodigy", "none"): 90.0, ("prodigy", "alie"): 70.0, ("prodigy", "sf"): 70.0}  # fmt: skip
+    df = fabricated(seeds=(0,), value=lambda beta, d, a, s: acc[d, a] + (1.0 if beta else 0.0))
+    worst = report.accuracy_table(df, LAYOUT, "worst_case")
+    expected = {("none", "sf"), ("nnm+median", "alie"), ("prodigy", "alie"), ("prodigy", "sf")}
+    for beta in (0.0, 0.9):
+        for d, a in itertools.product(DEFENSES, ATTACKS):
+            assert worst.at[d, (beta, a)] == ((d, a) in expected), (beta, d, a)
+    assert report.worst_case(df, LAYOUT).equals(worst)
+
+
+def test_markdown_bolds_exactly_the_worst_cells_and_has_one_table_per_block():
+    df = fabricated()
+    md = report.to_markdown(df, LAYOUT, "My title")
+    assert md.startswith("# My title\n")
+    assert md.count("\n## ") == 2 and "## β=0\n" in md and "## β=0.9\n" in md
+    worst = report.accuracy_table(df, LAYOUT, "worst_case")
+    assert md.count("**") // 2 == int(worst.to_numpy().sum()) + 1  # + the legend's **bold**
+    mean, std = report.accuracy_table(df, LAYOUT), report.accuracy_table(df, LAYOUT, "std")
+    d, c = "prodigy", (0.9, "sf")
+    cell = f"{mean.at[d, c]:.2f} ± {std.at[d, c]:.2f}"
+    assert (f"**{cell}**" in md) == bool(worst.at[d, c]) and cell in md
+
+
+def test_latex_rows_have_one_cell_per_column_and_spans_cover_the_blocks():
+    df = fabricated().assign(attack=lambda x: x["attack"].replace({"alie": "foe_0.1"}))
+    tex = report.to_latex(df, LAYOUT, "Title with 50% and a_b")
+    assert r"50\% and a\_b" in tex and r"FOE $\varepsilon$=0.1" in tex
+    body = tex.split(r"\midrule")[1].split(r"\bottomrule")[0].strip().splitlines()
+    assert len(body) == len(DEFENSES)
+    n_cols = 2 * len(ATTACKS)
+    assert all(line.count("&") == n_cols for line in body)
+    spans = [int(x) for x in re.findall(r"\\multicolumn\{(\d+)\}", tex)]
+    assert sum(spans) == n_cols
+    worst = report.accuracy_table(df, LAYOUT, "worst_case")
+    assert tex.count(r"\textbf{") == int(worst.to_numpy().sum())
+
+
+def test_missing_column_is_a_clear_error():
+    df = fabricated().drop(columns="local_momentum")
+    with pytest.raises(ValueError, match="local_momentum"):
+        report.accuracy_table(df, LAYOUT)
+
+
+def test_write_report_is_byte_identical_when_written_twice(tmp_path):
+    df = fabricated(seeds=(0, 1), momenta=(0.0,))
+    first = report.write_report(experiment(), df, tmp_path / "a")
+    second = report.write_report(experiment(), df, tmp_path / "b")
+    names = sorted(p.name for p in first)
+    assert names == ["fab.md", "fab.pdf", "fab.png", "fab.tex", "fab_curves.pdf", "fab_curves.png"]
+    for p, q in zip(first, second, strict=True):
+        assert p.read_bytes() == q.read_bytes(), p.name
+    assert b"CreationDate" not in (tmp_path / "a" / "fab.pdf").read_bytes()
+
+
+HEATMAP_ONLY = {**LAYOUT, "figures": ["heatmap"]}  # keeps the tests below fast
+
+
+def test_smoke_and_stand_in_outputs_go_to_smoke_folder_and_say_so(tmp_path):
+    df = fabricated(seeds=(0,), momenta=(0.0,))
+    paths = report.write_report(experiment(smoke=True, layout=HEATMAP_ONLY), df, tmp_path)
+    assert {p.parent for p in paths} == {tmp_path / "smoke"}
+    assert report.SMOKE_LABEL in (tmp_path / "smoke" / "fab.md").read_text().splitlines()[0]
+    # a run on stand-in data is labelled even when the experiment itself is not smoke
+    df_stand_in = df.assign(stand_in="digits (offline stand-in for cifar10)")
+    paths = report.write_report(
+        experiment("s", paper_table="bigtable", layout=HEATMAP_ONLY), df_stand_in, tmp_path
+    )
+    assert {p.parent for p in paths} == {tmp_path / "smoke"}
+    header = (tmp_path / "smoke" / "s.md").read_text().splitlines()[0]
+    assert report.SMOKE_LABEL in header and "digits (offline stand-in" in header
+    assert not any("vs_paper" in p.name for p in paths)  # no paper comparison for stand-in numbers
+
+
+def test_paper_comparison_written_at_paper_scale(tmp_path, monkeypatch):
+    comparison = pd.DataFrame({"dataset": ["cifar10"] * 4, "n_byzantine": [2, 2, 4, 4],
+                               "defense": ["prodigy"] * 4, "attack": ["alie", "sf"] * 2,
+                               "ours": [50.0, 60.0, 40.0, np.nan], "paper": [52.0, 58.0, 41.0, 55.0],
+                               "delta": [-2.0, 2.0, -1.0, np.nan],
+                               "worst_case_match": [True, True, pd.NA, pd.NA]})  # fmt: skip
+    seen = []
+    monkeypatch.setattr("prodigy_core.results.compare_with_paper", lambda df, t: seen.append(t) or comparison)
+    exp = experiment(paper_table="fraction_byzantine", layout=HEATMAP_ONLY)
+    paths = report.write_report(exp, fabricated(seeds=(0,), momenta=(0.0,)), tmp_path)
+    assert seen == ["fraction_byzantine"]
+    text = (tmp_path / "fab_vs_paper.md").read_text()
+    assert tmp_path / "fab_vs_paper.md" in paths
+    assert "Cells run: 3 of 4." in text
+    assert "Mean |ours - paper|: 1.67 points." in text  # (2 + 2 + 1) / 3
+    assert "agrees with the paper's on 1 of 1 rows" in text
+    assert "| dataset" not in text and "| n_byzantine" in text  # constant setting columns left out
+
+
+def test_distance_heatmap_marks_byzantine_clients():
+    D = np.arange(16, dtype=float).reshape(4, 4)
+    fig = report.distance_heatmap((D + D.T) * (1 - np.eye(4)), byzantine_ids=[0, 2])
+    labels = fig.axes[0].get_yticklabels()
+    marked = [lab.get_text() for lab in labels if lab.get_color() == report.BYZANTINE_COLOUR]
+    assert marked == ["0 (B)", "2 (B)"]
+
+
+def test_score_bars_colour_byzantine_and_hatch_zero_weight():
+    scores = {"proximity": [1.0, 2.0, 3.0, 4.0], "dissimilarity": [1.0, 1.0, 1.0, 1.0],
+              "composite": [1.0, 2.0, 3.0, 4.0], "weight": [0.0, 2.0, 3.0, 0.0]}  # fmt: skip
+    fig = report.score_bars(scores, byzantine_ids=[0, 1])
+    bars = fig.axes[0].patches
+    assert [b.get_height() for b in bars] == scores["proximity"]
+    red = matplotlib_colour(report.BYZANTINE_COLOUR)
+    assert [tuple(b.get_facecolor()) == red for b in bars] == [True, True, False, False]
+    assert [bool(b.get_hatch()) for b in bars] == [True, False, False, True]
+
+
+def test_damage_plot_marks_the_most_damaging_candidate():
+    fig = report.damage_plot([(0.1, 1.0), (0.2, 3.0), (0.3, 2.0)], "alie")
+    star = [line for line in fig.axes[0].get_lines() if line.get_marker() == "*"][0]
+    assert list(star.get_xdata()) == [0.2] and list(star.get_ydata()) == [3.0]
+
+
+def matplotlib_colour(c):
+    import matplotlib.colors
+
+    return matplotlib.colors.to_rgba(c)
+
+
+@pytest.fixture(scope="module")
+def alie_round():
+    pytest.importorskip("prodigy_core.aggregators")
+    return report.explore(n_clients=6, n_byzantine=2, rounds=1, attack="alie", defense="prodigy")
+
+
+def test_explore_reports_the_last_round_consistently(alie_round):
+    ex = alie_round
+    n, f = 6, 2
+    assert ex.round == 1 and ex.byzantine == [0, 1]
+    D = ex.distances
+    assert D.shape == (n, n) and torch.allclose(D, D.T) and bool((D.diagonal() == 0).all())
+    s = ex.scores
+    assert torch.allclose(s.composite, s.proximity * s.dissimilarity)
+    assert ex.kept == [k for k in range(n) if s.weight[k] > 0] and len(ex.kept) <= n - f
+    # the damage we recompute through the defense equals the best one of the attack's own search
+    params, damages = zip(*ex.search, strict=True)
+    assert ex.chosen == params[int(np.argmax(damages))]
+    assert ex.damage == pytest.approx(max(damages), rel=1e-4)
+    figures = report.exploration_figures(ex)
+    assert set(figures) == {"distances", "scores", "damage"}
+
+
+def test_explore_without_attack_has_no_search():
+    pytest.importorskip("prodigy_core.aggregators")
+    ex = report.explore(n_clients=6, n_byzantine=2, rounds=1, attack="none", defense="nnm+median")
+    assert ex.search == [] and ex.chosen is None and ex.damage >= 0

@@ -1,0 +1,211 @@
+"""The results store (atomic records, claims, loading) and the comparison with the paper's numbers."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from prodigy_core import results
+from prodigy_core.config import RunConfig, field_names
+from prodigy_core.experiments import experiment_from_spec
+
+REFERENCE_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "paper_results.csv"
+
+
+def record(config: RunConfig, accuracy: float, **extra) -> dict:
+    return {"config": config.to_dict(), "final_accuracy": accuracy, "final_loss": 0.5,
+            "accuracy_curve": [[1, accuracy]], "environment": {"device": "cpu", "torch": "x"},
+            "stand_in": None, **extra}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def test_atomic_write_round_trips_and_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "a" / "r.json"
+    results.write_json_atomic(path, {"x": [1, 2.5], "nan": float("nan")})
+    back = json.loads(path.read_text())
+    assert back["x"] == [1, 2.5] and math.isnan(back["nan"])
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_a_failed_write_keeps_the_old_record_whole(tmp_path):
+    path = tmp_path / "r.json"
+    results.write_json_atomic(path, {"final_accuracy": 50.0})
+    with pytest.raises(TypeError):
+        results.write_json_atomic(path, {"final_accuracy": object()})  # not serialisable: fails mid-write
+    assert json.loads(path.read_text()) == {"final_accuracy": 50.0}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_save_record_clears_an_earlier_failure(tmp_path):
+    config = RunConfig()
+    results.save_failure(tmp_path, config.key(), config.to_dict(), RuntimeError("out of memory"), "e")
+    failed = json.loads((tmp_path / f"{config.key()}.failed.json").read_text())
+    assert failed["error"] == "RuntimeError: out of memory" and failed["status"] == "failed"
+    results.save_record(tmp_path, config.key(), record(config, 42.0), "e")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{config.key()}.json"]
+    stored = json.loads((tmp_path / f"{config.key()}.json").read_text())
+    assert (stored["key"], stored["experiment"], stored["status"], stored["final_accuracy"]) == (
+        config.key(), "e", "done", 42.0,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- claims
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_claim_is_exclusive_until_released(tmp_path):
+    a, b = results.Claims(tmp_path), results.Claims(tmp_path)
+    assert a.claim("k1") and not b.claim("k1")
+    assert json.loads((tmp_path / "k1.lock").read_text())["pid"] == os.getpid()
+    a.release("k1")
+    assert b.claim("k1")
+    b.release_all()
+    assert not list(tmp_path.glob("*.lock"))
+
+
+def test_a_stale_lock_is_taken_over_a_foreign_or_live_one_is_not(tmp_path):
+    claims = results.Claims(tmp_path)
+    host = socket.gethostname()
+    (tmp_path / "dead.lock").write_text(json.dumps({"pid": dead_pid(), "host": host, "started": 0}))
+    (tmp_path / "live.lock").write_text(json.dumps({"pid": os.getppid(), "host": host, "started": 0}))
+    (tmp_path / "far.lock").write_text(json.dumps({"pid": dead_pid(), "host": host + "-other", "started": 0}))
+    assert claims.claim("dead")
+    assert json.loads((tmp_path / "dead.lock").read_text())["pid"] == os.getpid()
+    assert not claims.claim("live") and not claims.claim("far")
+
+
+def test_a_finished_run_is_not_claimed(tmp_path):
+    (tmp_path / "k.json").write_text("{}")
+    assert not results.Claims(tmp_path).claim("k")
+    assert results.Claims(tmp_path, skip_done=False).claim("k")
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def test_load_gives_config_columns_and_results_one_row_per_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRODIGY_RESULTS_DIR", str(tmp_path))
+    spec = {"experiment": "e", "grid": {"defense": ["prodigy", "nnm+median"], "attack": ["alie", "sf"]}}
+    experiment = experiment_from_spec(spec)
+    folder = results.experiment_dir("e")
+    assert folder == tmp_path / "e"
+    for i, config in enumerate(experiment.configs[:3]):
+        results.save_record(folder, config.key(), record(config, 10.0 * i), "e")
+    stray = RunConfig(rounds=7)  # a record of another grid in the same folder
+    results.save_record(folder, stray.key(), record(stray, 99.0), "e")
+    results.save_failure(
+        folder, experiment.configs[3].key(), experiment.configs[3].to_dict(), ValueError("x"), "e"
+    )
+
+    df = results.load(experiment)
+    assert list(df["key"]) == [c.key() for c in experiment.configs[:3]]  # grid order, stray left out
+    assert list(df["final_accuracy"]) == [0.0, 10.0, 20.0]
+    assert set(field_names()) <= set(df.columns) and {"env_device", "stand_in", "status"} <= set(df.columns)
+    assert list(df["defense"]) == [c.defense for c in experiment.configs[:3]]
+    assert len(results.load("e")) == 4  # by folder name: every record
+    assert len(results.load(experiment, include_failed=True)) == 4
+    assert results.load("nothing-here").empty
+
+
+def test_a_corrupt_record_is_named(tmp_path):
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "abc.json").write_text('{"config": ')
+    with pytest.raises(ValueError, match=r"abc\.json: not a valid result record"):
+        results.load("e", tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- the paper
+
+
+def test_package_copy_of_the_paper_numbers():
+    paper = results.paper_results()
+    assert len(paper) == 515
+    assert paper.groupby("table").size().to_dict() == {
+        "bigtable": 336, "femnist_n20": 84, "femnist_n100": 35, "fraction_byzantine": 36, "n_clients": 24,
+    }  # fmt: skip
+    if REFERENCE_CSV.exists():
+        assert (
+            Path(results.__file__).parent / "data" / "paper_results.csv"
+        ).read_bytes() == REFERENCE_CSV.read_bytes()
+
+
+def fabricated(table: str, shift: float, seeds=(0, 1, 2), spread: float = 0.5) -> pd.DataFrame:
+    """Our 'results' for every cell of a paper table: paper + shift, seeds spread evenly around it."""
+    rows = []
+    for _, cell in results.paper_results().query("table == @table").iterrows():
+        distribution = cell["distribution"]
+        if distribution == "noniid":
+            distribution = "natural" if cell["dataset"] == "femnist" else "dirichlet"
+        for i, seed in enumerate(seeds):
+            offset = (i - (len(seeds) - 1) / 2) * spread
+            rows.append({"dataset": cell["dataset"], "distribution": distribution, "dirichlet_alpha": 0.1,
+                         "n_clients": cell["n_clients"], "n_byzantine": cell["n_byzantine"],
+                         "local_momentum": cell["local_momentum"], "local_steps": cell["local_steps"],
+                         "rounds": cell["rounds"], "defense": cell["defense"], "attack": cell["attack"],
+                         "seed": seed,
+                         "final_accuracy": cell["accuracy_mean"] + shift + offset, "stand_in": None,
+                         "status": "done"})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_compare_with_paper_on_a_shifted_copy():
+    out = results.compare_with_paper(fabricated("n_clients", shift=1.0), "n_clients")
+    assert len(out) == 24 and (out["n_seeds"] == 3).all()
+    assert out["delta"].to_numpy() == pytest.approx([1.0] * 24)
+    assert out["ours_std"].to_numpy() == pytest.approx([math.sqrt(0.5**2 * 2 / 3)] * 24)
+    assert (out["ours"] - out["paper"]).to_numpy() == pytest.approx(out["delta"].to_numpy())
+    assert out["worst_case_match"].tolist() == [True] * 24  # a uniform shift keeps every worst case
+
+
+def test_compare_with_paper_bigtable_iid_and_dirichlet_blocks_all_join():
+    out = results.compare_with_paper(fabricated("bigtable", shift=-2.0, seeds=(0,)), "bigtable")
+    assert len(out) == 336 and out["ours"].notna().all() and out["ours_std"].isna().all()
+    assert out["delta"].to_numpy() == pytest.approx([-2.0] * 336)
+    assert out["worst_case_match"].tolist() == [True] * 336
+
+
+def test_compare_with_paper_detects_a_different_worst_case_and_missing_runs():
+    df = fabricated("fraction_byzantine", shift=0.0, seeds=(0,))
+    paper = results.paper_results().query("table == 'fraction_byzantine'")
+    # Table IV has two attacks (alie, sf): in one row, make the attack the paper does NOT bold our worst one
+    bold = paper[paper["worst_case_bold"]].iloc[0]
+    other = "sf" if bold["attack"] == "alie" else "alie"
+    changed = (bold["n_byzantine"], bold["defense"])
+    # and leave out one run of another row
+    dropped = next(k for k in zip(paper["n_byzantine"], paper["defense"], strict=True) if k != changed)
+
+    def in_row(frame, key):
+        return (frame["n_byzantine"] == key[0]) & (frame["defense"] == key[1])
+
+    df.loc[in_row(df, changed) & (df["attack"] == other), "final_accuracy"] = 0.0
+    df = df[~(in_row(df, dropped) & (df["attack"] == "sf"))]
+
+    out = results.compare_with_paper(df, "fraction_byzantine")
+    assert out.loc[in_row(out, changed), "worst_case_match"].tolist() == [False, False]
+    assert out.loc[in_row(out, dropped), "worst_case_match"].isna().all()
+    gone = in_row(out, dropped) & (out["attack"] == "sf")
+    assert out.loc[gone, "ours"].isna().all() and out.loc[gone, "n_seeds"].tolist() == [0]
+    rest = ~in_row(out, changed) & ~in_row(out, dropped)
+    assert out.loc[rest, "worst_case_match"].tolist() == [True] * (36 - 4)
+
+
+def test_compare_with_paper_ignores_stand_in_runs_and_names_bad_tables():
+    df = fabricated("n_clients", shift=0.0, seeds=(0,))
+    df["stand_in"] = "digits (offline stand-in for cifar10)"
+    out = results.compare_with_paper(df, "n_clients")
+    assert out["ours"].isna().all() and out["worst_case_match"].isna().all()
+    with pytest.raises(ValueError, match="table='table1' is not in paper_results.csv; valid: bigtable"):
+        results.compare_with_paper(df, "table1")

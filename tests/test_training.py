@@ -1,0 +1,225 @@
+"""The federated training engine: learning, engine equivalence, checkpoint/resume, divergence, attacks and the
+result record, on tiny digits runs (CPU, seconds each)."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from prodigy_core import training
+from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.data import default_femnist_dir, load_federation
+from prodigy_core.models import make_model
+from prodigy_core.training import RunResult, run
+
+# A few rounds of FedAVG on digits: small enough for CI, large enough to learn.
+TINY = dict(dataset="digits", n_clients=6, n_byzantine=0, defense="average", attack="none", rounds=8,
+            local_steps=4, batch_size=32, eval_every=4, device="cpu")  # fmt: skip
+
+
+def tiny(**changes) -> RunConfig:
+    return RunConfig(**{**TINY, **changes})
+
+
+def femnist_dir():
+    found = default_femnist_dir()
+    if found is None:
+        reason = "FEMNIST LEAF subset not found (../shared/data/femnist-leaf or env PRODIGY_FEMNIST_DIR)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason + " but CI=true requires it")
+        pytest.skip(reason)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ learning
+@pytest.mark.parametrize("distribution", ["iid", "dirichlet"])
+def test_digits_learns_well_above_chance(distribution):
+    result = run(tiny(distribution=distribution), progress=False)
+    assert not result.diverged
+    assert result.final_accuracy > 50.0  # chance is 10% on 10 balanced classes
+    assert [r for r, _ in result.accuracy_curve] == [4, 8]
+    assert len(result.round_times) == 8 and all(t > 0 for t in result.round_times)
+    assert result.attack_params == [None] * 8
+    assert result.environment["engine"] in ("batched", "sequential")
+
+
+# ------------------------------------------------------------------------------------- engine equivalence
+def _disable_dropout(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _both_engines(fed, dataset: str, steps: int, batch_size: int, weight_decay: float):
+    """Both engines' (pseudo-gradients, BN buffers) from the same model and batches, dropout off.
+
+    The images get a 1e-3 jitter first: digits and FEMNIST have exactly constant backgrounds, which make
+    exact ties in max-pooling; a 1-ulp difference between grouped and plain convolutions then routes a
+    gradient to another pixel, a legitimate but discontinuous difference. In general position the engines
+    compute the same function and agree to float32 rounding."""
+    jitter = torch.rand(fed.train_images.shape, generator=torch.Generator().manual_seed(2))
+    fed.train_images = fed.train_images + 1e-3 * jitter
+    torch.manual_seed(0)
+    model = _disable_dropout(make_model(dataset)).train()
+    cfg = RunConfig(dataset=dataset, distribution=TINY_DISTRIBUTION[dataset], n_clients=fed.n_clients,
+                    n_byzantine=0, defense="average", batch_size=batch_size,
+                    weight_decay=weight_decay).resolved()  # fmt: skip
+    out = []
+    for local_steps in (training._local_steps_batched, training._local_steps_sequential):
+        gen = torch.Generator().manual_seed(1)  # the same batches for both engines
+        out.append(local_steps(model, fed, steps, 0.05, cfg, gen))
+    return out
+
+
+TINY_DISTRIBUTION = {"digits": "dirichlet", "femnist": "natural"}
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+@pytest.mark.parametrize("distribution", ["iid", "dirichlet"])
+def test_engines_agree_on_digits(distribution):
+    # Dirichlet(0.1) gives clients smaller than the batch: the batched engine then vmaps width groups.
+    fed = load_federation("digits", 6, distribution=distribution, seed=0)
+    assert len(training._width_groups(fed, 100)) == (1 if distribution == "iid" else 2)
+    (g_b, buf_b), (g_s, buf_s) = _both_engines(fed, "digits", steps=3, batch_size=100, weight_decay=1e-2)
+    assert g_b.shape == g_s.shape == (6, sum(p.numel() for p in make_model("digits").parameters()))
+    # float32, different kernels (grouped vs plain convolutions): agreement to ~1e-6 relative, 1e-4 stated
+    assert _relative_error(g_b, g_s) < 1e-4
+    assert buf_b.keys() == buf_s.keys() and buf_b
+    for name in buf_b:
+        torch.testing.assert_close(buf_b[name], buf_s[name], rtol=1e-4, atol=1e-5)
+
+
+def test_engines_agree_on_femnist():
+    fed = load_federation("femnist", 3, distribution="natural", data_dir=femnist_dir())
+    (g_b, _), (g_s, _) = _both_engines(fed, "femnist", steps=2, batch_size=32, weight_decay=0.0)
+    assert _relative_error(g_b, g_s) < 1e-4
+
+
+def test_pseudo_gradient_of_one_plain_sgd_step():
+    """E=1 without weight decay: (theta - theta') / lr is exactly the client's minibatch gradient."""
+    fed = load_federation("digits", 3, distribution="iid", seed=0)
+    torch.manual_seed(0)
+    model = _disable_dropout(make_model("digits")).train()
+    cfg = tiny(n_clients=3, batch_size=16, weight_decay=0.0).resolved()
+    gen = torch.Generator().manual_seed(5)
+    g, _ = training._local_steps_batched(model, fed, 1, 0.05, cfg, gen)
+    idx, _ = fed.sample_batch(16, torch.Generator().manual_seed(5))
+    for k in range(3):
+        x, y = fed.train_batch(idx[k], None), fed.train_labels[idx[k]]
+        reference = make_model("digits")
+        reference.load_state_dict(model.state_dict())
+        loss = nn.functional.cross_entropy(_disable_dropout(reference).train()(x), y)
+        expected = torch.cat([p.flatten() for p in torch.autograd.grad(loss, list(reference.parameters()))])
+        assert _relative_error(g[k], expected) < 1e-4
+
+
+# ------------------------------------------------------------------------------------- checkpoint/resume
+def test_killed_run_resumes_to_the_same_result(tmp_path):
+    # stateful pieces on purpose: local momentum, CClip's previous aggregate, ALIE's search, dropout RNG
+    cfg = tiny(n_byzantine=2, defense="cclip", attack="alie", local_momentum=0.9, rounds=6, eval_every=2,
+               checkpoint_every=2)  # fmt: skip
+    reference = run(cfg, progress=False)
+    partial = run(cfg, progress=False, checkpoint_dir=tmp_path, _stop_after=5)  # "killed" after round 5
+    checkpoint = tmp_path / f"{cfg.key()}.pt"
+    assert partial.rounds_completed == 5 and checkpoint.exists()
+    assert torch.load(checkpoint, weights_only=False)["round"] == 4
+    resumed = run(cfg, progress=False, checkpoint_dir=tmp_path)
+    assert resumed.round_times[:4] == partial.round_times[:4]  # restored from the checkpoint, not rerun
+    assert not checkpoint.exists()  # removed once the run completed
+    for name in ("final_accuracy", "final_loss", "accuracy_curve", "attack_params", "rounds_completed"):
+        assert getattr(resumed, name) == getattr(reference, name), name
+
+
+def test_checkpoint_of_another_config_is_not_used(tmp_path):
+    cfg = tiny(rounds=4, checkpoint_every=2)
+    run(cfg, progress=False, checkpoint_dir=tmp_path, _stop_after=3)
+    other = cfg.replace(seed=1)
+    assert not (tmp_path / f"{other.key()}.pt").exists()
+    assert run(other, progress=False, checkpoint_dir=tmp_path).round_times[0] > 0
+
+
+# -------------------------------------------------------------------------------------------- divergence
+def test_non_finite_model_is_recorded_as_diverged_not_raised():
+    # lr = 1e38 drives float32 weights past 3.4e38 within a round
+    result = run(tiny(lr=1e38, rounds=5), progress=False)
+    assert result.diverged
+    assert 1 <= result.diverged_at <= 5 and result.rounds_completed == result.diverged_at
+    assert result.final_accuracy == pytest.approx(100 / 10)  # chance level on 10 classes
+    assert result.final_loss is None
+    json.dumps(result.to_dict(), allow_nan=False)
+
+
+# --------------------------------------------------------------------------------------------- attacks
+def test_alie_harms_average_and_prodigy_reports_detection():
+    base = tiny(distribution="dirichlet", n_clients=10, n_byzantine=3, rounds=6, eval_every=6)
+    clean = run(base.replace(defense="average"), progress=False)
+    attacked = run(base.replace(defense="average", attack="alie"), progress=False)
+    # ALIE shifts the mean by f/N * z * sigma against the honest mean every round (z > 0 chosen to maximise
+    # the deviation), so the plain average ends below the unattacked run
+    assert attacked.final_accuracy < clean.final_accuracy
+    assert all(p is not None and p > 0 for p in attacked.attack_params)
+
+    prodigy = run(base.replace(defense="prodigy", attack="alie"), progress=False)
+    assert len(prodigy.zeroed_clients) == 6
+    assert all(len(z) >= 3 and all(0 <= k < 10 for k in z) for z in prodigy.zeroed_clients)
+    # micro-averaged over rounds, recomputed from the per-round sets
+    hits = sum(len(set(z) & {0, 1, 2}) for z in prodigy.zeroed_clients)
+    assert prodigy.detection_precision == pytest.approx(hits / sum(len(z) for z in prodigy.zeroed_clients))
+    assert prodigy.detection_recall == pytest.approx(hits / (6 * 3))
+    assert clean.detection_precision is None and clean.zeroed_clients == []
+
+
+def test_label_flip_flips_only_byzantine_clients(monkeypatch):
+    seen = {}
+    original = training._load_federation
+
+    def spy(cfg, device):
+        seen["fed"] = original(cfg, device)
+        seen["labels"] = seen["fed"].train_labels.clone()
+        return seen["fed"]
+
+    monkeypatch.setattr(training, "_load_federation", spy)
+    run(tiny(n_byzantine=2, attack="lf", rounds=1), progress=False)
+    fed, before = seen["fed"], seen["labels"]
+    byzantine = torch.cat(fed.client_indices[:2])
+    honest = torch.cat(fed.client_indices[2:])
+    assert torch.equal(fed.train_labels[byzantine], 9 - before[byzantine])
+    assert torch.equal(fed.train_labels[honest], before[honest])
+
+
+# ----------------------------------------------------------------------------------------- result record
+def test_result_round_trips_through_json_with_distance_matrices():
+    result = run(tiny(rounds=3, eval_every=3, record_distances_at=(1, 3)), progress=False)
+    assert sorted(result.distance_matrices) == [1, 3]
+    d = torch.tensor(result.distance_matrices[3])
+    assert d.shape == (6, 6)
+    assert torch.equal(d.diagonal(), torch.zeros(6)) and torch.allclose(d, d.T) and (d >= 0).all()
+    text = json.dumps(result.to_dict(), allow_nan=False)
+    assert RunResult.from_dict(json.loads(text)) == result
+    assert RunConfig.from_dict(json.loads(text)["config"]) == tiny(rounds=3, eval_every=3,
+                                                                   record_distances_at=(1, 3))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- config errors
+def test_misspelled_field_is_an_error_with_a_hint():
+    with pytest.raises(ConfigError, match="did you mean 'local_steps'"):
+        RunConfig.from_dict({**TINY, "local_step": 2})
+    with pytest.raises(ConfigError, match="rounds"):
+        RunConfig.from_dict({**TINY, "rounds": "ten"})
+
+
+def test_run_rejects_a_plain_dict():
+    with pytest.raises(TypeError, match="RunConfig.from_dict"):
+        run(dict(TINY), progress=False)
+
+
+def test_auto_engine_is_batched_on_cuda_and_the_measured_choice_on_cpu():
+    assert training.pick_engine("auto", torch.device("cuda"), "cifar10") == "batched"
+    assert training.pick_engine("auto", torch.device("cpu"), "digits") == training.AUTO_CPU_ENGINE["digits"]
+    assert training.pick_engine("sequential", torch.device("cuda"), "digits") == "sequential"
