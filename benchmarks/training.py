@@ -8,8 +8,8 @@ pixels; the CIFAR-10 path still augments on the device). Each workload runs with
 - authors: one nn.Module and torch.optim.SGD per client, a DataLoader over PIL images with torchvision
   transforms, updates flattened through numpy and averaged there (the structure of the authors' code).
 A round is the clients' E local steps plus aggregation and the server step (evaluation excluded); the first
-round of each engine is a warm-up and is not timed. On a CPU, `--cpu-steps` lowers E for the CIFAR-10 CNN
-(a full E=10 round takes minutes there); the table says which E each row ran.
+round of each engine is a warm-up and is not timed. On a CPU, `--cpu-steps` lowers E for the FEMNIST and
+CIFAR-10 CNNs (a full E=10 round of either takes minutes there); the table says which E each row ran.
 
     python benchmarks/training.py                  # this machine's device
     python benchmarks/training.py --rounds 5       # more timed rounds
@@ -124,15 +124,15 @@ def authors_style_rounds(fed: Federation, dataset: str, steps: int, batch_size: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 5 on GPU, 2 on CPU)")
-    parser.add_argument("--cpu-steps", type=int, default=2, help="local steps for the CIFAR-10 CNN on a CPU")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 5 on GPU, 1 on CPU)")
+    parser.add_argument("--cpu-steps", type=int, default=2, help="E for the FEMNIST/CIFAR-10 CNNs on a CPU")
     parser.add_argument("--only", nargs="*", default=None, help="datasets to run (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    rounds = args.rounds or (5 if device.type == "cuda" else 2)
+    rounds = args.rounds or (5 if device.type == "cuda" else 1)
     cpu = f"CPU, {torch.get_num_threads()} threads"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     print(f"device: {name}; torch {torch.__version__}; median of {rounds} rounds after a warm-up; b=64\n")
@@ -141,7 +141,7 @@ def main() -> None:
     for dataset, n, steps, per_client in WORKLOADS:
         if args.only and dataset not in args.only:
             continue
-        if dataset == "cifar10" and device.type == "cpu":
+        if dataset != "digits" and device.type == "cpu":
             steps = args.cpu_steps
         distribution = "natural" if dataset == "femnist" else "iid"
         cfg = RunConfig(dataset=dataset, distribution=distribution, n_clients=n, n_byzantine=0,

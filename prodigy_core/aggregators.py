@@ -79,16 +79,13 @@ def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor |
     N, d = G.shape
     E = 0 if extra is None else len(extra)
     all_good = not bool(bad.any())
-    good = (~bad).nonzero().squeeze(1)
+    if centre is None:
+        centre = (G if all_good else G[(~bad).nonzero().squeeze(1)]).mean(dim=0, dtype=compute)
     K = torch.zeros(N + E, N + E, dtype=torch.float64, device=G.device)
     step = max(1, _CHUNK_ELEMENTS // (N + E))
     for start in range(0, d, step):
-        chunk = G[:, start : start + step].to(compute)
-        if centre is not None:
-            c = centre[start : start + step].to(compute)
-        else:
-            c = (chunk if all_good else chunk[good]).mean(dim=0)
-        Y = chunk - c
+        c = centre[start : start + step].to(compute)
+        Y = G[:, start : start + step].to(compute) - c
         if not all_good:
             Y[bad] = 0
         if extra is not None:

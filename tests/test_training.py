@@ -137,11 +137,12 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
 
 
 def test_checkpoint_of_another_config_is_not_used(tmp_path):
-    cfg = tiny(rounds=4, checkpoint_every=2)
-    run(cfg, progress=False, checkpoint_dir=tmp_path, _stop_after=3)
-    other = cfg.replace(seed=1)
-    assert not (tmp_path / f"{other.key()}.pt").exists()
-    assert run(other, progress=False, checkpoint_dir=tmp_path).round_times[0] > 0
+    cfg = tiny(rounds=3, local_steps=1, checkpoint_every=1)
+    run(cfg, progress=False, checkpoint_dir=tmp_path, _stop_after=2)
+    assert (tmp_path / f"{cfg.key()}.pt").exists()
+    other = run(cfg.replace(seed=1), progress=False, checkpoint_dir=tmp_path)
+    assert other.config["seed"] == 1 and other.rounds_completed == 3  # a resumed run would carry seed 0
+    assert (tmp_path / f"{cfg.key()}.pt").exists()  # the first config's checkpoint is left alone
 
 
 # -------------------------------------------------------------------------------------------- divergence
