@@ -16,6 +16,17 @@ Every file is validated on load: unknown keys (with a "did you mean"), wrong typ
 ConfigErrors that name the file, the key and the value.
 
 Smoke profile (`smoke=True`): the same grid shrunk to seconds for CI, see `smoke_profile` for the rule.
+
+Running a table on a Ray cluster (every node: the same Python environment, `pip install "prodigy-fl[ray]"`,
+and the results folder and datasets on a shared filesystem, since a run's checkpoints are written by the node
+that trains it while the records are written by the driver):
+
+    ray start --head --port=6379                      # on the head node
+    ray start --address=HEAD_IP:6379                  # on every other node
+    prodigy-fl grid params/table1_cifar10.yaml --executor ray --address auto --num-gpus 0.25 \
+        --set data_dir=/shared/data --results-dir /shared/results
+
+`--num-gpus 0.25` packs four runs per GPU; stop and rerun the same command at will: finished runs are skipped.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import yaml
 
 from prodigy_core import results as store
@@ -145,7 +157,13 @@ def experiment_from_spec(
         raise ConfigError(f"{where}: grid must be a mapping of field: [values] or a list of such mappings")
     grids = [_mapping(g, f"{where}: grid[{i}]") for i, g in enumerate(grids)]
     seeds = spec.get("seeds")
-    seeds = [base.pop("seed", RunConfig.seed)] if seeds is None else seeds
+    if "seed" in (fields or {}) or (seeds is None and "seed" in base):
+        seeds = [base.pop("seed")]  # --set seed=... replaces the file's seeds
+    elif "seed" in base:
+        raise ConfigError(
+            f"{where}: base.seed={base['seed']!r} and seeds={seeds!r}: list the seeds in `seeds`"
+        )
+    seeds = [RunConfig.seed] if seeds is None else seeds
     if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds):
         raise ConfigError(f"{where}: seeds={seeds!r} must be a non-empty list of integers, e.g. [0, 1, 2]")
     report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
@@ -355,15 +373,16 @@ def run_grid(
     address: str | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
-) -> Any:
+) -> pd.DataFrame:
     """Run every run of the experiment that has no record yet (all of them with force) and return the
     results frame (`results.load`). Records are written by this process as runs finish; a run that raises
-    is recorded as failed (`<key>.failed.json`) and the grid goes on.
+    is recorded as failed (`<key>.failed.json`) and the grid goes on. A run interrupted earlier resumes from
+    its checkpoint (one exists only for an unfinished run: training deletes it when the run completes).
 
     executor="local": in this process for jobs=1, a pool of `jobs` processes otherwise.
     executor="ray": each run a Ray task with `num_cpus`/`num_gpus` (fractions allowed: 0.25 GPU runs four per
     GPU), retried once on failure; `address` joins an existing cluster (e.g. "auto" or "ray://host:10001"),
-    otherwise a local Ray runtime with `jobs` CPUs is started.
+    otherwise a local Ray runtime with `jobs` CPUs is started (jobs is ignored with an address).
     """
     from tqdm.auto import tqdm
 

@@ -193,6 +193,7 @@ def test_overrides_replace_top_level_keys_and_fields_pin_an_axis():
     experiment = load_experiment("quickstart_digits", overrides={"seeds": [3, 4], "base": None})
     assert {c.seed for c in experiment.configs} == {3, 4} and len(experiment.configs) == 84
     assert {c.n_clients for c in experiment.configs} == {10}  # base=None keeps the file's base
+    assert {c.seed for c in load_experiment("table2_femnist_n20", fields={"seed": 5}).configs} == {5}
     pinned = load_experiment("quickstart_digits", fields={"attack": "alie", "rounds": 2})
     assert sorted(c.defense for c in pinned.configs) == sorted(PAPER_DEFENSES)
     assert {(c.attack, c.rounds) for c in pinned.configs} == {("alie", 2)}
@@ -221,6 +222,7 @@ X = "experiment: x\n"
         (X + "grid: {defense: prodigy}", r"exp\.yaml: grid\.defense='prodigy' must be a non-empty list"),
         (X + "seeds: 0", r"exp\.yaml: seeds=0 must be a non-empty list"),
         (X + "grid: {seed: [1, 2]}", r"exp\.yaml: grid\.seed: list the seeds in"),
+        (X + "base: {seed: 1}\nseeds: [0, 1]", r"exp\.yaml: base\.seed=1 and seeds=\[0, 1\]"),
         (X + "report: {rows: defence}", r"exp\.yaml: report\.rows='defence'.*did you mean 'defense'"),
         (X + "report: {colums: attack}", r"exp\.yaml: report: unknown key 'colums'.*'columns'"),
         ("experiment: 'a b'\n", r"exp\.yaml: experiment='a b' must be a name"),
