@@ -671,7 +671,8 @@ def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None =
     order = grid_order(experiment)
     name = experiment.name
     seeds = sorted(set(df["seed"].tolist())) if "seed" in df.columns else []
-    note = f"{len(df)} runs, seeds {', '.join(map(str, seeds))}." if seeds else f"{len(df)} runs."
+    runs = f"{len(df)} run{'s' * (len(df) != 1)}"
+    note = f"{runs}, seed{'s' * (len(seeds) != 1)} {', '.join(map(str, seeds))}." if seeds else f"{runs}."
     if smoke:
         note = f"**{SMOKE_LABEL}**: tiny scale, not comparable with the paper. " + note
 

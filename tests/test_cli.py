@@ -181,22 +181,23 @@ def test_ray_executor_runs_a_smoke_grid_and_records_a_failing_task(tmp_path):
     assert sorted(df["key"]) == sorted(c.key() for c in experiment.configs[:2])
     failure = json.loads((tmp_path / "ray" / "ray_small" / f"{bad.key()}.failed.json").read_text())
     assert "no-leaf" in failure["error"] and failure["config"]["dataset"] == "femnist"
-    local = run_grid(experiment, results_dir=tmp_path / "local", progress=False)
-    for key, (accuracy, _) in outcomes(df).items():
-        assert accuracy == pytest.approx(outcomes(local)[key][0], abs=0.6)  # same runs, maybe other threads
+    assert df["final_accuracy"].between(0, 100).all() and (df["rounds_completed"] == 3).all()
 
 
 # ------------------------------------------------------------------------------------------- report
 
 
-def test_quickstart_smoke_runs_the_grid_and_writes_the_report(tmp_path, capsys, monkeypatch):
+def test_quickstart_smoke_on_a_process_pool_runs_the_grid_and_writes_the_report(tmp_path, capsys):
     pytest.importorskip("prodigy_core.report").write_report  # noqa: B018
-    code = main(
-        ["quickstart", "--smoke", "--results-dir", str(tmp_path / "r"), "--out-dir", str(tmp_path / "f")]
-    )
+    results_dir = tmp_path / "r"
+    code = main(["quickstart", "--smoke", "--jobs", "2", "--results-dir", str(results_dir),
+                 "--out-dir", str(tmp_path / "f")])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
-    assert len(list((tmp_path / "r" / "quickstart_digits-smoke").glob("*.json"))) == 6
+    experiment = load_experiment("quickstart_digits", smoke=True)
+    df = results.load(experiment, results_dir)
+    assert list(df["key"]) == [c.key() for c in experiment.configs] and len(df) == 6
+    assert df["final_accuracy"].between(0, 100).all()
     assert "ProDiGy" in out and "|" in out and "files: " in out
     files = [Path(p) for p in out.split("files: ")[1].strip().split(", ")]
     assert files and all(p.exists() for p in files)
