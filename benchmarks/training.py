@@ -124,7 +124,7 @@ def authors_style_rounds(fed: Federation, dataset: str, steps: int, batch_size: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 5 on GPU, 1 on CPU)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 5 on GPU, 2 on CPU)")
     parser.add_argument("--cpu-steps", type=int, default=2, help="E for the FEMNIST/CIFAR-10 CNNs on a CPU")
     parser.add_argument("--only", nargs="*", default=None, help="datasets to run (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -132,11 +132,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    rounds = args.rounds or (5 if device.type == "cuda" else 1)
+    rounds = args.rounds or (5 if device.type == "cuda" else 2)
     cpu = f"CPU, {torch.get_num_threads()} threads"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     print(f"device: {name}; torch {torch.__version__}; median of {rounds} rounds after a warm-up; b=64\n")
-    header = f"{'workload':<22} {'engine':<11} {'E':>3} {'s/round':>9} {'images/s':>10} {'vs authors':>11}"
+    header = f"{'workload':<26} {'engine':<11} {'E':>3} {'s/round':>9} {'images/s':>10} {'vs authors':>11}"
     print(header + "\n" + "-" * len(header))
     for dataset, n, steps, per_client in WORKLOADS:
         if args.only and dataset not in args.only:
@@ -164,9 +164,10 @@ def main() -> None:
         label = f"{dataset} N={n}" + (" (synthetic)" if per_client else "")
         for engine, ts in times.items():
             t = statistics.median(ts)
-            print(f"{label:<22} {engine:<11} {steps:>3} {t:>9.3f} {images / t:>10.0f} {authors / t:>10.1f}x")
+            print(f"{label:<26} {engine:<11} {steps:>3} {t:>9.3f} {images / t:>10.0f} {authors / t:>10.1f}x")
         ratio = statistics.median(times["sequential"]) / statistics.median(times["batched"])
-        print(f"{'':<22} batched vs sequential: {ratio:.2f}x")
+        auto = training.pick_engine("auto", device, dataset)
+        print(f"{'':<26} batched vs sequential: {ratio:.2f}x; engine='auto' picks {auto} here")
 
 
 if __name__ == "__main__":
