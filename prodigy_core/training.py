@@ -174,6 +174,9 @@ def run(
         gamma = cfg.lr_at(r - 1)
         pseudo_grads, client_buffers = local_steps(model, fed, cfg.local_steps, gamma, cfg, data_gen)
         momentum = pseudo_grads if beta == 0 else beta * momentum + (1 - beta) * pseudo_grads
+        if not bool(torch.isfinite(momentum[f:]).all()):  # honest training blew up: the model has diverged
+            result.diverged, result.diverged_at, result.rounds_completed = True, r, r
+            break
         updates = momentum
         if attack is not None:
             byzantine = attack.craft(momentum[f:], momentum[:f], pipeline)

@@ -158,6 +158,15 @@ def test_non_finite_model_is_recorded_as_diverged_not_raised():
     json.dumps(result.to_dict(), allow_nan=False)
 
 
+@pytest.mark.filterwarnings("ignore:Average.*non-finite:RuntimeWarning")
+def test_divergence_under_attack_is_recorded_not_raised():
+    # FOE with eps=100 against a plain average sends the model far away; the next round's honest training
+    # is then non-finite, which the attack would refuse: the run must end as diverged, not as an error.
+    result = run(tiny(attack="foe_100", n_byzantine=2, lr=1.0, rounds=6), progress=False)
+    assert result.diverged and result.rounds_completed == result.diverged_at
+    assert result.final_accuracy == pytest.approx(100 / 10)
+
+
 # --------------------------------------------------------------------------------------------- attacks
 def test_alie_harms_average_and_prodigy_reports_detection():
     base = tiny(distribution="dirichlet", n_clients=10, n_byzantine=3, rounds=6, eval_every=6)
