@@ -34,7 +34,7 @@ def set_deterministic(enabled: bool = True) -> None:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """`auto` picks CUDA when available, else CPU; anything else is passed to torch.device with a clear error."""
+    """`auto` picks CUDA when available, else CPU; other names go to torch.device, with a clear error."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

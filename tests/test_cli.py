@@ -15,7 +15,6 @@ import pytest
 import prodigy_core
 from prodigy_core import results
 from prodigy_core.cli import main
-from prodigy_core.data import default_femnist_dir
 from prodigy_core.experiments import experiment_from_spec, load_experiment, run_grid
 
 GRID_YAML = """
@@ -116,13 +115,8 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, args, message)
     assert len(err.strip().splitlines()) == 1
 
 
-def test_data_femnist_validates_a_leaf_directory(capsys):
-    leaf = default_femnist_dir()
-    if leaf is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the FEMNIST subset (shared/data/femnist-leaf) must be present under CI")
-        pytest.skip("FEMNIST subset shared/data/femnist-leaf not found")
-    assert main(["data", "femnist", str(leaf)]) == 0
+def test_data_femnist_validates_a_leaf_directory(capsys, femnist_dir):
+    assert main(["data", "femnist", str(femnist_dir)]) == 0
     assert "valid LEAF FEMNIST directory with 10 writers" in capsys.readouterr().out
 
 

@@ -17,24 +17,12 @@ from prodigy_core.data import (
     DIGITS_MEAN,
     DIGITS_STD,
     DataError,
-    default_femnist_dir,
     dirichlet_split,
     iid_split,
     load_federation,
 )
 
 # ------------------------------------------------------------------------------------------------- fixtures
-
-
-def femnist_dir() -> Path:
-    """The shared real FEMNIST subset; skipped when absent, except under CI where it must be there."""
-    found = default_femnist_dir()
-    if found is None:
-        reason = "FEMNIST LEAF subset not found (../shared/data/femnist-leaf or env PRODIGY_FEMNIST_DIR)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason + " but CI=true requires it")
-        pytest.skip(reason)
-    return found
 
 
 CIFAR_PER_BATCH, CIFAR_TEST = 20, 12
@@ -140,8 +128,8 @@ def test_cifar10_missing_files_say_where_and_how(tmp_path):
 # ------------------------------------------------------------------------------------------------- FEMNIST
 
 
-def test_femnist_real_leaf_subset():
-    fed = load_federation("femnist", 10, "natural", data_dir=femnist_dir())
+def test_femnist_real_leaf_subset(femnist_dir):
+    fed = load_federation("femnist", 10, "natural", data_dir=femnist_dir)
     assert fed.train_images.shape == (3348, 1, 28, 28) and fed.test_images.shape == (378, 1, 28, 28)
     assert fed.train_images.dtype == torch.float32 and fed.num_classes == 62
     assert fed.train_images.min() >= 0 and fed.train_images.max() <= 1
@@ -154,8 +142,8 @@ def test_femnist_real_leaf_subset():
     torch.testing.assert_close(images, (fed.test_images - 0.5) / 0.5)
 
 
-def test_femnist_min_samples_and_too_few_writers():
-    leaf = femnist_dir()
+def test_femnist_min_samples_and_too_few_writers(femnist_dir):
+    leaf = femnist_dir
     assert load_federation("femnist", 3, "natural", data_dir=leaf, min_samples=340).n_clients == 3
     with pytest.raises(DataError, match=r"found \d writers with >= 340 training samples, need n_clients=10"):
         load_federation("femnist", 10, "natural", data_dir=leaf, min_samples=340)

@@ -2,14 +2,12 @@
 where the behaviour under test is the store, the real one where it is the executor)."""
 
 import csv
-import os
 from pathlib import Path
 
 import pytest
 
 from prodigy_core import experiments, results
 from prodigy_core.config import ConfigError, RunConfig, field_names
-from prodigy_core.data import default_femnist_dir
 from prodigy_core.experiments import (
     PARAMS_DIR,
     SMOKE_MAX_RUNS,
@@ -283,11 +281,7 @@ def test_smoke_rule_on_the_paper_tables():
     assert fig.record_distances_at == (SMOKE_ROUNDS,) and fig.dataset == "digits"
 
 
-def test_smoke_femnist_uses_the_leaf_subset_with_f_scaled():
-    if default_femnist_dir() is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the FEMNIST subset (shared/data/femnist-leaf) must be present under CI")
-        pytest.skip("FEMNIST subset shared/data/femnist-leaf not found")
+def test_smoke_femnist_uses_the_leaf_subset_with_f_scaled(femnist_dir):
     for name, f in (("table2_femnist_n20", 3), ("table3_femnist_n100", 3)):
         smoke = load_experiment(name, smoke=True)
         assert {(c.dataset, c.n_clients, c.n_byzantine) for c in smoke.configs} == {("femnist", 10, f)}

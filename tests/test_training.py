@@ -2,7 +2,6 @@
 result record, on tiny digits runs (CPU, seconds each)."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from torch import nn
 
 from prodigy_core import training
 from prodigy_core.config import ConfigError, RunConfig
-from prodigy_core.data import default_femnist_dir, load_federation
+from prodigy_core.data import load_federation
 from prodigy_core.models import make_model
 from prodigy_core.training import RunResult, run
 
@@ -21,16 +20,6 @@ TINY = dict(dataset="digits", n_clients=6, n_byzantine=0, defense="average", att
 
 def tiny(**changes) -> RunConfig:
     return RunConfig(**{**TINY, **changes})
-
-
-def femnist_dir():
-    found = default_femnist_dir()
-    if found is None:
-        reason = "FEMNIST LEAF subset not found (../shared/data/femnist-leaf or env PRODIGY_FEMNIST_DIR)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason + " but CI=true requires it")
-        pytest.skip(reason)
-    return found
 
 
 # ------------------------------------------------------------------------------------------------ learning
@@ -96,8 +85,8 @@ def test_engines_agree_on_digits(distribution):
         torch.testing.assert_close(buf_b[name], buf_s[name], rtol=1e-4, atol=1e-5)
 
 
-def test_engines_agree_on_femnist():
-    fed = load_federation("femnist", 3, distribution="natural", data_dir=femnist_dir())
+def test_engines_agree_on_femnist(femnist_dir):
+    fed = load_federation("femnist", 3, distribution="natural", data_dir=femnist_dir)
     (g_b, _), (g_s, _) = _both_engines(fed, "femnist", steps=2, batch_size=32, weight_decay=0.0)
     assert _relative_error(g_b, g_s) < 1e-4
 
