@@ -74,18 +74,24 @@ class Geometry(NamedTuple):
 
 
 def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor | None) -> Tensor:
-    """K = Y Y^T for Y = [G; extra] - centre (None: the mean of the good rows), in chunks of columns."""
+    """K = Y Y^T for Y = [G; extra] - centre (None: the mean of the good rows), in chunks of columns.
+
+    The mean is per coordinate, so each chunk is centred on its own column mean while it is in cache: one
+    pass over G in all."""
     compute = torch.float64 if G.dtype == torch.float64 else torch.float32
     N, d = G.shape
     E = 0 if extra is None else len(extra)
     all_good = not bool(bad.any())
-    if centre is None:
-        centre = (G if all_good else G[(~bad).nonzero().squeeze(1)]).mean(dim=0, dtype=compute)
+    good = None if all_good else (~bad).nonzero().squeeze(1)
     K = torch.zeros(N + E, N + E, dtype=torch.float64, device=G.device)
     step = max(1, _CHUNK_ELEMENTS // (N + E))
     for start in range(0, d, step):
-        c = centre[start : start + step].to(compute)
-        Y = G[:, start : start + step].to(compute) - c
+        X = G[:, start : start + step].to(compute)
+        if centre is None:
+            c = (X if all_good else X[good]).mean(dim=0)
+        else:
+            c = centre[start : start + step].to(compute)
+        Y = X - c
         if not all_good:
             Y[bad] = 0
         if extra is not None:
