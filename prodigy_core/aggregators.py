@@ -94,9 +94,13 @@ def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor |
         Y = X - c
         if not all_good:
             Y[bad] = 0
-        if extra is not None:
-            Y = torch.cat([Y, extra[:, start : start + step].to(compute) - c])
-        K += (Y @ Y.T).double()
+        K[:N, :N] += (Y @ Y.T).double()
+        if extra is not None:  # the cross terms on their own: concatenating would copy every chunk of G
+            Z = extra[:, start : start + step].to(compute) - c
+            cross = (Y @ Z.T).double()
+            K[:N, N:] += cross
+            K[N:, :N] += cross.T
+            K[N:, N:] += (Z @ Z.T).double()
     return K
 
 
