@@ -211,7 +211,7 @@ class _MinMaxMinSum(Attack):
         raise NotImplementedError
 
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
-        mean, sigma = honest.mean(0), honest.std(0, correction=0)
+        mean, sigma = _mean_std(honest)
         if self.deviation == "std":
             p = sigma
         elif self.deviation == "unit_vec":
@@ -268,7 +268,8 @@ class LineSearchAttack(Attack):
 
     def _prepare(self, honest: Tensor, f: int) -> dict[str, Tensor]:
         # population std (Baruch et al.); the mean is honest.mean(0) itself, so FOE sends exactly -eps* mu_H
-        return {"mean": honest.mean(0), "sigma": honest.std(0, correction=0)}
+        mean, sigma = _mean_std(honest)
+        return {"mean": mean, "sigma": sigma}
 
     def _rows(self, param: Any, stats: dict[str, Tensor]) -> Tensor:
         """The Byzantine rows for ``param``: (d,) when all f clients send the same vector, else (f, d)."""
@@ -427,6 +428,13 @@ def _check_honest(name: str, honest: Tensor) -> None:
     if not finite.all():
         bad = torch.nonzero(~finite).flatten().tolist()
         raise ValueError(f"{name}: honest updates {bad[:10]} (rows of honest) contain NaN or Inf")
+
+
+def _mean_std(honest: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-coordinate honest mean and population std (spelled out: torch.std along dim 0 is ~3x slower on
+    a CPU)."""
+    mean = honest.mean(0)
+    return mean, (honest - mean).square_().mean(0).sqrt_()
 
 
 def _damage(aggregate: Tensor, honest_mean: Tensor, name: str) -> float:
