@@ -22,9 +22,10 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -71,14 +72,15 @@ def checkpoint_dir(folder: Path) -> Path:
 # ------------------------------------------------------------------------------------------- writing
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON so that `path` holds either its old content or the complete new one, never a mix."""
+@contextlib.contextmanager
+def atomic_write(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a temporary file beside `path` and rename it onto `path` once the block succeeds, so that
+    `path` holds either its old content or the complete new one, never a mix (records and checkpoints)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, allow_nan=True)
-            fh.write("\n")
+        with os.fdopen(fd, mode) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -86,6 +88,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON atomically (see `atomic_write`)."""
+    with atomic_write(path) as fh:
+        json.dump(obj, fh, indent=1, allow_nan=True)
+        fh.write("\n")
 
 
 def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str) -> Path:
@@ -343,5 +352,6 @@ __all__ = [
     "resolve_results_dir",
     "save_failure",
     "save_record",
+    "atomic_write",
     "write_json_atomic",
 ]

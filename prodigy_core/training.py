@@ -49,10 +49,8 @@ import copy
 import dataclasses
 import functools
 import math
-import os
 import platform
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +71,7 @@ from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
+from prodigy_core.results import atomic_write
 from prodigy_core.seeding import resolve_device, seed_everything
 
 # engine="auto" on a CPU, per dataset, from benchmarks/training.py on 2 CPU cores (torch 2.14, b=64), batched
@@ -211,7 +210,8 @@ def run(
             state = {"key": config.key(), "round": r, "model": model.state_dict(), "momentum": momentum,
                      "pipeline": pipeline.state_dict(), "result": result.to_dict(), "hits": hits,
                      "rng": _get_rng_states(data_gen)}  # fmt: skip
-            _atomic_save(state, ckpt)
+            with atomic_write(ckpt, "wb") as fh:  # a kill never leaves a half-written checkpoint
+                torch.save(state, fh)
         if _stop_after == r:
             bar.close()
             return result
@@ -380,19 +380,6 @@ def _set_rng_states(states: dict[str, Any], data_gen: torch.Generator) -> None:
     np.random.set_state(states["numpy"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
-
-
-def _atomic_save(state: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same folder, then rename: a kill never leaves a half checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _as_float(value: Any) -> float | None:
