@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def results_dir(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "--results-dir", type=Path, help="results folder (default: env PRODIGY_RESULTS_DIR or ./results)"
+            "--results-dir",
+            type=Path,
+            help="results folder (default: env PRODIGY_RESULTS_DIR, else <repo>/results)",
         )
 
     p = sub.add_parser("run", help="run one config (defaults, a params file, --set overrides)")

@@ -34,7 +34,7 @@ from prodigy_core.config import field_names
 if TYPE_CHECKING:
     from prodigy_core.experiments import Experiment
 
-RESULTS_DIR = Path(os.environ.get("PRODIGY_RESULTS_DIR", Path(__file__).resolve().parents[1] / "results"))
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"  # default; env PRODIGY_RESULTS_DIR wins
 NO_ATTACK = "none"
 # Columns of paper_results.csv that identify a setting (with defense and attack: one cell of a table).
 PAPER_SETTING = ["dataset", "distribution", "dirichlet_alpha", "n_clients", "n_byzantine", "local_momentum",
