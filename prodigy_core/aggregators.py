@@ -37,7 +37,9 @@ AGGREGATOR_NAMES = BASE_NAMES + tuple(p + b for p in PRE_PREFIXES for b in BASE_
 # Recentre on a central client when the mean lies this many times further from it (squared) than its
 # median distance to the others: beyond that, float32 cancellation would cost about RATIO * eps relative.
 _RECENTRE_RATIO = 100.0
-_CHUNK_ELEMENTS = 1 << 20  # rows x columns of one centred chunk: 4 MB in float32, stays in cache
+# Rows x columns of one centred chunk of the Gram matrix: 4 MB in float32 stays in a CPU's cache; a GPU
+# wants fewer, larger products (kernel launches dominate small ones) and 32 MB still fits its L2 cache.
+_CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 23}
 _FLOOR = 1e-12  # relative floor for ProDiGy's divisions (see ProDiGy)
 
 
@@ -84,7 +86,7 @@ def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor |
     all_good = not bool(bad.any())
     good = None if all_good else (~bad).nonzero().squeeze(1)
     K = torch.zeros(N + E, N + E, dtype=torch.float64, device=G.device)
-    step = max(1, _CHUNK_ELEMENTS // (N + E))
+    step = max(1, _CHUNK_ELEMENTS["cpu" if G.device.type == "cpu" else "other"] // (N + E))
     for start in range(0, d, step):
         X = G[:, start : start + step].to(compute)
         if centre is None:
@@ -105,6 +107,7 @@ def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor |
 
 
 def _distances(K: Tensor, bad: Tensor) -> Tensor:
+    """Squared distances between the first len(bad) points of the centred Gram matrix K."""
     n = len(bad)
     sq = K.diagonal()[:n]
     D = (sq[:, None] + sq[None, :] - 2 * K[:n, :n]).clamp_(min=0)
@@ -138,6 +141,11 @@ def geometry(G: Tensor, extra: Tensor | None = None) -> Geometry:
     return Geometry(K, _distances(K, bad), bad)
 
 
+def _with_origin(G: Tensor) -> Geometry:
+    """Geometry of [G; 0]: point N is the origin (for norms of combinations of the g_i)."""
+    return geometry(G, extra=G.new_zeros(1, G.shape[1]))
+
+
 def pairwise_sq_distances(G: Tensor) -> Tensor:
     """Squared distances ||g_i - g_j||^2 as an (N, N) float64 tensor on G's device.
 
@@ -146,6 +154,10 @@ def pairwise_sq_distances(G: Tensor) -> Tensor:
     """
     _check_input(G, "pairwise_sq_distances")
     return geometry(G).D
+
+
+def _no_bad(n: int, like: Tensor) -> Tensor:
+    return torch.zeros(n, dtype=torch.bool, device=like.device)
 
 
 def _sort_without_self(D: Tensor) -> tuple[Tensor, Tensor]:
@@ -206,6 +218,13 @@ class Rule:
     def aggregate(self, G: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def weights(self, K: Tensor, D: Tensor) -> Tensor | None:
+        """The output as weights w (N,) on the input vectors, ``peek(G) = sum_i w_i g_i``, computed from the
+        geometry alone: K the centred Gram matrix of [G; 0] ((N+1, N+1), float64), D the squared distances
+        (N, N); every vector finite. None when the rule is not such a combination (coordinate-wise rules)
+        or not for this input. Lets the attack search evaluate many candidates from one Gram matrix."""
+        return None
+
     def check_n(self, n: int) -> None:
         """Raise a ValueError when the rule cannot run on n vectors."""
 
@@ -245,6 +264,10 @@ class Average(Rule):
                 stacklevel=3,
             )
         return out
+
+    def weights(self, K: Tensor, D: Tensor) -> Tensor:
+        N = D.shape[0]
+        return torch.full((N,), 1.0 / N, dtype=torch.float64, device=D.device)
 
 
 class Median(Rule):
@@ -296,15 +319,21 @@ class GeoMed(Rule):
         self.nu, self.R = nu, R
 
     def aggregate(self, G: Tensor) -> Tensor:
-        N = G.shape[0]
-        K, _, bad = geometry(G, extra=G.new_zeros(1, G.shape[1]))  # point N is the origin z_0
+        K, _, bad = _with_origin(G)  # point N is the origin z_0
+        return _weighted_sum(G, self._weiszfeld(K, bad), bad)
+
+    def weights(self, K: Tensor, D: Tensor) -> Tensor:
+        return self._weiszfeld(K, torch.zeros(D.shape[0], dtype=torch.bool, device=D.device))
+
+    def _weiszfeld(self, K: Tensor, bad: Tensor) -> Tensor:
+        N = len(bad)
         dist = (K.diagonal()[:N] - 2 * K[:N, N] + K[N, N]).clamp(min=0).sqrt()
         for _ in range(self.R):
             beta = torch.where(bad, 0.0, 1.0 / dist.clamp(min=self.nu))
             w = beta / beta.sum()
             Kw = K[:N, :N] @ w
             dist = (w @ Kw - 2 * Kw + K.diagonal()[:N]).clamp(min=0).sqrt()
-        return _weighted_sum(G, w, bad)
+        return w
 
     def __repr__(self) -> str:
         return f"GeoMed(nu={self.nu}, R={self.R})"
@@ -328,6 +357,10 @@ class Krum(Rule):
     def aggregate(self, G: Tensor) -> Tensor:
         return G[int(krum_scores(geometry(G).D, self.f).argmin())].clone()
 
+    def weights(self, K: Tensor, D: Tensor) -> Tensor:
+        w = torch.zeros(D.shape[0], dtype=torch.float64, device=D.device)
+        return w.index_fill_(0, krum_scores(D, self.f).argmin(), 1.0)
+
 
 class MultiKrum(Rule):
     """Multi-Krum (Blanchard et al., 2017): the mean of the m vectors with the lowest Krum scores
@@ -343,12 +376,14 @@ class MultiKrum(Rule):
         self._need(1 <= m <= n - self.f, n, f"1 <= m <= N - f, m={m}")
 
     def aggregate(self, G: Tensor) -> Tensor:
-        N = G.shape[0]
+        _, D, bad = geometry(G)
+        return _weighted_sum(G, self.weights(None, D), bad)
+
+    def weights(self, K: Tensor | None, D: Tensor) -> Tensor:
+        N = D.shape[0]
         m = N - self.f if self.m is None else self.m
-        K, D, bad = geometry(G)
         chosen = krum_scores(D, self.f).sort(stable=True).indices[:m]
-        w = torch.zeros(N, dtype=torch.float64, device=G.device).index_fill_(0, chosen, 1.0 / m)
-        return _weighted_sum(G, w, bad)
+        return torch.zeros(N, dtype=torch.float64, device=D.device).index_fill_(0, chosen, 1.0 / m)
 
     def __repr__(self) -> str:
         return f"MultiKrum(f={self.f}, m={self.m})"
@@ -467,8 +502,11 @@ class ProDiGy(Rule):
         return self._scores(G)[0]
 
     def _scores(self, G: Tensor) -> tuple[ProDiGyScores, Tensor]:
-        N, f = G.shape[0], self.f
-        K, D, bad = geometry(G, extra=G.new_zeros(1, G.shape[1]))  # point N is the origin, for ||mu||
+        K, D, bad = _with_origin(G)  # point N is the origin, for ||mu||
+        return self._scores_from(K, D, bad), bad
+
+    def _scores_from(self, K: Tensor, D: Tensor, bad: Tensor) -> ProDiGyScores:
+        N, f = D.shape[0], self.f
         delta, index = _sort_without_self(D)
         spread = delta[:, f - 1 : N - f - 1].sum(dim=1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
         largest = spread.masked_fill(bad, 0.0).max()
@@ -486,7 +524,11 @@ class ProDiGy(Rule):
         kept = torch.where(composite > composite.kthvalue(f).values, composite, 0.0)
         total = kept.sum()
         weight = kept / total if total > 0 else kept
-        return ProDiGyScores(proximity, dissimilarity, composite, weight), bad
+        return ProDiGyScores(proximity, dissimilarity, composite, weight)
+
+    def weights(self, K: Tensor, D: Tensor) -> Tensor | None:
+        weight = self._scores_from(K, D, torch.zeros(D.shape[0], dtype=torch.bool, device=D.device)).weight
+        return weight if weight.sum() > 0 else None  # all scores 0: the median fallback is not a combination
 
     def _aggregate_with_scores(self, G: Tensor) -> tuple[Tensor, ProDiGyScores]:
         _check_input(G, repr(self))
@@ -522,15 +564,24 @@ class NNM(Rule):
         self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
         return n
 
-    def peek(self, G: Tensor) -> Tensor:
+    def peek(self, G: Tensor, distances: Tensor | None = None) -> Tensor:
+        """Mixed vectors (N, d); ``distances``: G's squared distances when the caller already has them (then
+        every vector must be finite)."""
         _check_input(G, repr(self))
         self.check_n(G.shape[0])
-        _, D, bad = geometry(G)
-        A = _neighbourhood(_sort_without_self(D)[1], G.shape[0] - self.f, G.dtype)
+        if distances is None:
+            _, D, bad = geometry(G)
+        else:
+            D, bad = distances, torch.zeros(G.shape[0], dtype=torch.bool, device=G.device)
+        A = self.mixing(D).to(G.dtype)
         if not bad.any():
             return A @ G
         good = (~bad).nonzero().squeeze(1)
         return (A[:, good] @ G[good]).masked_fill(bad[:, None], math.nan)
+
+    def mixing(self, D: Tensor) -> Tensor:
+        """The (N, N) float64 averaging matrix A of the mixed vectors A G, from the squared distances D."""
+        return _neighbourhood(_sort_without_self(D)[1], D.shape[0] - self.f, torch.float64)
 
 
 class Bucketing(Rule):
@@ -597,12 +648,44 @@ class Pipeline:
             G = p(G)
         return self.rule(G)
 
-    def peek(self, G: Tensor) -> Tensor:
+    def peek(self, G: Tensor, gram: Tensor | None = None) -> Tensor:
+        """The aggregate without changing any state. ``gram``: the centred Gram matrix of [G; 0] when the
+        caller already has it (every vector finite); a leading NNM then takes its distances from it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        for p in self.pre:
-            G = p.peek(G)
+        for i, p in enumerate(self.pre):
+            if i == 0 and gram is not None and isinstance(p, NNM):
+                G = p.peek(G, distances=_distances(gram, _no_bad(G.shape[0], gram)))
+            else:
+                G = p.peek(G)
         return self.rule.peek(G)
+
+    @property
+    def takes_gram(self) -> bool:
+        """Whether a Gram matrix given to ``peek`` or ``weights`` saves work: a leading NNM, or no
+        pre-aggregator and a rule whose output is a weighted combination of its inputs."""
+        if self.pre:
+            return isinstance(self.pre[0], NNM)
+        return type(self.rule).weights is not Rule.weights
+
+    def weights(self, gram: Tensor) -> Tensor | None:
+        """The aggregate of N finite vectors as weights w (N,) on them, ``peek(G) = sum_i w_i g_i``, from
+        ``gram`` alone: the centred Gram matrix of [G; 0] ((N+1, N+1), float64), no pass over G. None when
+        the pipeline is not such a combination (a coordinate-wise rule, CClip, Bucketing). NNM's mixing
+        A maps it to the Gram matrix of [A G; 0] and the rule's weights w' back to w = A^T w'."""
+        n = gram.shape[0] - 1
+        self.check_n(n)
+        if type(self.rule).weights is Rule.weights:
+            return None
+        mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
+        for p in self.pre:
+            if not isinstance(p, NNM):
+                return None
+            A = p.mixing(_distances(gram, _no_bad(n, gram)))
+            P = torch.block_diag(A, torch.ones(1, 1, dtype=gram.dtype, device=gram.device))
+            gram, mix = P @ gram @ P.T, A @ mix
+        w = self.rule.weights(gram, _distances(gram, _no_bad(n, gram)))
+        return None if w is None else mix.T @ w
 
     def reset(self) -> None:
         self.rule.reset()

@@ -14,6 +14,10 @@ through the full pipeline (pre-aggregation included) once, via ``server.peek`` w
 a stateful rule such as CClip is not advanced, and the candidate whose aggregate lands farthest (L2) from the
 honest mean wins; ties go to the first candidate, a non-finite aggregate counts as infinite damage. All
 candidates are written into one preallocated (N, d) matrix whose honest rows are copied once per craft.
+ALIE's and FOE's candidates lie on one line, so one Gram matrix of the honest updates and the line's two
+end points holds every candidate's geometry: a pipeline whose output is a weighted combination (ProDiGy,
+Krum, GeoMed, NNM+...) is then evaluated from it alone, and a leading NNM takes its distances from it
+(`LineSearchAttack._craft`).
 After ``craft``, ``attack.last_param`` holds the chosen parameter (None for attacks without one) and
 ``attack.last_search`` the (param, damage) pairs in grid order (empty for attacks without a search).
 
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from prodigy_core.aggregators import pairwise_sq_distances
+from prodigy_core.aggregators import Pipeline, geometry, pairwise_sq_distances
 
 # ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
 ALIE_Z_STEP = 0.25
@@ -275,24 +279,78 @@ class LineSearchAttack(Attack):
         """The Byzantine rows for ``param``: (d,) when all f clients send the same vector, else (f, d)."""
         raise NotImplementedError
 
+    def _line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+        """End points (p0, p1) when every candidate sends the one vector (1 - param) p0 + param p1."""
+        return None
+
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         f, (h, d) = own.shape[0], honest.shape
         stats = self._prepare(honest, f)
+        grams = self._candidate_grams(honest, f, stats, server)
         evaluate = server.peek if hasattr(server, "peek") else server
-        candidates = torch.empty((f + h, d), dtype=honest.dtype, device=honest.device)
-        candidates[f:] = honest
+        candidates = None
         best, best_damage = None, -math.inf
         for param in self.grid(f + h, f):
-            candidates[:f] = self._rows(param, stats)
-            damage = _damage(evaluate(candidates), stats["mean"], self.name)
+            gram = weights = None
+            if grams is not None:
+                gram = grams.send(param)
+                weights = server.weights(gram)
+            if weights is not None:
+                damage = grams.damage(weights)
+            else:
+                if candidates is None:
+                    candidates = torch.empty((f + h, d), dtype=honest.dtype, device=honest.device)
+                    candidates[f:] = honest
+                candidates[:f] = self._rows(param, stats)
+                aggregate = evaluate(candidates) if gram is None else evaluate(candidates, gram=gram)
+                damage = _damage(aggregate, stats["mean"], self.name)
             self.last_search.append((param, damage))
             if damage > best_damage:
                 best, best_damage = param, damage
         self._record(best)
         return self._rows(best, stats).expand(f, d).clone()
 
+    def _candidate_grams(
+        self, honest: Tensor, f: int, stats: dict[str, Tensor], server: Server
+    ) -> _LineGeometry | None:
+        line = self._line(stats)
+        if line is None or not (isinstance(server, Pipeline) and server.takes_gram):
+            return None
+        K = geometry(honest, extra=torch.stack([*line, torch.zeros_like(line[0])])).K
+        return _LineGeometry(K, f) if torch.isfinite(K).all() else None
+
     def _record(self, best: Any) -> None:
         self.last_param = best
+
+
+class _LineGeometry:
+    """Every candidate's Gram matrix from one Gram matrix K of the h + 3 base points B = [honest; p0; p1; 0].
+
+    Candidate t puts the f Byzantine clients at (1 - t) p0 + t p1, so its points [byzantine; honest; 0] are
+    C_t B for a coefficient matrix C_t (N + 1, h + 3) and their Gram matrix is C_t K C_t^T. A pipeline's
+    weights w on them give the aggregate w^T C_t B, an affine combination of B (w sums to 1) like the honest
+    mean m^T B, so the damage is sqrt((w^T C_t - m^T) K (C_t^T w - m)): O(N^2 h) per candidate, no pass
+    over the d coordinates. float64 throughout, as the pipeline's own Gram matrix."""
+
+    def __init__(self, K: Tensor, f: int) -> None:
+        h = K.shape[0] - 3
+        self.K, self.f, self.n = K, f, f + h
+        self.C = torch.zeros(f + h + 1, h + 3, dtype=K.dtype, device=K.device)
+        self.C[f : f + h, :h] = torch.eye(h, dtype=K.dtype, device=K.device)
+        self.C[f + h, h + 2] = 1.0  # the origin stays the origin
+        self.mean = torch.zeros(h + 3, dtype=K.dtype, device=K.device)
+        self.mean[:h] = 1.0 / h
+
+    def send(self, t: float) -> Tensor:
+        """The Gram matrix of [byzantine; honest; 0] when the Byzantine clients send (1 - t) p0 + t p1."""
+        h = self.n - self.f
+        self.C[: self.f, h], self.C[: self.f, h + 1] = 1.0 - t, t
+        return self.C @ self.K @ self.C.T
+
+    def damage(self, weights: Tensor) -> float:
+        """norm(aggregate - honest mean) for the last candidate, the aggregate being sum_i w_i x_i."""
+        c = weights @ self.C[: self.n] - self.mean
+        return (c @ self.K @ c).clamp(min=0).sqrt().item()
 
 
 class ALIE(LineSearchAttack):
@@ -308,6 +366,9 @@ class ALIE(LineSearchAttack):
 
     def _rows(self, z: float, stats: dict[str, Tensor]) -> Tensor:
         return stats["mean"] - z * stats["sigma"]
+
+    def _line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return stats["mean"], stats["mean"] - stats["sigma"]
 
 
 class FOE(LineSearchAttack):
@@ -329,6 +390,9 @@ class FOE(LineSearchAttack):
 
     def _rows(self, eps: float, stats: dict[str, Tensor]) -> Tensor:
         return -eps * stats["mean"]
+
+    def _line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return torch.zeros_like(stats["mean"]), -stats["mean"]
 
 
 class ALIESpread(LineSearchAttack):

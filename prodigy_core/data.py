@@ -241,7 +241,7 @@ def random_crop_flip(
 
     The zero-padded store (`padded`, `pad_images(images, pad)`; made here when not given) is viewed, without a
     copy, as every image's (2 pad + 1)^2 crop windows; one indexed copy then takes each image's window, and
-    the flipped subset is mirrored in place.
+    the flipped ones are selected from its mirror image.
     """
     m, c, h, w = images.shape
     dev = images.device
@@ -254,8 +254,7 @@ def random_crop_flip(
     dx = torch.randint(0, k, (n,), generator=generator, device=dev)
     flip = torch.rand(n, generator=generator, device=dev) < 0.5
     out = windows[idx, dy, dx]
-    out[flip] = out[flip].flip(3)
-    return out
+    return torch.where(flip[:, None, None, None], out.flip(3), out)  # no boolean indexing: no GPU sync
 
 
 def pad_images(images: Tensor, pad: int) -> Tensor:

@@ -405,5 +405,35 @@ def test_dtype_and_device_follow_input():
 
 def test_chunked_gram_matches_unchunked(monkeypatch):
     G = torch.randn(9, 1000, dtype=torch.float64)
-    monkeypatch.setattr(agg, "_CHUNK_ELEMENTS", 50)  # many chunks of 5 columns
+    monkeypatch.setitem(agg._CHUNK_ELEMENTS, "cpu", 50)  # many chunks of 5 columns
     close(pairwise_sq_distances(G), torch.tensor(bf_dist(G), dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------- weights from a Gram matrix
+LINEAR = ["average", "krum", "multikrum", "geomed", "prodigy"]
+
+
+@pytest.mark.parametrize("name", LINEAR + ["nnm+" + n for n in LINEAR])
+@pytest.mark.parametrize(("N", "f"), [(10, 2), (15, 4)])
+def test_weights_from_the_gram_matrix_reproduce_the_aggregate(name, N, f):
+    """The attack search's shortcut: sum_i w_i g_i with w from the Gram matrix alone equals peek(G)."""
+    G = torch.randn(N, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(N + f))
+    G[:f] = G[f:].mean(0) - 0.7 * G[f:].std(0)  # identical Byzantine rows: ties in the distances
+    pipeline = make_aggregator(name, f)
+    w = pipeline.weights(agg.geometry(G, extra=G.new_zeros(1, 300)).K)
+    assert w.shape == (N,) and w.dtype == torch.float64
+    assert float(w.sum()) == pytest.approx(1.0)
+    close(w @ G, pipeline.peek(G))
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean", "cclip", "nnm+trimmed_mean", "bucketing+krum"])
+def test_weights_are_none_for_rules_that_are_not_combinations(name):
+    G = torch.randn(16, 50, dtype=torch.float64)
+    assert make_aggregator(name, 2).weights(agg.geometry(G, extra=G.new_zeros(1, 50)).K) is None
+
+
+def test_peek_with_a_given_gram_matrix_is_the_same_aggregate():
+    G = torch.randn(12, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    gram = agg.geometry(G, extra=G.new_zeros(1, 200)).K
+    for name in ("nnm+trimmed_mean", "nnm+median", "trimmed_mean"):
+        close(make_aggregator(name, 3).peek(G, gram=gram), make_aggregator(name, 3).peek(G))

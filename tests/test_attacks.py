@@ -8,7 +8,8 @@ import statistics
 import pytest
 import torch
 
-from prodigy_core.aggregators import make_aggregator
+from prodigy_core import attacks
+from prodigy_core.aggregators import Pipeline, make_aggregator
 from prodigy_core.attacks import ATTACKS, alie_grid, alie_z_max, make_attack
 
 N, F, D = 10, 3, 40
@@ -105,7 +106,12 @@ def test_foe_search_matches_brute_force(defense, name, eps):
     attack = make_attack(name)
     rows = attack.craft(honest, own, make_aggregator(defense, F))
     assert attack.name == name
-    assert attack.last_param == pytest.approx(best)
+    # FOE against ProDiGy often zeroes the Byzantine clients for every eps: an exact tie that the search
+    # (in float64) gives to the first candidate, while the float32 brute force ranks by rounding noise
+    chosen = [k for k, e in enumerate(grid) if e == pytest.approx(attack.last_param)]
+    assert len(chosen) == 1 and damages[chosen[0]] >= max(damages) * (1 - 1e-4)
+    if max(damages) > sorted(damages)[-2] * (1 + 1e-4):  # a clear winner must be found
+        assert attack.last_param == pytest.approx(best)
     assert [dmg for _, dmg in attack.last_search] == pytest.approx(damages, rel=1e-4, abs=1e-6)
     assert torch.equal(rows, (-attack.last_param * honest.mean(0)).expand(F, D))  # exactly -eps* mu_H
 
@@ -310,3 +316,38 @@ def test_works_on_every_available_device():
         for name in ATTACKS:
             out = make_attack(name).craft(honest, own, make_aggregator("nnm+trimmed_mean", F))
             assert out.shape == (F, D) and out.device == honest.device and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("defense", ["prodigy", "nnm+krum", "nnm+trimmed_mean", "trimmed_mean"])
+@pytest.mark.parametrize("name", ["alie", "foe_100"])
+def test_line_search_reads_candidates_from_one_gram_matrix(defense, name, monkeypatch):
+    """ALIE and FOE candidates lie on a line: a weighted-combination pipeline is evaluated from one Gram
+    matrix (no peek), a leading NNM gets each candidate's Gram matrix, other pipelines are peeked as is."""
+    seen = {"peek": [], "weights": 0, "geometry": 0}
+    real_peek, real_weights, real_geometry = Pipeline.peek, Pipeline.weights, attacks.geometry
+
+    def peek(self, G, gram=None):
+        seen["peek"].append(gram is not None)
+        return real_peek(self, G, gram=gram)
+
+    def weights(self, gram):
+        seen["weights"] += 1
+        return real_weights(self, gram)
+
+    def geometry(*args, **kwargs):
+        seen["geometry"] += 1
+        return real_geometry(*args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "peek", peek)
+    monkeypatch.setattr(Pipeline, "weights", weights)
+    monkeypatch.setattr(attacks, "geometry", geometry)
+    honest, own = make_updates(8)
+    attack = make_attack(name)
+    attack.craft(honest, own, make_aggregator(defense, F))
+    candidates = len(attack.grid(N, F))
+    if defense == "trimmed_mean":  # no geometry to share
+        assert seen == {"peek": [False] * candidates, "weights": 0, "geometry": 0}
+    elif defense == "nnm+trimmed_mean":
+        assert seen == {"peek": [True] * candidates, "weights": candidates, "geometry": 1}
+    else:
+        assert seen == {"peek": [], "weights": candidates, "geometry": 1}

@@ -1,0 +1,93 @@
+"""The same semantics on a GPU: every rule, attack and engine on CUDA against the CPU reference.
+
+Skipped where torch sees no CUDA device (CI has none); run on a GPU machine with `pytest tests/test_cuda.py`.
+"""
+
+import pytest
+import torch
+
+from prodigy_core import training
+from prodigy_core.aggregators import BASE_NAMES, make_aggregator
+from prodigy_core.attacks import make_attack
+from prodigy_core.config import RunConfig
+from prodigy_core.data import load_federation
+from prodigy_core.models import make_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+CUDA = torch.device("cuda")
+
+
+def updates(n: int = 20, d: int = 3000, seed: int = 0) -> torch.Tensor:
+    """Heterogeneous rows sharing a large offset (where a float32 Gram on raw vectors would fail)."""
+    g = torch.Generator().manual_seed(seed)
+    return 50.0 + torch.linspace(0.5, 2.0, n)[:, None] * torch.randn(n, d, generator=g)
+
+
+@pytest.mark.parametrize("name", [n for n in BASE_NAMES if n != "none"] + ["nnm+prodigy", "nnm+krum"])
+def test_every_rule_matches_the_cpu(name):
+    G = updates()
+    f = 3
+    cpu = make_aggregator(name, f, n_clients=len(G))(G)
+    gpu = make_aggregator(name, f, n_clients=len(G))(G.to(CUDA))
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-4)
+
+
+def test_prodigy_zeroes_the_same_clients_on_cuda():
+    G = updates(seed=3)
+    G[:4] = G[4:].mean(0) - 0.5 * G[4:].std(0)  # ALIE-like identical rows
+    cpu = make_aggregator("prodigy", 4)
+    gpu = make_aggregator("prodigy", 4)
+    cpu(G), gpu(G.to(CUDA))
+    assert torch.equal(cpu.rule.last_scores.weight == 0, gpu.rule.last_scores.weight.cpu() == 0)
+
+
+@pytest.mark.parametrize("attack", ["alie", "foe_100", "minmax"])
+def test_attack_search_picks_the_same_candidate(attack):
+    G = updates(n=13, seed=5)
+    honest, own = G[3:], G[:3]
+    chosen = []
+    for device in ("cpu", CUDA):
+        server = make_aggregator("nnm+trimmed_mean", 3, n_clients=13)
+        atk = make_attack(attack)
+        out = atk.craft(honest.to(device), own.to(device), server)
+        assert out.device.type == torch.device(device).type and torch.isfinite(out).all()
+        chosen.append(atk.last_param)
+    assert chosen[0] == pytest.approx(chosen[1])
+
+
+@pytest.fixture
+def no_tf32():
+    """cuDNN convolutions default to TF32 (10-bit mantissa) on Ampere and later; compare in full float32."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+def test_batched_engine_matches_sequential_on_cuda(no_tf32):
+    fed = load_federation("digits", 6, distribution="dirichlet", seed=0, device=CUDA)
+    jitter = torch.rand(fed.train_images.shape, device=CUDA)
+    fed.train_images = fed.train_images + 1e-3 * jitter  # no max-pooling ties (see test_training)
+    torch.manual_seed(0)
+    model = make_model("digits").to(CUDA).train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    cfg = RunConfig(dataset="digits", distribution="dirichlet", n_clients=6, n_byzantine=0, defense="average",
+                    batch_size=100, device="cuda").resolved()  # fmt: skip
+    out = []
+    for local_steps in (training._local_steps_batched, training._local_steps_sequential):
+        gen = fed.generator(1)  # the same batches for both engines
+        out.append(local_steps(model, fed, 3, 0.05, cfg, gen)[0])
+    assert out[0].device.type == "cuda"
+    assert (torch.linalg.vector_norm(out[0] - out[1]) / torch.linalg.vector_norm(out[1])).item() < 1e-4
+
+
+def test_a_cuda_run_learns_and_records_its_device():
+    cfg = RunConfig(dataset="digits", distribution="iid", n_clients=8, n_byzantine=2, defense="prodigy",
+                    attack="alie", rounds=8, local_steps=4, batch_size=32, eval_every=4,
+                    device="cuda")  # fmt: skip
+    result = training.run(cfg, progress=False)
+    assert not result.diverged and result.final_accuracy > 50.0  # chance is 10%
+    assert result.environment["device"].startswith("cuda") and result.environment["engine"] == "batched"
