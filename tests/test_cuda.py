@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prodigy_core import training
-from prodigy_core.aggregators import BASE_NAMES, make_aggregator
+from prodigy_core.aggregators import BASE_NAMES, make_aggregator, pairwise_sq_distances
 from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import load_federation
@@ -91,3 +91,13 @@ def test_a_cuda_run_learns_and_records_its_device():
     result = training.run(cfg, progress=False)
     assert not result.diverged and result.final_accuracy > 50.0  # chance is 10%
     assert result.environment["device"].startswith("cuda") and result.environment["engine"] == "batched"
+
+
+def test_distances_stay_accurate_with_a_large_shared_offset():
+    """The GPU's large Gram chunks still centre each chunk and accumulate across chunks in float64."""
+    g = torch.Generator().manual_seed(7)
+    G = 1e3 + torch.randn(30, 200_000, generator=g)
+    exact = torch.cdist(G.double(), G.double()).square()
+    D = pairwise_sq_distances(G.to(CUDA)).cpu()
+    off_diagonal = ~torch.eye(30, dtype=torch.bool)
+    assert ((D - exact).abs()[off_diagonal] / exact[off_diagonal]).max() < 1e-5
