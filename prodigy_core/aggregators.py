@@ -79,31 +79,29 @@ class Geometry(NamedTuple):
 def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor | None) -> Tensor:
     """K = Y Y^T for Y = [G; extra] - centre (None: the mean of the good rows), in chunks of columns.
 
-    The mean is per coordinate, so each chunk is centred on its own column mean while it is in cache: one
-    pass over G in all."""
+    The mean is per coordinate, so each chunk is centred on its own column mean while it is in cache, and
+    written with the extra rows into one reused buffer: one pass over G and one product per chunk."""
     compute = torch.float64 if G.dtype == torch.float64 else torch.float32
     N, d = G.shape
     E = 0 if extra is None else len(extra)
     all_good = not bool(bad.any())
     good = None if all_good else (~bad).nonzero().squeeze(1)
     K = torch.zeros(N + E, N + E, dtype=torch.float64, device=G.device)
-    step = max(1, _CHUNK_ELEMENTS["cpu" if G.device.type == "cpu" else "other"] // (N + E))
+    step = min(d, max(1, _CHUNK_ELEMENTS["cpu" if G.device.type == "cpu" else "other"] // (N + E)))
+    buffer = torch.empty(N + E, step, dtype=compute, device=G.device)
     for start in range(0, d, step):
         X = G[:, start : start + step].to(compute)
+        Y = buffer[:, : X.shape[1]]
         if centre is None:
             c = (X if all_good else X[good]).mean(dim=0)
         else:
             c = centre[start : start + step].to(compute)
-        Y = X - c
+        torch.sub(X, c, out=Y[:N])
         if not all_good:
-            Y[bad] = 0
-        K[:N, :N] += (Y @ Y.T).double()
-        if extra is not None:  # the cross terms on their own: concatenating would copy every chunk of G
-            Z = extra[:, start : start + step].to(compute) - c
-            cross = (Y @ Z.T).double()
-            K[:N, N:] += cross
-            K[N:, :N] += cross.T
-            K[N:, N:] += (Z @ Z.T).double()
+            Y[:N][bad] = 0
+        if extra is not None:
+            torch.sub(extra[:, start : start + step].to(compute), c, out=Y[N:])
+        K += (Y @ Y.T).double()
     return K
 
 

@@ -303,23 +303,27 @@ def _local_steps_batched(
 def _local_steps_sequential(
     model: nn.Module, fed: Federation, steps: int, lr: float, cfg: RunConfig, gen: torch.Generator
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Reference: the same E local steps on the same batches, one client after another on one model copy."""
+    """Reference: the same E local steps on the same batches, one client after another on one model copy.
+
+    The copy runs in channels-last memory format (1.2-1.5x faster convolutions on a CPU, native for cuDNN);
+    flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
     batches = [_draw_batch(fed, cfg.batch_size, gen) for _ in range(steps)]
     server_state = copy.deepcopy(model.state_dict())
-    client = copy.deepcopy(model)
+    client = copy.deepcopy(model).to(memory_format=torch.channels_last)
     weights = list(client.parameters())
     start = parameters_to_vector(model.parameters()).detach()
     rows, reports = [], []
     for k in range(fed.n_clients):
         client.load_state_dict(server_state)
         for x, y, mask in batches:
-            loss = F.cross_entropy(client(x[k][mask[k]]), y[k][mask[k]])
+            xk = x[k][mask[k]].contiguous(memory_format=torch.channels_last)
+            loss = F.cross_entropy(client(xk), y[k][mask[k]])
             grads = list(torch.autograd.grad(loss, weights))
             with torch.no_grad():
                 if cfg.weight_decay:
                     torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
                 torch._foreach_add_(weights, grads, alpha=-lr)
-        rows.append((start - parameters_to_vector(weights).detach()) / lr)
+        rows.append((start - torch.cat([w.detach().reshape(-1) for w in weights])) / lr)
         reports.append({name: b.detach().clone() for name, b in client.named_buffers()})
     buffers = {name: torch.stack([rep[name] for rep in reports]) for name in reports[0]} if reports[0] else {}
     return torch.stack(rows), buffers
