@@ -133,10 +133,6 @@ def run(
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
     cfg = config.resolved()
     device = resolve_device(cfg.device)
-    if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-        # autotune cuDNN's convolutions (the vmapped clients' grouped ones gain most); set_deterministic()
-        # before run() keeps fixed, deterministic kernels instead
-        torch.backends.cudnn.benchmark = True
     n, f, beta = cfg.n_clients, cfg.n_byzantine, cfg.local_momentum
     fed = _load_federation(cfg, device)
     seed_everything(cfg.seed)
