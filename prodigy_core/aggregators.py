@@ -672,6 +672,12 @@ class Pipeline:
         ``gram`` alone: the centred Gram matrix of [G; 0] ((N+1, N+1), float64), no pass over G. None when
         the pipeline is not such a combination (a coordinate-wise rule, CClip, Bucketing). NNM's mixing
         A maps it to the Gram matrix of [A G; 0] and the rule's weights w' back to w = A^T w'."""
+        if not (isinstance(gram, Tensor) and gram.dim() == 2 and gram.shape[0] == gram.shape[1] >= 3):
+            shape = tuple(gram.shape) if isinstance(gram, Tensor) else type(gram).__name__
+            raise ValueError(
+                f"{self.name}.weights: expected the (N+1, N+1) centred Gram matrix of [G; 0] with N >= 2 "
+                f"(e.g. geometry(G, extra=G.new_zeros(1, d)).K), got {shape}"
+            )
         n = gram.shape[0] - 1
         self.check_n(n)
         if type(self.rule).weights is Rule.weights:

@@ -437,3 +437,10 @@ def test_peek_with_a_given_gram_matrix_is_the_same_aggregate():
     gram = agg.geometry(G, extra=G.new_zeros(1, 200)).K
     for name in ("nnm+trimmed_mean", "nnm+median", "trimmed_mean"):
         close(make_aggregator(name, 3).peek(G, gram=gram), make_aggregator(name, 3).peek(G))
+
+
+def test_weights_reject_a_matrix_that_is_not_a_gram_matrix_of_points_and_origin():
+    with pytest.raises(ValueError, match=r"prodigy.weights: expected the \(N\+1, N\+1\) centred Gram"):
+        make_aggregator("prodigy", 2).weights(torch.zeros(5, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs f < N/2"):  # 4 points and the origin: N=4 <= 2f
+        make_aggregator("prodigy", 2).weights(torch.eye(5, dtype=torch.float64))
