@@ -76,6 +76,11 @@ class Geometry(NamedTuple):
     bad: Tensor
 
 
+def _no_bad(n: int, like: Tensor) -> Tensor:
+    """The all-False mask of bad vectors for n finite vectors, on ``like``'s device."""
+    return torch.zeros(n, dtype=torch.bool, device=like.device)
+
+
 def _centred_gram(G: Tensor, extra: Tensor | None, bad: Tensor, centre: Tensor | None) -> Tensor:
     """K = Y Y^T for Y = [G; extra] - centre (None: the mean of the good rows), in chunks of columns.
 
@@ -118,7 +123,7 @@ def _distances(K: Tensor, bad: Tensor) -> Tensor:
 def geometry(G: Tensor, extra: Tensor | None = None) -> Geometry:
     """Centred Gram matrix of [G; extra] and the client distance matrix (see module docstring)."""
     N = G.shape[0]
-    bad = torch.zeros(N, dtype=torch.bool, device=G.device)
+    bad = _no_bad(N, G)
     K = _centred_gram(G, extra, bad, centre=None)  # optimistic: one pass over G when every vector is finite
     if not torch.isfinite(K).all():  # a NaN/Inf entry poisons the mean: find the bad vectors, centre without
         bad = ~torch.isfinite(torch.linalg.vector_norm(G, dim=1))
@@ -153,10 +158,6 @@ def pairwise_sq_distances(G: Tensor) -> Tensor:
     """
     _check_input(G, "pairwise_sq_distances")
     return geometry(G).D
-
-
-def _no_bad(n: int, like: Tensor) -> Tensor:
-    return torch.zeros(n, dtype=torch.bool, device=like.device)
 
 
 def _sort_without_self(D: Tensor) -> tuple[Tensor, Tensor]:
@@ -322,7 +323,7 @@ class GeoMed(Rule):
         return _weighted_sum(G, self._weiszfeld(K, bad), bad)
 
     def weights(self, K: Tensor, D: Tensor) -> Tensor:
-        return self._weiszfeld(K, torch.zeros(D.shape[0], dtype=torch.bool, device=D.device))
+        return self._weiszfeld(K, _no_bad(D.shape[0], D))
 
     def _weiszfeld(self, K: Tensor, bad: Tensor) -> Tensor:
         N = len(bad)
@@ -526,7 +527,7 @@ class ProDiGy(Rule):
         return ProDiGyScores(proximity, dissimilarity, composite, weight)
 
     def weights(self, K: Tensor, D: Tensor) -> Tensor | None:
-        weight = self._scores_from(K, D, torch.zeros(D.shape[0], dtype=torch.bool, device=D.device)).weight
+        weight = self._scores_from(K, D, _no_bad(D.shape[0], D)).weight
         return weight if weight.sum() > 0 else None  # all scores 0: the median fallback is not a combination
 
     def _aggregate_with_scores(self, G: Tensor) -> tuple[Tensor, ProDiGyScores]:
@@ -571,7 +572,7 @@ class NNM(Rule):
         if distances is None:
             _, D, bad = geometry(G)
         else:
-            D, bad = distances, torch.zeros(G.shape[0], dtype=torch.bool, device=G.device)
+            D, bad = distances, _no_bad(G.shape[0], G)
         A = self.mixing(D).to(G.dtype)
         if not bad.any():
             return A @ G
@@ -665,6 +666,11 @@ class Pipeline:
         pre-aggregator and a rule whose output is a weighted combination of its inputs."""
         if self.pre:
             return isinstance(self.pre[0], NNM)
+        return self._rule_combines
+
+    @property
+    def _rule_combines(self) -> bool:
+        """Whether the rule implements `Rule.weights` (its output is a weighted combination of its inputs)."""
         return type(self.rule).weights is not Rule.weights
 
     def weights(self, gram: Tensor) -> Tensor | None:
@@ -680,7 +686,7 @@ class Pipeline:
             )
         n = gram.shape[0] - 1
         self.check_n(n)
-        if type(self.rule).weights is Rule.weights:
+        if not self._rule_combines:
             return None
         mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
         for p in self.pre:
