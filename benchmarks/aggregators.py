@@ -6,6 +6,7 @@ the style of the authors' public code (timed on a subset of the pairs and extrap
 and the peak extra memory (CUDA allocator peak on a GPU; sampled resident set size on a CPU).
 
     .venv/bin/python benchmarks/aggregators.py [--device auto|cpu|cuda] [--sizes 10x1310922,100x1690046]
+                                               [--pipelines prodigy nnm+krum]
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--sizes", default=",".join(f"{n}x{d}" for n, d in SIZES))
+    parser.add_argument("--pipelines", nargs="*", default=PIPELINES, help="default: all")
     args = parser.parse_args()
     device = resolve_device(args.device)
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
@@ -118,7 +120,7 @@ def main() -> None:
         note = "" if len(subset) == len(pairs) else f", extrapolated from {len(subset)} of {len(pairs)} pairs"
         print(f"\nN={N}, d={d:,}, f={f}: Gram floor {gram * 1e3:.1f} ms, pairwise loop {loop:.2f} s{note}")
         print(f"{'pipeline':<18} {'time ms':>9} {'x Gram':>7} {'loop/time':>9} {'peak extra MB':>14}")
-        for pipeline_name in PIPELINES:
+        for pipeline_name in args.pipelines:
             try:
                 pipeline = make_aggregator(pipeline_name, f, n_clients=N)
             except ValueError as e:

@@ -316,7 +316,7 @@ class LineSearchAttack(Attack):
         line = self._line(stats)
         if line is None or not (isinstance(server, Pipeline) and server.takes_gram):
             return None
-        K = geometry(honest, extra=torch.stack([*line, torch.zeros_like(line[0])])).K
+        K = geometry(honest, extra=torch.stack(line), origin=True).K
         return _LineGeometry(K, f) if torch.isfinite(K).all() else None
 
     def _record(self, best: Any) -> None:

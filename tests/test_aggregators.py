@@ -409,6 +409,69 @@ def test_chunked_gram_matches_unchunked(monkeypatch):
     close(pairwise_sq_distances(G), torch.tensor(bf_dist(G), dtype=torch.float64))
 
 
+def _all_distances(K):
+    sq = K.diagonal()
+    return sq[:, None] + sq[None, :] - 2 * K
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3])  # about the origin / recentred on a client
+@pytest.mark.parametrize("chunk", [50, 1 << 20])
+def test_gram_of_points_extras_and_origin_has_their_distances(monkeypatch, offset, chunk):
+    """Whatever centre geometry() picks, K must hold the distances between all of [G; extra; 0]."""
+    monkeypatch.setitem(agg._CHUNK_ELEMENTS, "cpu", chunk)
+    gen = torch.Generator().manual_seed(1)
+    G = offset + torch.randn(9, 1000, dtype=torch.float64, generator=gen)
+    extra = G[:4].mean(0) + torch.randn(2, 1000, dtype=torch.float64, generator=gen)
+    points = torch.cat([G, extra, G.new_zeros(1, 1000)])
+    truth = torch.cdist(points, points) ** 2
+    K = agg.geometry(G, extra=extra, origin=True).K
+    assert K.shape == (12, 12)
+    close(_all_distances(K), truth, tol=1e-9 * float(truth.max()))
+    close(K, agg.geometry(G, extra=torch.cat([extra, G.new_zeros(1, 1000)])).K, tol=1e-9 * float(truth.max()))
+
+
+def test_geometry_takes_one_pass_unless_a_shared_component_dominates(monkeypatch):
+    centres = []
+    real_gram = agg._gram
+
+    def gram(G, extra, origin, bad, centre):
+        centres.append(centre)
+        return real_gram(G, extra, origin, bad, centre)
+
+    monkeypatch.setattr(agg, "_gram", gram)
+    gen = torch.Generator().manual_seed(2)
+    spread = torch.randn(12, 20_000, generator=gen)
+    agg.geometry(spread + 0.5)  # |g|^2 about 1.1x the median squared distance
+    assert centres == [None]
+    centres.clear()
+    shared = 100.0 + 1e-2 * spread
+    agg.geometry(shared)
+    assert len(centres) == 2 and centres[0] is None
+    assert any(torch.equal(centres[1], row) for row in shared)  # recentred on a client
+
+
+def test_distances_accurate_just_below_the_recentre_threshold(monkeypatch):
+    """A shared component 5x the spread (squared) is still computed about the origin, and accurately."""
+    passes = []
+    real_gram = agg._gram
+    monkeypatch.setattr(agg, "_gram", lambda *a, **k: passes.append(1) or real_gram(*a, **k))
+    gen = torch.Generator().manual_seed(3)
+    d = 200_000
+    G = 3.0 + torch.randn(12, d, generator=gen)  # |g|^2 / median distance^2 = (3^2 + 1) / 2, about 5
+    truth = torch.cdist(G.double(), G.double()) ** 2
+    D = pairwise_sq_distances(G)
+    assert len(passes) == 1
+    off = ~torch.eye(12, dtype=torch.bool)
+    assert ((D - truth).abs()[off] / truth[off]).max() < 1e-5
+
+
+def test_a_non_finite_extra_point_is_not_hidden():
+    """The attack search relies on it: a non-finite line point must leave K non-finite (then it peeks)."""
+    G = torch.randn(8, 30)
+    K = agg.geometry(G, extra=torch.full((1, 30), math.nan), origin=True).K
+    assert not torch.isfinite(K).all() and torch.isfinite(K[:8, :8]).all()
+
+
 # ------------------------------------------------------------------------------- weights from a Gram matrix
 LINEAR = ["average", "krum", "multikrum", "geomed", "prodigy"]
 

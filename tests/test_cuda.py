@@ -93,11 +93,16 @@ def test_a_cuda_run_learns_and_records_its_device():
     assert result.environment["device"].startswith("cuda") and result.environment["engine"] == "batched"
 
 
-def test_distances_stay_accurate_with_a_large_shared_offset():
-    """The GPU's large Gram chunks still centre each chunk and accumulate across chunks in float64."""
+@pytest.mark.parametrize("offset", [0.5, 3.0, 1e3])  # about the origin (ratio 0.6, 5), recentred
+def test_distances_stay_accurate_with_a_shared_offset(offset):
+    """The GPU's large Gram chunks (one chunk here) stay accurate, with or without recentring."""
     g = torch.Generator().manual_seed(7)
-    G = 1e3 + torch.randn(30, 200_000, generator=g)
+    G = offset + torch.randn(30, 200_000, generator=g)
     exact = torch.cdist(G.double(), G.double()).square()
     D = pairwise_sq_distances(G.to(CUDA)).cpu()
     off_diagonal = ~torch.eye(30, dtype=torch.bool)
-    assert ((D - exact).abs()[off_diagonal] / exact[off_diagonal]).max() < 1e-5
+    # About the origin, float32 error grows with the shared component (bounded by the recentre ratio) and
+    # with the 200k-term sums of one chunk (MKL on a CPU: 6e-6 at offset 3); a raw float32 Gram at offset
+    # 1e3 is off by about 4e-2.
+    tolerance = 1e-5 if offset > 100 else 1e-4
+    assert ((D - exact).abs()[off_diagonal] / exact[off_diagonal]).max() < tolerance
