@@ -661,6 +661,9 @@ class Pipeline:
     def __call__(self, G: Tensor) -> Tensor:
         _check_input(G, self.name)
         self.check_n(G.shape[0])
+        out = self._from_one_gram(G)
+        if out is not None:
+            return out
         for p in self.pre:
             G = p(G)
         return self.rule(G)
@@ -670,12 +673,30 @@ class Pipeline:
         caller already has it (every vector finite); a leading NNM then takes its distances from it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
+        out = self._from_one_gram(G) if gram is None else None
+        if out is not None:
+            return out
         for i, p in enumerate(self.pre):
             if i == 0 and gram is not None and isinstance(p, NNM):
                 G = p.peek(G, distances=_distances(gram, _no_bad(G.shape[0], gram)))
             else:
                 G = p.peek(G)
         return self.rule.peek(G)
+
+    def _from_one_gram(self, G: Tensor) -> Tensor | None:
+        """NNM then a rule whose output is a weighted combination (Krum, Multi-Krum, GeoMed, average), from
+        one Gram matrix and one weighted sum: `weights` gives w with rule(NNM(G)) = w G, so the mixed vectors
+        (N, d) and their second Gram pass are never formed. None where that does not apply: other pipelines,
+        ProDiGy (its call records per-client scores), a non-finite input, or no weights for this input."""
+        if not (self.pre and all(isinstance(p, NNM) for p in self.pre) and self._rule_combines):
+            return None
+        if isinstance(self.rule, ProDiGy):
+            return None
+        K, _, bad = _with_origin(G)
+        if bad.any():
+            return None
+        w = self.weights(K)
+        return None if w is None else w.to(G.dtype) @ G
 
     @property
     def takes_gram(self) -> bool:

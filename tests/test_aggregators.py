@@ -195,6 +195,17 @@ def test_krum_multikrum_nnm(G, f):
     close(NNM(f)(G), bf_nnm(G, f))
 
 
+@pytest.mark.parametrize("G,f", cases(lambda n, f: n > 2 * f + 2))
+def test_nnm_pipelines_equal_the_brute_force_composition(G, f):
+    """nnm+krum and friends run from one Gram matrix: check them against NNM then the rule, by brute force."""
+    mixed = bf_nnm(G, f)
+    close(make_aggregator("nnm+krum", f)(G), bf_krum(mixed, f))
+    close(make_aggregator("nnm+multikrum", f)(G), bf_multikrum(mixed, f))
+    close(make_aggregator("nnm+geomed", f)(G), bf_geomed(mixed))
+    close(make_aggregator("nnm+average", f)(G), mixed.mean(dim=0))
+    close(make_aggregator("nnm+krum", f).peek(G), bf_krum(mixed, f))
+
+
 @pytest.mark.parametrize("G,f", cases(lambda n, f: n >= 4 * f + 3))
 def test_bulyan(G, f):
     close(Bulyan(f)(G), bf_bulyan(G, f))
