@@ -125,7 +125,7 @@ def _gram(G: Tensor, extra: Tensor | None, origin: bool, bad: Tensor, centre: Te
 
 
 def _distances(K: Tensor, bad: Tensor) -> Tensor:
-    """Squared distances between the first len(bad) points of the centred Gram matrix K."""
+    """Squared distances between the first len(bad) points of the Gram matrix K (about any common centre)."""
     n = len(bad)
     sq = K.diagonal()[:n]
     D = (sq[:, None] + sq[None, :] - 2 * K[:n, :n]).clamp_(min=0)
@@ -170,8 +170,9 @@ def _with_origin(G: Tensor) -> Geometry:
 def pairwise_sq_distances(G: Tensor) -> Tensor:
     """Squared distances ||g_i - g_j||^2 as an (N, N) float64 tensor on G's device.
 
-    Accurate when the vectors share a large common component (centred Gram, float64 accumulation across
-    chunks), exact zero diagonal, no negative entries, +inf between a non-finite vector and any other.
+    Accurate when the vectors share a large common component (`geometry` then recentres on a central client;
+    float64 accumulation across chunks), exact zero diagonal, no negative entries, +inf between a non-finite
+    vector and any other.
     """
     _check_input(G, "pairwise_sq_distances")
     return geometry(G).D
