@@ -150,14 +150,12 @@ def geometry(G: Tensor, extra: Tensor | None = None, origin: bool = False) -> Ge
     N = G.shape[0]
     K = _gram(G, extra, origin, _no_bad(N, G), centre=None)
     bad = ~torch.isfinite(K.diagonal()[:N])
-    if bad.all():
-        return Geometry(K.zero_(), _distances(K, bad), bad)
     K = _clean(K, bad)
     D = _distances(K, bad)
     median = D.median(dim=1).values
-    r = int(torch.where(bad, math.inf, median).argmin())
-    if not K[r, r] <= _RECENTRE_RATIO * median[r]:
-        K = _clean(_gram(G, extra, origin, bad, centre=G[r]), bad)
+    r = torch.where(bad, math.inf, median).argmin(keepdim=True)  # (1,) on the device: one host sync, below
+    if bool(~bad.all() & ~(K.diagonal()[r] <= _RECENTRE_RATIO * median[r])):
+        K = _clean(_gram(G, extra, origin, bad, centre=G[r].squeeze(0)), bad)
         D = _distances(K, bad)
     return Geometry(K, D, bad)
 
