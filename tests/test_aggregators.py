@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from prodigy_core import aggregators as agg
 from prodigy_core.aggregators import (
@@ -474,6 +475,31 @@ def test_distances_accurate_just_below_the_recentre_threshold(monkeypatch):
     assert len(passes) == 1
     off = ~torch.eye(12, dtype=torch.bool)
     assert ((D - truth).abs()[off] / truth[off]).max() < 1e-5
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Counts the ops that copy a value to the host (on a GPU each one waits for the queue to drain)."""
+
+    SYNCING = {"_local_scalar_dense", "is_nonzero", "nonzero", "item"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in self.SYNCING
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("name", "most"), [("prodigy", 3), ("krum", 2), ("nnm+krum", 2)])
+def test_few_host_syncs_per_aggregation(name, most):
+    """Small-N aggregation on a GPU is bound by launches and syncs: geometry syncs once, then ProDiGy's
+    all-zero-scores check and the bad-row check of the final sum."""
+    G = torch.randn(10, 5000) + 0.5
+    pipeline = make_aggregator(name, 3)
+    with _HostSyncs() as syncs:
+        pipeline(G)
+    assert syncs.count <= most
 
 
 def test_a_non_finite_extra_point_is_not_hidden():
