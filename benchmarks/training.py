@@ -5,6 +5,8 @@ plain average. FEMNIST and CIFAR-10 use synthetic data of the right shape (the s
 pixels; the CIFAR-10 path still augments on the device). Each workload runs with:
 - batched: `prodigy_core.training.run(engine="batched")` (all clients in one vmapped step),
 - sequential: the same `run` with the per-client reference loop,
+- compiled (on a GPU, or with --compiled): the batched engine under torch.compile; its warm-up round, not
+  timed, holds the compilation,
 - authors: one nn.Module and torch.optim.SGD per client, a DataLoader over PIL images with torchvision
   transforms, updates flattened through numpy and averaged there (the structure of the authors' code).
 A round is the clients' E local steps plus aggregation and the server step (evaluation excluded); the first
@@ -128,11 +130,14 @@ def main() -> None:
     parser.add_argument("--cpu-steps", type=int, default=2, help="E for the FEMNIST/CIFAR-10 CNNs on a CPU")
     parser.add_argument("--only", nargs="*", default=None, help="datasets to run (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time engine='compiled' (default: on a GPU only)")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     rounds = args.rounds or (5 if device.type == "cuda" else 2)
+    compiled = device.type == "cuda" if args.compiled is None else args.compiled
     cpu = f"CPU, {torch.get_num_threads()} threads"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     print(f"device: {name}; torch {torch.__version__}; median of {rounds} rounds after a warm-up; b=64\n")
@@ -152,11 +157,9 @@ def main() -> None:
             fed = synthetic_federation(dataset, n, per_client, device)
         training._load_federation = lambda cfg, device, fed=fed: fed  # run() on this federation
         try:
-            times = {
-                "batched": time_engine(cfg.replace(engine="batched"), rounds),
-                "sequential": time_engine(cfg.replace(engine="sequential"), rounds),
-                "authors": authors_style_rounds(fed, dataset, steps, cfg.batch_size, rounds, device),
-            }
+            engines = ["batched", "sequential"] + (["compiled"] if compiled else [])
+            times = {engine: time_engine(cfg.replace(engine=engine), rounds) for engine in engines}
+            times["authors"] = authors_style_rounds(fed, dataset, steps, cfg.batch_size, rounds, device)
         finally:
             training._load_federation = LOAD_FEDERATION
         images = sum(min(cfg.batch_size, len(ix)) for ix in fed.client_indices) * steps

@@ -30,6 +30,11 @@ Engines (same semantics, same batches drawn from the same generator):
   stacked tensors. Clients smaller than batch_size are vmapped in groups of equal batch width, so every
   client's loss and BatchNorm batch statistics use exactly its own b_k samples.
 - ``sequential``: the reference, one model copy trained client after client on exactly its valid entries.
+- ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per run
+  (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
+  Dropout masks come from the compiler's random stream, so with dropout the numbers differ from `batched`
+  as two seeds would; without dropout the two agree to float32 rounding (tested). Opt-in: `auto` never
+  picks it (see the README's benchmark notes for where it pays).
 - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
   (`AUTO_CPU_ENGINE`).
 
@@ -138,7 +143,11 @@ def run(
     seed_everything(cfg.seed)
     model = make_model(cfg.dataset).to(device).train()
     engine = pick_engine(cfg.engine, device, cfg.dataset)
-    local_steps = _local_steps_batched if engine == "batched" else _local_steps_sequential
+    if engine == "sequential":
+        local_steps = _local_steps_sequential
+    else:  # one gradient function for the whole run, so that a compiled one compiles once
+        grad_fn = per_client_grad(model, compiled=engine == "compiled")
+        local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
     pipeline = make_aggregator(cfg.defense, f, n_clients=n)
     attack = None
     if f > 0 and cfg.attack != "none":
@@ -246,6 +255,13 @@ def _client_loss(model: nn.Module, params: dict, buffers: dict, x: Tensor, y: Te
     return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
 
 
+def per_client_grad(model: nn.Module, compiled: bool = False) -> Callable[..., dict[str, Tensor]]:
+    """(params, buffers, x, y), each stacked over clients -> every client's gradient of its loss; BatchNorm
+    buffers are updated in place. Independent dropout masks per client; ``compiled``: under torch.compile."""
+    fn = vmap(grad(functools.partial(_client_loss, model)), randomness="different")
+    return torch.compile(fn) if compiled else fn
+
+
 def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:
     """Clients grouped by their batch width b_k = min(batch_size, |D_k|): [(b, client ids or None = all)]."""
     widths = torch.tensor([min(batch_size, len(ix)) for ix in fed.client_indices])
@@ -255,14 +271,21 @@ def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | 
 
 
 def _local_steps_batched(
-    model: nn.Module, fed: Federation, steps: int, lr: float, cfg: RunConfig, gen: torch.Generator
+    model: nn.Module,
+    fed: Federation,
+    steps: int,
+    lr: float,
+    cfg: RunConfig,
+    gen: torch.Generator,
+    grad_fn: Callable[..., dict[str, Tensor]] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """All N clients' E local SGD steps as one vmapped computation; returns the pseudo-gradients (N, d) and
     the clients' BatchNorm buffers {name: (N, ...)}.
 
     Clients with fewer than batch_size samples form one vmapped group per batch width, so that every client
     trains on exactly its b_k valid samples (padding would enter BatchNorm's batch statistics); with IID data
-    or large clients there is a single group and no indexing.
+    or large clients there is a single group and no indexing. ``grad_fn``: `per_client_grad(model)` built
+    once by the caller (compiled or not); None builds an eager one.
     """
     n = fed.n_clients
 
@@ -271,7 +294,7 @@ def _local_steps_batched(
 
     params = {name: stack(p) for name, p in model.named_parameters()}
     buffers = {name: stack(b) for name, b in model.named_buffers()}
-    per_client_grad = vmap(grad(functools.partial(_client_loss, model)), randomness="different")
+    step = grad_fn or per_client_grad(model)
     groups = _width_groups(fed, cfg.batch_size)
     for _ in range(steps):
         x, y, _ = _draw_batch(fed, cfg.batch_size, gen)
@@ -282,7 +305,7 @@ def _local_steps_batched(
                 p = {name: v[ids] for name, v in params.items()}
                 b = {name: v[ids] for name, v in buffers.items()}
                 xs, ys = x[ids, :width], y[ids, :width]
-            grads, weights = list(per_client_grad(p, b, xs, ys).values()), list(p.values())
+            grads, weights = list(step(p, b, xs, ys).values()), list(p.values())
             if cfg.weight_decay:
                 torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
             torch._foreach_add_(weights, grads, alpha=-lr)

@@ -91,6 +91,23 @@ def test_engines_agree_on_femnist(femnist_dir):
     assert _relative_error(g_b, g_s) < 1e-4
 
 
+def test_compiled_engine_matches_batched_without_dropout():
+    """engine="compiled" is the batched step under torch.compile: the same function, other kernels."""
+    fed = load_federation("digits", 4, distribution="dirichlet", seed=0)
+    assert len(training._width_groups(fed, 300)) == 2  # two batch widths: the compiled step sees two shapes
+    torch.manual_seed(0)
+    model = _disable_dropout(make_model("digits")).train()
+    cfg = tiny(n_clients=4, batch_size=300, weight_decay=1e-2).resolved()
+    runs = []
+    for grad_fn in (None, training.per_client_grad(model, compiled=True)):
+        gen = torch.Generator().manual_seed(1)
+        runs.append(training._local_steps_batched(model, fed, 3, 0.05, cfg, gen, grad_fn=grad_fn))
+    (g_eager, buf_eager), (g_compiled, buf_compiled) = runs
+    assert _relative_error(g_compiled, g_eager) < 1e-4
+    for name in buf_eager:
+        torch.testing.assert_close(buf_compiled[name], buf_eager[name], rtol=1e-4, atol=1e-5)
+
+
 def test_pseudo_gradient_of_one_plain_sgd_step():
     """E=1 without weight decay: (theta - theta') / lr is exactly the client's minibatch gradient."""
     fed = load_federation("digits", 3, distribution="iid", seed=0)
