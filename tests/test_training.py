@@ -127,10 +127,11 @@ def test_pseudo_gradient_of_one_plain_sgd_step():
 
 
 # ------------------------------------------------------------------------------------- checkpoint/resume
-def test_killed_run_resumes_to_the_same_result(tmp_path):
+@pytest.mark.parametrize("engine", ["auto", "compiled"])  # compiled: dropout from the compiler's RNG stream
+def test_killed_run_resumes_to_the_same_result(tmp_path, engine):
     # stateful pieces on purpose: local momentum, CClip's previous aggregate, ALIE's search, dropout RNG
     cfg = tiny(n_byzantine=2, defense="cclip", attack="alie", local_momentum=0.9, rounds=6, eval_every=2,
-               checkpoint_every=2)  # fmt: skip
+               checkpoint_every=2, engine=engine)  # fmt: skip
     reference = run(cfg, progress=False)
     partial = run(cfg, progress=False, checkpoint_dir=tmp_path, _stop_after=5)  # "killed" after round 5
     checkpoint = tmp_path / f"{cfg.key()}.pt"
