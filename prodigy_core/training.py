@@ -259,7 +259,21 @@ def per_client_grad(model: nn.Module, compiled: bool = False) -> Callable[..., d
     """(params, buffers, x, y), each stacked over clients -> every client's gradient of its loss; BatchNorm
     buffers are updated in place. Independent dropout masks per client; ``compiled``: under torch.compile."""
     fn = vmap(grad(functools.partial(_client_loss, model)), randomness="different")
-    return torch.compile(fn) if compiled else fn
+    if not compiled:
+        return fn
+    compiled_fn = torch.compile(fn)
+
+    def step(*args: Any) -> dict[str, Tensor]:
+        try:
+            return compiled_fn(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise RuntimeError(
+                "engine='compiled': torch.compile could not build the training step (on a CPU it needs a "
+                "working C++ compiler, on a GPU Triton). Run with engine='batched': the same computation, "
+                f"uncompiled. The compiler said: {str(e.inner_exception).strip().splitlines()[0]}"
+            ) from e
+
+    return step
 
 
 def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:

@@ -108,6 +108,22 @@ def test_compiled_engine_matches_batched_without_dropout():
         torch.testing.assert_close(buf_compiled[name], buf_eager[name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
+def test_compiled_engine_without_a_compiler_says_what_to_do():
+    fed = load_federation("digits", 2, distribution="iid", seed=0)
+    model = make_model("digits").train()
+    cfg = tiny(n_clients=2, batch_size=8).resolved()
+    no_compiler = {"cpp.cxx": (None, "/nonexistent/g++"), "force_disable_caches": True}
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(no_compiler):
+            grad_fn = training.per_client_grad(model, compiled=True)
+            with pytest.raises(RuntimeError, match=r"engine='compiled'.*C\+\+ compiler.*engine='batched'"):
+                training._local_steps_batched(model, fed, 1, 0.05, cfg, torch.Generator(), grad_fn=grad_fn)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_pseudo_gradient_of_one_plain_sgd_step():
     """E=1 without weight decay: (theta - theta') / lr is exactly the client's minibatch gradient."""
     fed = load_federation("digits", 3, distribution="iid", seed=0)
