@@ -115,7 +115,7 @@ def _gram(G: Tensor, extra: Tensor | None, origin: bool, bad: Tensor, centre: Te
         Y = buffer[:, : X.shape[1]]
         c = centre[start : start + step].to(compute)
         torch.sub(X, c, out=Y[:N])
-        Y[:N][bad] = 0
+        Y[:N].masked_fill_(bad[:, None], 0)
         if extra is not None:
             torch.sub(extra[:, start : start + step].to(compute), c, out=Y[N : N + E])
         if origin:
@@ -129,9 +129,7 @@ def _distances(K: Tensor, bad: Tensor) -> Tensor:
     n = len(bad)
     sq = K.diagonal()[:n]
     D = (sq[:, None] + sq[None, :] - 2 * K[:n, :n]).clamp_(min=0)
-    D[bad] = math.inf
-    D[:, bad] = math.inf
-    return D.fill_diagonal_(0)
+    return D.masked_fill_(bad[:, None] | bad[None, :], math.inf).fill_diagonal_(0)
 
 
 def _clean(K: Tensor, bad: Tensor) -> Tensor:

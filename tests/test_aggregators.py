@@ -487,7 +487,10 @@ class _HostSyncs(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ in self.SYNCING
+        name = func.overloadpacket.__name__
+        indices = args[1] if name in ("index", "index_put", "index_put_", "_index_put_impl_") else []
+        masks = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)  # nonzero inside
+        self.count += name in self.SYNCING or masks
         return func(*args, **(kwargs or {}))
 
 
