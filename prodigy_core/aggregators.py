@@ -450,12 +450,23 @@ class CClip(Rule):
         return out
 
     def aggregate(self, G: Tensor) -> Tensor:
-        N, d = G.shape
+        prev = self.start(G)
+        K, _, bad = geometry(G, extra=prev[None])  # point N is the previous aggregate
+        w = self.clip_weights(K, bad)
+        return w[-1].to(G.dtype) * prev + _weighted_sum(G, w[:-1], bad)
+
+    def start(self, G: Tensor) -> Tensor:
+        """v_0 for the client vectors G: the committed aggregate, or 0 before the first call."""
+        d = G.shape[1]
         prev = G.new_zeros(d) if self.prev is None else self.prev.to(G.device, G.dtype)
         if prev.shape != (d,):
             raise ValueError(f"{self!r}: previous aggregate has shape {tuple(prev.shape)}, G has d={d}")
-        K, _, bad = geometry(G, extra=prev[None])  # point N is the previous aggregate
-        w = torch.zeros(N + 1, dtype=torch.float64, device=G.device)
+        return prev
+
+    def clip_weights(self, K: Tensor, bad: Tensor) -> Tensor:
+        """v_L as weights (N+1,) on [G; v_0], from K the Gram matrix of [G; v_0] about any centre."""
+        N = len(bad)
+        w = torch.zeros(N + 1, dtype=torch.float64, device=K.device)
         w[N] = 1.0  # v = sum_a w_a P_a, always an affine combination (weights sum to 1)
         for _ in range(self.L):
             Kw = K @ w
@@ -463,7 +474,7 @@ class CClip(Rule):
             scale = torch.where(dist > self.tau, self.tau / dist, 1.0).masked_fill(bad, 0.0)
             w = w * (1 - scale.sum() / N)
             w[:N] += scale / N
-        return w[N].to(G.dtype) * prev + _weighted_sum(G, w[:N], bad)
+        return w
 
     def reset(self) -> None:
         self.prev = None
@@ -658,7 +669,7 @@ class Pipeline:
     def __call__(self, G: Tensor) -> Tensor:
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        out = self._from_one_gram(G)
+        out = self._from_one_gram(G, commit=True)
         if out is not None:
             return out
         for p in self.pre:
@@ -670,7 +681,7 @@ class Pipeline:
         caller already has it (every vector finite); a leading NNM then takes its distances from it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        out = self._from_one_gram(G) if gram is None else None
+        out = self._from_one_gram(G, commit=False) if gram is None else None
         if out is not None:
             return out
         for i, p in enumerate(self.pre):
@@ -680,20 +691,43 @@ class Pipeline:
                 G = p.peek(G)
         return self.rule.peek(G)
 
-    def _from_one_gram(self, G: Tensor) -> Tensor | None:
-        """NNM then a rule whose output is a weighted combination (Krum, Multi-Krum, GeoMed, average), from
-        one Gram matrix and one weighted sum: `weights` gives w with rule(NNM(G)) = w G, so the mixed vectors
-        (N, d) and their second Gram pass are never formed. None where that does not apply: other pipelines,
-        ProDiGy (its call records per-client scores), a non-finite input, or no weights for this input."""
-        if not (self.pre and all(isinstance(p, NNM) for p in self.pre) and self._rule_combines):
+    def _from_one_gram(self, G: Tensor, commit: bool) -> Tensor | None:
+        """NNM then a rule whose output is a weighted combination (Krum, Multi-Krum, GeoMed, average, and
+        CClip of [inputs; its start v_0]), from one Gram matrix and one weighted sum: the mixed vectors A G
+        (N, d) and their second Gram pass are never formed. ``commit``: CClip keeps its output as the next
+        start, as its own call does. None where that does not apply: other pipelines, ProDiGy (its call
+        records per-client scores), a non-finite input, or no weights for this input."""
+        if not (self.pre and all(isinstance(p, NNM) for p in self.pre)):
             return None
-        if isinstance(self.rule, ProDiGy):
+        if isinstance(self.rule, CClip):
+            start = self.rule.start(G)
+            K, _, bad = geometry(G, extra=start[None])  # point N is v_0
+            if bad.any():
+                return None
+            K, mix = self._mixed(K)
+            w = self.rule.clip_weights(K, bad)
+            out = w[-1].to(G.dtype) * start + (mix.T @ w[:-1]).to(G.dtype) @ G
+            if commit:
+                self.rule.prev = out.clone()
+            return out
+        if not self._rule_combines or isinstance(self.rule, ProDiGy):
             return None
         K, _, bad = _with_origin(G)
         if bad.any():
             return None
         w = self.weights(K)
         return None if w is None else w.to(G.dtype) @ G
+
+    def _mixed(self, gram: Tensor) -> tuple[Tensor, Tensor]:
+        """Through the leading NNMs: from the Gram matrix of [G; p] (any last point p) to that of [A G; p],
+        and the total mixing matrix A (N, N)."""
+        n = gram.shape[0] - 1
+        mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
+        for p in self.pre:
+            A = p.mixing(_distances(gram, _no_bad(n, gram)))
+            P = torch.block_diag(A, torch.ones(1, 1, dtype=gram.dtype, device=gram.device))
+            gram, mix = P @ gram @ P.T, A @ mix
+        return gram, mix
 
     @property
     def takes_gram(self) -> bool:
@@ -721,15 +755,9 @@ class Pipeline:
             )
         n = gram.shape[0] - 1
         self.check_n(n)
-        if not self._rule_combines:
+        if not self._rule_combines or not all(isinstance(p, NNM) for p in self.pre):
             return None
-        mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
-        for p in self.pre:
-            if not isinstance(p, NNM):
-                return None
-            A = p.mixing(_distances(gram, _no_bad(n, gram)))
-            P = torch.block_diag(A, torch.ones(1, 1, dtype=gram.dtype, device=gram.device))
-            gram, mix = P @ gram @ P.T, A @ mix
+        gram, mix = self._mixed(gram)
         w = self.rule.weights(gram, _distances(gram, _no_bad(n, gram)))
         return None if w is None else mix.T @ w
 

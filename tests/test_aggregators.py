@@ -18,6 +18,7 @@ from prodigy_core.aggregators import (
     Krum,
     Median,
     MultiKrum,
+    Pipeline,
     ProDiGy,
     TrimmedMean,
     make_aggregator,
@@ -205,6 +206,17 @@ def test_nnm_pipelines_equal_the_brute_force_composition(G, f):
     close(make_aggregator("nnm+geomed", f)(G), bf_geomed(mixed))
     close(make_aggregator("nnm+average", f)(G), mixed.mean(dim=0))
     close(make_aggregator("nnm+krum", f).peek(G), bf_krum(mixed, f))
+
+
+@pytest.mark.parametrize("G,f", cases(lambda n, f: 2 * f < n))
+def test_nnm_cclip_equals_the_brute_force_composition_and_commits_like_cclip(G, f):
+    pipeline = Pipeline("nnm+cclip", CClip(f, tau=1.5), [NNM(f)])  # a small tau: clipping happens
+    mixed, prev = bf_nnm(G, f), torch.zeros(G.shape[1], dtype=G.dtype)
+    for _ in range(2):  # the second round starts from the first round's aggregate
+        close(pipeline.peek(G), bf_cclip(mixed, prev, tau=1.5))  # peek commits nothing
+        prev = bf_cclip(mixed, prev, tau=1.5)
+        close(pipeline(G), prev)
+    close(pipeline.rule.prev, prev)
 
 
 @pytest.mark.parametrize("G,f", cases(lambda n, f: n >= 4 * f + 3))
