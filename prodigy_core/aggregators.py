@@ -692,11 +692,11 @@ class Pipeline:
         return self.rule.peek(G)
 
     def _from_one_gram(self, G: Tensor, commit: bool) -> Tensor | None:
-        """NNM then a rule whose output is a weighted combination (Krum, Multi-Krum, GeoMed, average, and
-        CClip of [inputs; its start v_0]), from one Gram matrix and one weighted sum: the mixed vectors A G
-        (N, d) and their second Gram pass are never formed. ``commit``: CClip keeps its output as the next
-        start, as its own call does. None where that does not apply: other pipelines, ProDiGy (its call
-        records per-client scores), a non-finite input, or no weights for this input."""
+        """NNM then a rule whose output is a weighted combination (Krum, Multi-Krum, GeoMed, average,
+        ProDiGy, and CClip of [inputs; its start v_0]), from one Gram matrix and one weighted sum: the mixed
+        vectors A G (N, d) and their second Gram pass are never formed. ``commit``: what the rule's own call
+        keeps (CClip's next start, ProDiGy's scores). None where that does not apply: other pipelines, a
+        non-finite input, or no weights for this input."""
         if not (self.pre and all(isinstance(p, NNM) for p in self.pre)):
             return None
         if isinstance(self.rule, CClip):
@@ -710,11 +710,19 @@ class Pipeline:
             if commit:
                 self.rule.prev = out.clone()
             return out
-        if not self._rule_combines or isinstance(self.rule, ProDiGy):
+        if not self._rule_combines:
             return None
         K, _, bad = _with_origin(G)
         if bad.any():
             return None
+        if isinstance(self.rule, ProDiGy):  # its call also records the scores of the mixed vectors
+            K, mix = self._mixed(K)
+            scores = self.rule._scores_from(K, _distances(K, bad), bad)
+            if not scores.weight.sum() > 0:
+                return None  # every score 0: the median fallback needs the mixed vectors
+            if commit:
+                self.rule.last_scores = scores
+            return (mix.T @ scores.weight).to(G.dtype) @ G
         w = self.weights(K)
         return None if w is None else w.to(G.dtype) @ G
 

@@ -208,6 +208,23 @@ def test_nnm_pipelines_equal_the_brute_force_composition(G, f):
     close(make_aggregator("nnm+krum", f).peek(G), bf_krum(mixed, f))
 
 
+@pytest.mark.parametrize("G,f", cases(lambda N, f: 2 <= f < N / 2))
+def test_nnm_prodigy_equals_the_brute_force_composition_and_records_scores(G, f):
+    mixed = bf_nnm(G, f)
+    pipeline = make_aggregator("nnm+prodigy", f)
+    peeked = pipeline.peek(G)
+    assert pipeline.rule.last_scores is None  # peek records nothing
+    out = pipeline(G)
+    D = [v for i, row in enumerate(bf_dist(mixed)) for j, v in enumerate(row) if i != j]
+    if min(D) > 1e-9 * max(D):  # general position: compare with the brute force
+        expected, *_, w = bf_prodigy(mixed, f)
+        close(pipeline.rule.last_scores.weight, torch.tensor(w) / sum(w), tol=1e-6)
+    else:  # twins can mix to equal vectors, whose scores are rounding: compare with the two-step path
+        expected = ProDiGy(f)(NNM(f)(G))
+    close(peeked, expected, tol=1e-6)
+    close(out, expected, tol=1e-6)
+
+
 @pytest.mark.parametrize("G,f", cases(lambda n, f: 2 * f < n))
 def test_nnm_cclip_equals_the_brute_force_composition_and_commits_like_cclip(G, f):
     pipeline = Pipeline("nnm+cclip", CClip(f, tau=1.5), [NNM(f)])  # a small tau: clipping happens
