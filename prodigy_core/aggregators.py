@@ -84,14 +84,16 @@ def _no_bad(n: int, like: Tensor) -> Tensor:
     return torch.zeros(n, dtype=torch.bool, device=like.device)
 
 
-def _gram(G: Tensor, extra: Tensor | None, origin: bool, bad: Tensor, centre: Tensor | None) -> Tensor:
+def _gram(
+    G: Tensor, extra: Tensor | None, origin: bool, centre: Tensor | None = None, bad: Tensor | None = None
+) -> Tensor:
     """K = Y Y^T for the points Y = [G; extra; 0 if origin] - centre, in float32 chunks of columns summed in
     float64 (a float32 sum over millions of terms would drift).
 
     ``centre=None``: about the origin. The chunks are multiplied where they lie (strided views, no copy),
     so the pass costs about one Gram product; bad rows come out non-finite (or huge) in their own rows and
-    columns only. Otherwise each chunk is centred, with the extra points, into one reused buffer (bad rows
-    zeroed): one pass over G and one product per chunk."""
+    columns only. Otherwise each chunk is centred, with the extra points, into one reused buffer (the rows
+    marked in ``bad`` zeroed): one pass over G and one product per chunk."""
     compute = torch.float64 if G.dtype == torch.float64 else torch.float32
     N, d = G.shape
     E = 0 if extra is None else len(extra)
@@ -115,7 +117,8 @@ def _gram(G: Tensor, extra: Tensor | None, origin: bool, bad: Tensor, centre: Te
         Y = buffer[:, : X.shape[1]]
         c = centre[start : start + step].to(compute)
         torch.sub(X, c, out=Y[:N])
-        Y[:N].masked_fill_(bad[:, None], 0)
+        if bad is not None:
+            Y[:N].masked_fill_(bad[:, None], 0)
         if extra is not None:
             torch.sub(extra[:, start : start + step].to(compute), c, out=Y[N : N + E])
         if origin:
@@ -146,21 +149,16 @@ def geometry(G: Tensor, extra: Tensor | None = None, origin: bool = False) -> Ge
     `_RECENTRE_RATIO` squared median distances from the origin, the vectors share a component large enough
     for float32 cancellation to matter, and a second pass centres every chunk on that client."""
     N = G.shape[0]
-    K = _gram(G, extra, origin, _no_bad(N, G), centre=None)
+    K = _gram(G, extra, origin)
     bad = ~torch.isfinite(K.diagonal()[:N])
     K = _clean(K, bad)
     D = _distances(K, bad)
     median = D.median(dim=1).values
     r = torch.where(bad, math.inf, median).argmin(keepdim=True)  # (1,) on the device: one host sync, below
     if bool(~bad.all() & ~(K.diagonal()[r] <= _RECENTRE_RATIO * median[r])):
-        K = _clean(_gram(G, extra, origin, bad, centre=G[r].squeeze(0)), bad)
+        K = _clean(_gram(G, extra, origin, centre=G[r].squeeze(0), bad=bad), bad)
         D = _distances(K, bad)
     return Geometry(K, D, bad)
-
-
-def _with_origin(G: Tensor) -> Geometry:
-    """Geometry of [G; 0]: point N is the origin (for norms of combinations of the g_i)."""
-    return geometry(G, origin=True)
 
 
 def pairwise_sq_distances(G: Tensor) -> Tensor:
@@ -333,7 +331,7 @@ class GeoMed(Rule):
         self.nu, self.R = nu, R
 
     def aggregate(self, G: Tensor) -> Tensor:
-        K, _, bad = _with_origin(G)  # point N is the origin z_0
+        K, _, bad = geometry(G, origin=True)  # point N is the origin z_0
         return _weighted_sum(G, self._weiszfeld(K, bad), bad)
 
     def weights(self, K: Tensor, D: Tensor) -> Tensor:
@@ -527,7 +525,7 @@ class ProDiGy(Rule):
         return self._scores(G)[0]
 
     def _scores(self, G: Tensor) -> tuple[ProDiGyScores, Tensor]:
-        K, D, bad = _with_origin(G)  # point N is the origin, for ||mu||
+        K, D, bad = geometry(G, origin=True)  # point N is the origin, for ||mu||
         return self._scores_from(K, D, bad), bad
 
     def _scores_from(self, K: Tensor, D: Tensor, bad: Tensor) -> ProDiGyScores:
@@ -697,7 +695,7 @@ class Pipeline:
         vectors A G (N, d) and their second Gram pass are never formed. ``commit``: what the rule's own call
         keeps (CClip's next start, ProDiGy's scores). None where that does not apply: other pipelines, a
         non-finite input, or no weights for this input."""
-        if not (self.pre and all(isinstance(p, NNM) for p in self.pre)):
+        if not (self.pre and self._pre_all_nnm):
             return None
         if isinstance(self.rule, CClip):
             start = self.rule.start(G)
@@ -712,7 +710,7 @@ class Pipeline:
             return out
         if not self._rule_combines:
             return None
-        K, _, bad = _with_origin(G)
+        K, _, bad = geometry(G, origin=True)
         if bad.any():
             return None
         if isinstance(self.rule, ProDiGy):  # its call also records the scores of the mixed vectors
@@ -746,6 +744,11 @@ class Pipeline:
         return self._rule_combines
 
     @property
+    def _pre_all_nnm(self) -> bool:
+        """Whether every pre-aggregator is an NNM (a mixing matrix A, so the inputs reach the rule as A G)."""
+        return all(isinstance(p, NNM) for p in self.pre)
+
+    @property
     def _rule_combines(self) -> bool:
         """Whether the rule implements `Rule.weights` (its output is a weighted combination of its inputs)."""
         return type(self.rule).weights is not Rule.weights
@@ -763,7 +766,7 @@ class Pipeline:
             )
         n = gram.shape[0] - 1
         self.check_n(n)
-        if not self._rule_combines or not all(isinstance(p, NNM) for p in self.pre):
+        if not (self._rule_combines and self._pre_all_nnm):
             return None
         gram, mix = self._mixed(gram)
         w = self.rule.weights(gram, _distances(gram, _no_bad(n, gram)))

@@ -475,9 +475,9 @@ def test_geometry_takes_one_pass_unless_a_shared_component_dominates(monkeypatch
     centres = []
     real_gram = agg._gram
 
-    def gram(G, extra, origin, bad, centre):
+    def gram(G, extra, origin, centre=None, bad=None):
         centres.append(centre)
-        return real_gram(G, extra, origin, bad, centre)
+        return real_gram(G, extra, origin, centre, bad)
 
     monkeypatch.setattr(agg, "_gram", gram)
     gen = torch.Generator().manual_seed(2)
