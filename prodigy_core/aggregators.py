@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -186,10 +186,11 @@ def _neighbourhood(index: Tensor, m: int, dtype: torch.dtype) -> Tensor:
     return A.fill_diagonal_(1.0 / m)
 
 
-def _weighted_sum(G: Tensor, w: Tensor, bad: Tensor) -> Tensor:
-    """sum_i w_i g_i with bad vectors excluded (their weight must be 0: 0 * NaN would poison a matmul)."""
+def _weighted_sum(G: Tensor, w: Tensor, bad: Tensor | None) -> Tensor:
+    """sum_i w_i g_i with bad vectors excluded (their weight must be 0: 0 * NaN would poison a matmul);
+    ``bad=None``: every vector is known to be finite."""
     w = w.to(G.dtype)
-    if bad.any():
+    if bad is not None and bad.any():
         good = (~bad).nonzero().squeeze(1)
         return w[good] @ G[good]
     return w @ G
@@ -214,28 +215,61 @@ def _coordinate_median(values: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------------- rules
 
 
+class Combination(NamedTuple):
+    """A rule's output as an affine combination of its N inputs and one reference point (the origin unless
+    the rule names another, see `Rule.reference`): ``out = sum_i w_i g_i + w_N * reference``."""
+
+    weights: Tensor | None  # (N+1,) float64 on [inputs; reference], summing to 1; None: not for this input
+    record: Any = None  # what the rule's own call keeps (ProDiGy: its scores), see `Rule.commit`
+
+
+def _on_inputs(w: Tensor, record: Any = None) -> Combination:
+    """The Combination with weights w (N,) on the inputs and 0 on the reference point."""
+    return Combination(torch.cat([w, w.new_zeros(1)]), record)
+
+
 class Rule:
-    """A robust aggregation rule: ``rule(G) -> (d,)``. ``peek`` gives the same result and changes no state."""
+    """A robust aggregation rule: ``rule(G) -> (d,)``. ``peek`` gives the same result and changes no state.
+
+    A rule computes its output either directly (``aggregate``) or, when ``by_weights``, as the weighted
+    combination that ``combine`` reads from one Gram matrix of [G; reference] (then one weighted sum over G;
+    ``aggregate`` is the fallback where ``combine`` gives no weights)."""
 
     f: int = 0
+    by_weights: bool = False
 
     def __call__(self, G: Tensor) -> Tensor:
-        return self.peek(G)
+        out, record = self._run(G)
+        self.commit(out, record)
+        return out
 
     def peek(self, G: Tensor) -> Tensor:
+        return self._run(G)[0]
+
+    def _run(self, G: Tensor) -> tuple[Tensor, Any]:
         _check_input(G, repr(self))
         self.check_n(G.shape[0])
-        return self.aggregate(G).to(G.dtype)
+        out, record = _combined(self, G, []) if self.by_weights else (None, None)
+        return (self.aggregate(G) if out is None else out).to(G.dtype), record
 
     def aggregate(self, G: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def weights(self, K: Tensor, D: Tensor) -> Tensor | None:
-        """The output as weights w (N,) on the input vectors, ``peek(G) = sum_i w_i g_i``, computed from the
-        geometry alone: K the centred Gram matrix of [G; 0] ((N+1, N+1), float64), D the squared distances
-        (N, N); every vector finite. None when the rule is not such a combination (coordinate-wise rules)
-        or not for this input. Lets the attack search evaluate many candidates from one Gram matrix."""
+    def reference(self, G: Tensor) -> Tensor | None:
+        """The one point besides the inputs that ``combine`` may weigh (CClip: its start v_0), (d,) like a
+        row of G; None: the origin."""
         return None
+
+    def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
+        """The output as a `Combination`, from the geometry alone: K the Gram matrix of [inputs; reference]
+        about any common centre ((N+1, N+1), float64, rows and columns of bad vectors zeroed), D the squared
+        distances between the inputs (N, N), ``bad`` their mask (N,). None when the rule is not such a
+        combination (coordinate-wise rules). This lets NNM + rule run from one Gram matrix, and the attack
+        search evaluate every candidate of a line from one."""
+        return None
+
+    def commit(self, out: Tensor, record: Any) -> None:
+        """Keep what a call (not a ``peek``) keeps: CClip its output as its next start, ProDiGy its scores."""
 
     def check_n(self, n: int) -> None:
         """Raise a ValueError when the rule cannot run on n vectors."""
@@ -277,9 +311,11 @@ class Average(Rule):
             )
         return out
 
-    def weights(self, K: Tensor, D: Tensor) -> Tensor:
+    def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
+        if bad.any():  # the mean of a bad vector is not a finite combination
+            return None
         N = D.shape[0]
-        return torch.full((N,), 1.0 / N, dtype=torch.float64, device=D.device)
+        return _on_inputs(torch.full((N,), 1.0 / N, dtype=torch.float64, device=D.device))
 
 
 class Median(Rule):
@@ -322,7 +358,9 @@ class TrimmedMean(Rule):
 class GeoMed(Rule):
     """Geometric median by the smoothed Weiszfeld algorithm of RFA (Pillutla et al., 2022):
     z_{r+1} = sum_i b_i g_i / sum_i b_i, b_i = 1 / max(nu, ||z_r - g_i||), R iterations from z_0 = 0
-    (as in the authors' code). Runs on the centred Gram matrix; bad vectors get b_i = 0."""
+    (as in the authors' code). Runs on the Gram matrix of [G; 0]; bad vectors get b_i = 0."""
+
+    by_weights = True
 
     def __init__(self, f: int = 0, nu: float = 0.1, R: int = 3):
         self.f = _check_f("GeoMed", f)
@@ -330,22 +368,15 @@ class GeoMed(Rule):
             raise ValueError(f"GeoMed: needs nu > 0 and R >= 1, got nu={nu}, R={R}")
         self.nu, self.R = nu, R
 
-    def aggregate(self, G: Tensor) -> Tensor:
-        K, _, bad = geometry(G, origin=True)  # point N is the origin z_0
-        return _weighted_sum(G, self._weiszfeld(K, bad), bad)
-
-    def weights(self, K: Tensor, D: Tensor) -> Tensor:
-        return self._weiszfeld(K, _no_bad(D.shape[0], D))
-
-    def _weiszfeld(self, K: Tensor, bad: Tensor) -> Tensor:
-        N = len(bad)
+    def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
+        N = len(bad)  # point N, the reference, is the origin z_0
         dist = (K.diagonal()[:N] - 2 * K[:N, N] + K[N, N]).clamp(min=0).sqrt()
         for _ in range(self.R):
             beta = torch.where(bad, 0.0, 1.0 / dist.clamp(min=self.nu))
             w = beta / beta.sum()
             Kw = K[:N, :N] @ w
             dist = (w @ Kw - 2 * Kw + K.diagonal()[:N]).clamp(min=0).sqrt()
-        return w
+        return _on_inputs(w)
 
     def __repr__(self) -> str:
         return f"GeoMed(nu={self.nu}, R={self.R})"
@@ -369,14 +400,16 @@ class Krum(Rule):
     def aggregate(self, G: Tensor) -> Tensor:
         return G[int(krum_scores(geometry(G).D, self.f).argmin())].clone()
 
-    def weights(self, K: Tensor, D: Tensor) -> Tensor:
+    def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         w = torch.zeros(D.shape[0], dtype=torch.float64, device=D.device)
-        return w.index_fill_(0, krum_scores(D, self.f).argmin(), 1.0)
+        return _on_inputs(w.index_fill_(0, krum_scores(D, self.f).argmin(), 1.0))
 
 
 class MultiKrum(Rule):
     """Multi-Krum (Blanchard et al., 2017): the mean of the m vectors with the lowest Krum scores
     (default m = N - f; ties go to the lower index). Needs N > 2f+2 and 1 <= m <= N - f."""
+
+    by_weights = True
 
     def __init__(self, f: int, m: int | None = None):
         self.f = _check_f("MultiKrum", f)
@@ -387,15 +420,13 @@ class MultiKrum(Rule):
         m = n - self.f if self.m is None else self.m
         self._need(1 <= m <= n - self.f, n, f"1 <= m <= N - f, m={m}")
 
-    def aggregate(self, G: Tensor) -> Tensor:
-        _, D, bad = geometry(G)
-        return _weighted_sum(G, self.weights(None, D), bad)
-
-    def weights(self, K: Tensor | None, D: Tensor) -> Tensor:
+    def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         N = D.shape[0]
         m = N - self.f if self.m is None else self.m
         chosen = krum_scores(D, self.f).sort(stable=True).indices[:m]
-        return torch.zeros(N, dtype=torch.float64, device=D.device).index_fill_(0, chosen, 1.0 / m)
+        return _on_inputs(
+            torch.zeros(N, dtype=torch.float64, device=D.device).index_fill_(0, chosen, 1.0 / m)
+        )
 
     def __repr__(self) -> str:
         return f"MultiKrum(f={self.f}, m={self.m})"
@@ -433,7 +464,10 @@ class CClip(Rule):
     """Centred clipping (Karimireddy et al., 2021): v_0 = previous committed aggregate (0 at the start),
     v_{l+1} = v_l + (1/N) sum_i clip_tau(g_i - v_l), clip_tau(x) = x min(1, tau/||x||), L iterations.
     Stateful: ``__call__`` commits v_L as the next start, ``peek`` does not, ``reset`` returns to 0.
-    A bad vector contributes 0 (it is infinitely far: its clipped direction is undefined)."""
+    A bad vector contributes 0 (it is infinitely far: its clipped direction is undefined). Runs on the Gram
+    matrix of [G; v_0]: every iterate is an affine combination of these points."""
+
+    by_weights = True
 
     def __init__(self, f: int = 0, tau: float = 10.0, L: int = 3):
         self.f = _check_f("CClip", f)
@@ -442,18 +476,7 @@ class CClip(Rule):
         self.tau, self.L = tau, L
         self.prev: Tensor | None = None
 
-    def __call__(self, G: Tensor) -> Tensor:
-        out = self.peek(G)
-        self.prev = out.clone()
-        return out
-
-    def aggregate(self, G: Tensor) -> Tensor:
-        prev = self.start(G)
-        K, _, bad = geometry(G, extra=prev[None])  # point N is the previous aggregate
-        w = self.clip_weights(K, bad)
-        return w[-1].to(G.dtype) * prev + _weighted_sum(G, w[:-1], bad)
-
-    def start(self, G: Tensor) -> Tensor:
+    def reference(self, G: Tensor) -> Tensor:
         """v_0 for the client vectors G: the committed aggregate, or 0 before the first call."""
         d = G.shape[1]
         prev = G.new_zeros(d) if self.prev is None else self.prev.to(G.device, G.dtype)
@@ -461,8 +484,7 @@ class CClip(Rule):
             raise ValueError(f"{self!r}: previous aggregate has shape {tuple(prev.shape)}, G has d={d}")
         return prev
 
-    def clip_weights(self, K: Tensor, bad: Tensor) -> Tensor:
-        """v_L as weights (N+1,) on [G; v_0], from K the Gram matrix of [G; v_0] about any centre."""
+    def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         N = len(bad)
         w = torch.zeros(N + 1, dtype=torch.float64, device=K.device)
         w[N] = 1.0  # v = sum_a w_a P_a, always an affine combination (weights sum to 1)
@@ -472,7 +494,10 @@ class CClip(Rule):
             scale = torch.where(dist > self.tau, self.tau / dist, 1.0).masked_fill(bad, 0.0)
             w = w * (1 - scale.sum() / N)
             w[:N] += scale / N
-        return w
+        return Combination(w)
+
+    def commit(self, out: Tensor, record: Any) -> None:
+        self.prev = out.clone()
 
     def reset(self) -> None:
         self.prev = None
@@ -508,7 +533,10 @@ class ProDiGy(Rule):
     Guards: a zero distance sum is floored at 1e-12 x the largest one and a zero mean norm at 1e-12 x the
     largest client norm, so that clusters of identical vectors get large but finite scores; if every kept
     score is 0 (a degenerate input, e.g. all vectors equal), the output is the coordinate-wise median.
-    Needs 2 <= f < N/2 (f = 1 makes every s_d zero)."""
+    Needs 2 <= f < N/2 (f = 1 makes every s_d zero). A call (not a ``peek``) keeps the scores of its input
+    in ``last_scores``."""
+
+    by_weights = True
 
     def __init__(self, f: int):
         if isinstance(f, int) and not isinstance(f, bool) and f < 2:
@@ -522,13 +550,10 @@ class ProDiGy(Rule):
     def scores(self, G: Tensor) -> ProDiGyScores:
         _check_input(G, repr(self))
         self.check_n(G.shape[0])
-        return self._scores(G)[0]
-
-    def _scores(self, G: Tensor) -> tuple[ProDiGyScores, Tensor]:
-        K, D, bad = geometry(G, origin=True)  # point N is the origin, for ||mu||
-        return self._scores_from(K, D, bad), bad
+        return self._scores_from(*geometry(G, origin=True))
 
     def _scores_from(self, K: Tensor, D: Tensor, bad: Tensor) -> ProDiGyScores:
+        """The scores from the Gram matrix K of [G; 0] (point N is the origin, for ||mu||)."""
         N, f = D.shape[0], self.f
         delta, index = _sort_without_self(D)
         spread = delta[:, f - 1 : N - f - 1].sum(dim=1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
@@ -549,24 +574,18 @@ class ProDiGy(Rule):
         weight = kept / torch.where(total > 0, total, 1.0)
         return ProDiGyScores(proximity, dissimilarity, composite, weight)
 
-    def weights(self, K: Tensor, D: Tensor) -> Tensor | None:
-        weight = self._scores_from(K, D, _no_bad(D.shape[0], D)).weight
-        return weight if weight.sum() > 0 else None  # all scores 0: the median fallback is not a combination
+    def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
+        scores = self._scores_from(K, D, bad)
+        if not scores.weight.sum() > 0:  # every score 0: the median fallback is not a combination
+            return Combination(None, scores)
+        return _on_inputs(scores.weight, scores)
 
-    def _aggregate_with_scores(self, G: Tensor) -> tuple[Tensor, ProDiGyScores]:
-        _check_input(G, repr(self))
-        self.check_n(G.shape[0])
-        scores, bad = self._scores(G)
-        if not scores.weight.sum() > 0:
-            return _coordinate_median(_nan_to_inf(G)).to(G.dtype), scores
-        return _weighted_sum(G, scores.weight, bad), scores
+    def aggregate(self, G: Tensor) -> Tensor:
+        """The fallback where every kept score is 0 (e.g. all vectors equal): the coordinate-wise median."""
+        return _coordinate_median(_nan_to_inf(G))
 
-    def __call__(self, G: Tensor) -> Tensor:
-        out, self.last_scores = self._aggregate_with_scores(G)
-        return out
-
-    def peek(self, G: Tensor) -> Tensor:
-        return self._aggregate_with_scores(G)[0]
+    def commit(self, out: Tensor, record: Any) -> None:
+        self.last_scores = record
 
     def reset(self) -> None:
         self.last_scores = None
@@ -586,6 +605,9 @@ class NNM(Rule):
     def check_n(self, n: int) -> int:
         self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
         return n
+
+    def __call__(self, G: Tensor) -> Tensor:
+        return self.peek(G)
 
     def peek(self, G: Tensor, distances: Tensor | None = None) -> Tensor:
         """Mixed vectors (N, d); ``distances``: G's squared distances when the caller already has them (then
@@ -648,8 +670,54 @@ class Bucketing(Rule):
 # -------------------------------------------------------------------------------------------- pipelines
 
 
+def _mixed(gram: Tensor, mixers: list[NNM]) -> tuple[Tensor, Tensor]:
+    """Through the mixers (NNMs): from the Gram matrix of [G; p] (any last point p) to that of [A G; p], and
+    the total mixing matrix A (N, N). Every vector finite."""
+    n = gram.shape[0] - 1
+    mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
+    for p in mixers:
+        A = p.mixing(_distances(gram, _no_bad(n, gram)))
+        P = torch.block_diag(A, torch.ones(1, 1, dtype=gram.dtype, device=gram.device))
+        gram, mix = P @ gram @ P.T, A @ mix
+    return gram, mix
+
+
+def _combine_through(rule: Rule, mixers: list[NNM], K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
+    """rule(mixers(G)) as a Combination of [G; reference], from K the Gram matrix of [G; reference]: the
+    mixers map it to the Gram matrix of [A G; reference] and the rule's weights w' back to A^T w'."""
+    if not mixers:
+        return rule.combine(K, D, bad)
+    K, mix = _mixed(K, mixers)
+    c = rule.combine(K, _distances(K, bad), bad)
+    if c is None or c.weights is None:
+        return c
+    return c._replace(weights=torch.cat([mix.T @ c.weights[:-1], c.weights[-1:]]))
+
+
+def _combined(rule: Rule, G: Tensor, mixers: list[NNM]) -> tuple[Tensor | None, Any]:
+    """(rule(mixers(G)), what its call records) from one Gram matrix of [G; rule.reference(G)] and one
+    weighted sum over G: no pass over the mixed vectors A G (N, d), which are never formed. The output is
+    None where the rule gives no weights for this input, or mixers meet a non-finite vector."""
+    ref = rule.reference(G)
+    K, D, bad = geometry(G, extra=None if ref is None else ref[None], origin=ref is None)
+    if mixers:
+        if bad.any():
+            return None, None
+        bad_or_none = None  # known finite: no second check
+    else:
+        bad_or_none = bad
+    c = _combine_through(rule, mixers, K, D, bad)
+    if c is None or c.weights is None:
+        return None, None if c is None else c.record
+    out = _weighted_sum(G, c.weights[:-1], bad_or_none)
+    return (out if ref is None else c.weights[-1].to(G.dtype) * ref + out), c.record
+
+
 class Pipeline:
-    """Pre-aggregators then a rule: ``pipeline(G)`` commits state (CClip), ``peek(G)`` changes none."""
+    """Pre-aggregators then a rule: ``pipeline(G)`` commits state (CClip), ``peek(G)`` changes none.
+
+    NNM followed by a rule that is a weighted combination (Krum, Multi-Krum, GeoMed, average, ProDiGy,
+    CClip) runs from one Gram matrix and one weighted sum (`_combined`)."""
 
     def __init__(self, name: str, rule: Rule, pre: list[Rule] | None = None):
         self.name, self.rule, self.pre = name, rule, list(pre or [])
@@ -667,19 +735,21 @@ class Pipeline:
     def __call__(self, G: Tensor) -> Tensor:
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        out = self._from_one_gram(G, commit=True)
+        out, record = self._one_gram(G)
         if out is not None:
+            self.rule.commit(out, record)
             return out
         for p in self.pre:
             G = p(G)
         return self.rule(G)
 
     def peek(self, G: Tensor, gram: Tensor | None = None) -> Tensor:
-        """The aggregate without changing any state. ``gram``: the centred Gram matrix of [G; 0] when the
-        caller already has it (every vector finite); a leading NNM then takes its distances from it."""
+        """The aggregate without changing any state. ``gram``: the Gram matrix of [G; 0] about any centre
+        when the caller already has it (every vector finite); a leading NNM then takes its distances from
+        it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        out = self._from_one_gram(G, commit=False) if gram is None else None
+        out = self._one_gram(G)[0] if gram is None else None
         if out is not None:
             return out
         for i, p in enumerate(self.pre):
@@ -689,51 +759,17 @@ class Pipeline:
                 G = p.peek(G)
         return self.rule.peek(G)
 
-    def _from_one_gram(self, G: Tensor, commit: bool) -> Tensor | None:
-        """NNM then a rule whose output is a weighted combination (Krum, Multi-Krum, GeoMed, average,
-        ProDiGy, and CClip of [inputs; its start v_0]), from one Gram matrix and one weighted sum: the mixed
-        vectors A G (N, d) and their second Gram pass are never formed. ``commit``: what the rule's own call
-        keeps (CClip's next start, ProDiGy's scores). None where that does not apply: other pipelines, a
-        non-finite input, or no weights for this input."""
-        if not (self.pre and self._pre_all_nnm):
-            return None
-        if isinstance(self.rule, CClip):
-            start = self.rule.start(G)
-            K, _, bad = geometry(G, extra=start[None])  # point N is v_0
-            if bad.any():
-                return None
-            K, mix = self._mixed(K)
-            w = self.rule.clip_weights(K, bad)
-            out = w[-1].to(G.dtype) * start + (mix.T @ w[:-1]).to(G.dtype) @ G
-            if commit:
-                self.rule.prev = out.clone()
-            return out
-        if not self._rule_combines:
-            return None
-        K, _, bad = geometry(G, origin=True)
-        if bad.any():
-            return None
-        if isinstance(self.rule, ProDiGy):  # its call also records the scores of the mixed vectors
-            K, mix = self._mixed(K)
-            scores = self.rule._scores_from(K, _distances(K, bad), bad)
-            if not scores.weight.sum() > 0:
-                return None  # every score 0: the median fallback needs the mixed vectors
-            if commit:
-                self.rule.last_scores = scores
-            return (mix.T @ scores.weight).to(G.dtype) @ G
-        w = self.weights(K)
-        return None if w is None else w.to(G.dtype) @ G
+    def _one_gram(self, G: Tensor) -> tuple[Tensor | None, Any]:
+        """NNM then a combining rule, from one Gram matrix (`_combined`); (None, None) for other pipelines
+        (a rule alone runs its own route)."""
+        if not (self.pre and self._pre_all_nnm and self._rule_combines):
+            return None, None
+        return _combined(self.rule, G, self.pre)
 
-    def _mixed(self, gram: Tensor) -> tuple[Tensor, Tensor]:
-        """Through the leading NNMs: from the Gram matrix of [G; p] (any last point p) to that of [A G; p],
-        and the total mixing matrix A (N, N)."""
-        n = gram.shape[0] - 1
-        mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
-        for p in self.pre:
-            A = p.mixing(_distances(gram, _no_bad(n, gram)))
-            P = torch.block_diag(A, torch.ones(1, 1, dtype=gram.dtype, device=gram.device))
-            gram, mix = P @ gram @ P.T, A @ mix
-        return gram, mix
+    def reference(self, G: Tensor) -> Tensor | None:
+        """The reference point of ``weights`` for the client vectors G (CClip: its start v_0); None: the
+        origin."""
+        return self.rule.reference(G)
 
     @property
     def takes_gram(self) -> bool:
@@ -750,27 +786,28 @@ class Pipeline:
 
     @property
     def _rule_combines(self) -> bool:
-        """Whether the rule implements `Rule.weights` (its output is a weighted combination of its inputs)."""
-        return type(self.rule).weights is not Rule.weights
+        """Whether the rule implements `Rule.combine` (its output is a weighted combination)."""
+        return type(self.rule).combine is not Rule.combine
 
     def weights(self, gram: Tensor) -> Tensor | None:
-        """The aggregate of N finite vectors as weights w (N,) on them, ``peek(G) = sum_i w_i g_i``, from
-        ``gram`` alone: the centred Gram matrix of [G; 0] ((N+1, N+1), float64), no pass over G. None when
-        the pipeline is not such a combination (a coordinate-wise rule, CClip, Bucketing). NNM's mixing
-        A maps it to the Gram matrix of [A G; 0] and the rule's weights w' back to w = A^T w'."""
+        """The aggregate of N finite vectors G as weights w (N+1,) on [G; reference], ``peek(G) =
+        sum_i w_i g_i + w_N reference`` (`reference`, the origin for every rule but CClip), from ``gram``
+        alone: the Gram matrix of [G; reference] about any centre ((N+1, N+1), float64), no pass over G.
+        None when the pipeline is not such a combination (a coordinate-wise rule, Bucketing)."""
         if not (isinstance(gram, Tensor) and gram.dim() == 2 and gram.shape[0] == gram.shape[1] >= 3):
             shape = tuple(gram.shape) if isinstance(gram, Tensor) else type(gram).__name__
             raise ValueError(
-                f"{self.name}.weights: expected the (N+1, N+1) centred Gram matrix of [G; 0] with N >= 2 "
-                f"(e.g. geometry(G, origin=True).K), got {shape}"
+                f"{self.name}.weights: expected the (N+1, N+1) Gram matrix of [G; reference] with N >= 2 "
+                f"(e.g. geometry(G, extra=reference[None]).K, or geometry(G, origin=True).K for the origin), "
+                f"got {shape}"
             )
         n = gram.shape[0] - 1
         self.check_n(n)
         if not (self._rule_combines and self._pre_all_nnm):
             return None
-        gram, mix = self._mixed(gram)
-        w = self.rule.weights(gram, _distances(gram, _no_bad(n, gram)))
-        return None if w is None else mix.T @ w
+        bad = _no_bad(n, gram)
+        c = _combine_through(self.rule, self.pre, gram, _distances(gram, bad), bad)
+        return None if c is None else c.weights
 
     def reset(self) -> None:
         self.rule.reset()

@@ -14,10 +14,10 @@ through the full pipeline (pre-aggregation included) once, via ``server.peek`` w
 a stateful rule such as CClip is not advanced, and the candidate whose aggregate lands farthest (L2) from the
 honest mean wins; ties go to the first candidate, a non-finite aggregate counts as infinite damage. All
 candidates are written into one preallocated (N, d) matrix whose honest rows are copied once per craft.
-ALIE's and FOE's candidates lie on one line, so one Gram matrix of the honest updates and the line's two
-end points holds every candidate's geometry: a pipeline whose output is a weighted combination (ProDiGy,
-Krum, GeoMed, NNM+...) is then evaluated from it alone, and a leading NNM takes its distances from it
-(`LineSearchAttack._craft`).
+ALIE's and FOE's candidates lie on one line, so one Gram matrix of the honest updates, the line's two
+end points and the pipeline's reference point (the origin, or CClip's start) holds every candidate's
+geometry: a pipeline whose output is a weighted combination (ProDiGy, Krum, GeoMed, CClip, NNM+...) is then
+evaluated from it alone, and a leading NNM takes its distances from it (`LineSearchAttack._craft`).
 After ``craft``, ``attack.last_param`` holds the chosen parameter (None for attacks without one) and
 ``attack.last_search`` the (param, damage) pairs in grid order (empty for attacks without a search).
 
@@ -316,7 +316,10 @@ class LineSearchAttack(Attack):
         line = self._line(stats)
         if line is None or not (isinstance(server, Pipeline) and server.takes_gram):
             return None
-        K = geometry(honest, extra=torch.stack(line), origin=True).K
+        reference = server.reference(honest)
+        if reference is not None:
+            line = (*line, reference)
+        K = geometry(honest, extra=torch.stack(line), origin=reference is None).K
         return _LineGeometry(K, f) if torch.isfinite(K).all() else None
 
     def _record(self, best: Any) -> None:
@@ -324,9 +327,10 @@ class LineSearchAttack(Attack):
 
 
 class _LineGeometry:
-    """Every candidate's Gram matrix from one Gram matrix K of the h + 3 base points B = [honest; p0; p1; 0].
+    """Every candidate's Gram matrix from one Gram matrix K of the h + 3 base points B = [honest; p0; p1; r],
+    r the pipeline's reference point (`Pipeline.reference`: the origin, or CClip's start).
 
-    Candidate t puts the f Byzantine clients at (1 - t) p0 + t p1, so its points [byzantine; honest; 0] are
+    Candidate t puts the f Byzantine clients at (1 - t) p0 + t p1, so its points [byzantine; honest; r] are
     C_t B for a coefficient matrix C_t (N + 1, h + 3) and their Gram matrix is C_t K C_t^T. A pipeline's
     weights w on them give the aggregate w^T C_t B, an affine combination of B (w sums to 1) like the honest
     mean m^T B, so the damage is sqrt((w^T C_t - m^T) K (C_t^T w - m)): O(N^2 h) per candidate, no pass
@@ -337,19 +341,19 @@ class _LineGeometry:
         self.K, self.f, self.n = K, f, f + h
         self.C = torch.zeros(f + h + 1, h + 3, dtype=K.dtype, device=K.device)
         self.C[f : f + h, :h] = torch.eye(h, dtype=K.dtype, device=K.device)
-        self.C[f + h, h + 2] = 1.0  # the origin stays the origin
+        self.C[f + h, h + 2] = 1.0  # the reference point stays itself
         self.mean = torch.zeros(h + 3, dtype=K.dtype, device=K.device)
         self.mean[:h] = 1.0 / h
 
     def send(self, t: float) -> Tensor:
-        """The Gram matrix of [byzantine; honest; 0] when the Byzantine clients send (1 - t) p0 + t p1."""
+        """The Gram matrix of [byzantine; honest; r] when the Byzantine clients send (1 - t) p0 + t p1."""
         h = self.n - self.f
         self.C[: self.f, h], self.C[: self.f, h + 1] = 1.0 - t, t
         return self.C @ self.K @ self.C.T
 
     def damage(self, weights: Tensor) -> float:
-        """norm(aggregate - honest mean) for the last candidate, the aggregate being sum_i w_i x_i."""
-        c = weights @ self.C[: self.n] - self.mean
+        """norm(aggregate - honest mean) for the last candidate, whose aggregate is w (N+1,) on its points."""
+        c = weights @ self.C - self.mean
         return (c @ self.K @ c).clamp(min=0).sqrt().item()
 
 

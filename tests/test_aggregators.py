@@ -542,23 +542,31 @@ def test_a_non_finite_extra_point_is_not_hidden():
 
 
 # ------------------------------------------------------------------------------- weights from a Gram matrix
-LINEAR = ["average", "krum", "multikrum", "geomed", "prodigy"]
+LINEAR = ["average", "krum", "multikrum", "geomed", "prodigy", "cclip"]
 
 
 @pytest.mark.parametrize("name", LINEAR + ["nnm+" + n for n in LINEAR])
 @pytest.mark.parametrize(("N", "f"), [(10, 2), (15, 4)])
 def test_weights_from_the_gram_matrix_reproduce_the_aggregate(name, N, f):
-    """The attack search's shortcut: sum_i w_i g_i with w from the Gram matrix alone equals peek(G)."""
-    G = torch.randn(N, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(N + f))
+    """The attack search's shortcut: w from the Gram matrix of [G; reference] alone, sum_i w_i g_i +
+    w_N reference equals peek(G); the reference is the origin except for CClip (its committed start)."""
+    gen = torch.Generator().manual_seed(N + f)
+    G = torch.randn(N, 300, dtype=torch.float64, generator=gen)
     G[:f] = G[f:].mean(0) - 0.7 * G[f:].std(0)  # identical Byzantine rows: ties in the distances
     pipeline = make_aggregator(name, f)
-    w = pipeline.weights(agg.geometry(G, extra=G.new_zeros(1, 300)).K)
-    assert w.shape == (N,) and w.dtype == torch.float64
+    pipeline(torch.randn(N, 300, dtype=torch.float64, generator=gen) + 2)  # CClip commits a start v_0 != 0
+    reference = pipeline.reference(G)
+    assert (reference is None) == ("cclip" not in name)
+    P = torch.cat([G, G.new_zeros(1, 300) if reference is None else reference[None]])
+    w = pipeline.weights(agg.geometry(P).K)
+    assert w.shape == (N + 1,) and w.dtype == torch.float64
     assert float(w.sum()) == pytest.approx(1.0)
-    close(w @ G, pipeline.peek(G))
+    if reference is None:
+        assert w[-1] == 0
+    close(w @ P, pipeline.peek(G))
 
 
-@pytest.mark.parametrize("name", ["median", "trimmed_mean", "cclip", "nnm+trimmed_mean", "bucketing+krum"])
+@pytest.mark.parametrize("name", ["median", "trimmed_mean", "nnm+trimmed_mean", "bucketing+krum"])
 def test_weights_are_none_for_rules_that_are_not_combinations(name):
     G = torch.randn(16, 50, dtype=torch.float64)
     assert make_aggregator(name, 2).weights(agg.geometry(G, extra=G.new_zeros(1, 50)).K) is None
@@ -572,7 +580,7 @@ def test_peek_with_a_given_gram_matrix_is_the_same_aggregate():
 
 
 def test_weights_reject_a_matrix_that_is_not_a_gram_matrix_of_points_and_origin():
-    with pytest.raises(ValueError, match=r"prodigy.weights: expected the \(N\+1, N\+1\) centred Gram"):
+    with pytest.raises(ValueError, match=r"prodigy.weights: expected the \(N\+1, N\+1\) Gram matrix"):
         make_aggregator("prodigy", 2).weights(torch.zeros(5, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="needs f < N/2"):  # 4 points and the origin: N=4 <= 2f
         make_aggregator("prodigy", 2).weights(torch.eye(5, dtype=torch.float64))

@@ -171,6 +171,31 @@ def test_cclip_state_unchanged_by_search(name):
     assert not same_state(before, server.state_dict())
 
 
+@pytest.mark.parametrize("defense", ["cclip", "nnm+cclip"])
+@pytest.mark.parametrize("name", ["alie", "foe_100"])
+def test_search_against_cclip_matches_brute_force_from_its_committed_start(defense, name):
+    """The line search reads CClip's candidates from one Gram matrix that holds its start v_0: the damages
+    equal those of a fresh pipeline with the same committed start, run on each candidate."""
+    honest, own = make_updates(4)
+    server = make_aggregator(defense, F)
+    server(torch.cat([own, 3 * honest]))  # a committed round: v_0 is far from the origin and from mu_H
+    mean, sigma = honest.mean(0), honest.std(0, unbiased=False)
+    attack = make_attack(name)
+    grid = attack.grid(N, F)
+    rows = {"alie": lambda z: mean - z * sigma, "foe_100": lambda e: -e * mean}[name]
+    damages = []
+    for param in grid:
+        fresh = make_aggregator(defense, F)
+        fresh.load_state_dict(server.state_dict())
+        aggregate = fresh(torch.cat([rows(param).expand(F, D), honest]))
+        damages.append(torch.linalg.vector_norm(aggregate - mean).item())
+    before = server.state_dict()
+    attack.craft(honest, own, server)
+    assert same_state(before, server.state_dict())
+    assert [dmg for _, dmg in attack.last_search] == pytest.approx(damages, rel=1e-4, abs=1e-6)
+    assert len(set(round(dmg, 4) for dmg in damages)) > 1  # the start matters: the damages differ
+
+
 class CountingServer:
     def __init__(self, defense: str):
         self.pipeline, self.calls, self.peeks = make_aggregator(defense, F), 0, 0
@@ -318,7 +343,9 @@ def test_works_on_every_available_device():
             assert out.shape == (F, D) and out.device == honest.device and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("defense", ["prodigy", "nnm+krum", "nnm+trimmed_mean", "trimmed_mean"])
+@pytest.mark.parametrize(
+    "defense", ["prodigy", "nnm+krum", "cclip", "nnm+cclip", "nnm+trimmed_mean", "trimmed_mean"]
+)
 @pytest.mark.parametrize("name", ["alie", "foe_100"])
 def test_line_search_reads_candidates_from_one_gram_matrix(defense, name, monkeypatch):
     """ALIE and FOE candidates lie on a line: a weighted-combination pipeline is evaluated from one Gram
