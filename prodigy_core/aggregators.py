@@ -700,16 +700,12 @@ def _combined(rule: Rule, G: Tensor, mixers: list[NNM]) -> tuple[Tensor | None, 
     None where the rule gives no weights for this input, or mixers meet a non-finite vector."""
     ref = rule.reference(G)
     K, D, bad = geometry(G, extra=None if ref is None else ref[None], origin=ref is None)
-    if mixers:
-        if bad.any():
-            return None, None
-        bad_or_none = None  # known finite: no second check
-    else:
-        bad_or_none = bad
+    if mixers and bad.any():
+        return None, None
     c = _combine_through(rule, mixers, K, D, bad)
     if c is None or c.weights is None:
         return None, None if c is None else c.record
-    out = _weighted_sum(G, c.weights[:-1], bad_or_none)
+    out = _weighted_sum(G, c.weights[:-1], None if mixers else bad)  # None: known finite, no second sync
     return (out if ref is None else c.weights[-1].to(G.dtype) * ref + out), c.record
 
 
