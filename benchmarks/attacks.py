@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=1_690_046, help="update dimension (FEMNIST CNN: 1,690,046)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--defenses", nargs="+", default=["nnm+trimmed_mean", "prodigy"])
+    defenses = ["nnm+trimmed_mean", "nnm+krum", "nnm+cclip", "prodigy"]  # one per route of the search
+    parser.add_argument("--defenses", nargs="+", default=defenses)
     parser.add_argument("--attacks", nargs="+", default=["alie", "foe_100"])
     args = parser.parse_args()
 
