@@ -24,6 +24,7 @@ from prodigy_core.aggregators import (
     make_aggregator,
     pairwise_sq_distances,
 )
+from prodigy_core.attacks import make_attack
 
 # ------------------------------------------------------------------ brute force (float64, Python loops)
 
@@ -584,3 +585,25 @@ def test_weights_reject_a_matrix_that_is_not_a_gram_matrix_of_points_and_origin(
         make_aggregator("prodigy", 2).weights(torch.zeros(5, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="needs f < N/2"):  # 4 points and the origin: N=4 <= 2f
         make_aggregator("prodigy", 2).weights(torch.eye(5, dtype=torch.float64))
+
+
+class Medoid(agg.Rule):
+    """A user's rule, as the README describes: the client with the smallest sum of squared distances."""
+
+    by_weights = True
+
+    def combine(self, K, D, bad):
+        w = torch.zeros(D.shape[0], dtype=torch.float64, device=D.device)
+        return agg.Combination(torch.cat([w.index_fill_(0, D.sum(dim=1).argmin(), 1.0), w.new_zeros(1)]))
+
+
+def test_a_users_combination_rule_runs_alone_after_nnm_and_in_the_line_search(monkeypatch):
+    G = torch.randn(9, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    medoid = lambda X: X[int(torch.tensor(bf_dist(X)).sum(dim=1).argmin())]  # noqa: E731
+    close(Medoid()(G), medoid(G))
+    pipeline = Pipeline("nnm+medoid", Medoid(), [NNM(2)])
+    close(pipeline(G), medoid(bf_nnm(G, 2)))
+    monkeypatch.setattr(Pipeline, "peek", lambda *a, **k: pytest.fail("the search should use the weights"))
+    attack = make_attack("alie")
+    attack.craft(G[2:], G[:2], pipeline)
+    assert len(attack.last_search) == len(attack.grid(9, 2))
