@@ -21,8 +21,10 @@ rule returns a finite vector; ``Average`` cannot be robust and warns when its ou
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -84,6 +86,20 @@ def _no_bad(n: int, like: Tensor) -> Tensor:
     return torch.zeros(n, dtype=torch.bool, device=like.device)
 
 
+@contextlib.contextmanager
+def _full_float32_matmul() -> Iterator[None]:
+    """float32 products at full precision whatever the caller chose: a TF32 or bf16 product (after
+    ``torch.set_float32_matmul_precision("high")``) is off by about 1e-3 relative, which the cancellation
+    in distances amplifies into wrong neighbours and scores."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@_full_float32_matmul()
 def _gram(
     G: Tensor, extra: Tensor | None, origin: bool, centre: Tensor | None = None, bad: Tensor | None = None
 ) -> Tensor:
@@ -93,7 +109,7 @@ def _gram(
     ``centre=None``: about the origin. The chunks are multiplied where they lie (strided views, no copy),
     so the pass costs about one Gram product; bad rows come out non-finite (or huge) in their own rows and
     columns only. Otherwise each chunk is centred, with the extra points, into one reused buffer (the rows
-    marked in ``bad`` zeroed): one pass over G and one product per chunk."""
+    marked in ``bad`` zeroed): one pass over G and one product per chunk. Full float32 precision always."""
     compute = torch.float64 if G.dtype == torch.float64 else torch.float32
     N, d = G.shape
     E = 0 if extra is None else len(extra)

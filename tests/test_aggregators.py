@@ -607,3 +607,25 @@ def test_a_users_combination_rule_runs_alone_after_nnm_and_in_the_line_search(mo
     attack = make_attack("alie")
     attack.craft(G[2:], G[:2], pipeline)
     assert len(attack.last_search) == len(attack.grid(9, 2))
+
+
+def test_gram_products_run_in_full_float32_whatever_the_callers_setting():
+    """TF32/bf16 matmuls (torch.set_float32_matmul_precision("high")) would cost the distances ~1e-3."""
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default and args[0].dtype == torch.float32:
+                seen.append(torch.get_float32_matmul_precision())
+            return func(*args, **(kwargs or {}))
+
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        G = 1e3 + torch.randn(6, 50)  # a shared offset: the recentred second pass runs too
+        with Spy():
+            agg.geometry(G)
+        assert len(seen) == 2 and set(seen) == {"highest"}
+        assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting is restored
+    finally:
+        torch.set_float32_matmul_precision(previous)

@@ -23,7 +23,9 @@ def updates(n: int = 20, d: int = 3000, seed: int = 0) -> torch.Tensor:
     return 50.0 + torch.linspace(0.5, 2.0, n)[:, None] * torch.randn(n, d, generator=g)
 
 
-@pytest.mark.parametrize("name", [n for n in BASE_NAMES if n != "none"] + ["nnm+prodigy", "nnm+krum"])
+@pytest.mark.parametrize(
+    "name", [n for n in BASE_NAMES if n != "none"] + ["nnm+prodigy", "nnm+krum", "nnm+geomed", "nnm+cclip"]
+)
 def test_every_rule_matches_the_cpu(name):
     G = updates()
     f = 3
@@ -42,13 +44,15 @@ def test_prodigy_zeroes_the_same_clients_on_cuda():
     assert torch.equal(cpu.rule.last_scores.weight == 0, gpu.rule.last_scores.weight.cpu() == 0)
 
 
+@pytest.mark.parametrize("defense", ["nnm+trimmed_mean", "prodigy", "nnm+cclip"])  # each route of the search
 @pytest.mark.parametrize("attack", ["alie", "foe_100", "minmax"])
-def test_attack_search_picks_the_same_candidate(attack):
+def test_attack_search_picks_the_same_candidate(attack, defense):
     G = updates(n=13, seed=5)
     honest, own = G[3:], G[:3]
     chosen = []
     for device in ("cpu", CUDA):
-        server = make_aggregator("nnm+trimmed_mean", 3, n_clients=13)
+        server = make_aggregator(defense, 3, n_clients=13)
+        server(G.to(device))  # a committed round: CClip's start is not the origin
         atk = make_attack(attack)
         out = atk.craft(honest.to(device), own.to(device), server)
         assert out.device.type == torch.device(device).type and torch.isfinite(out).all()
@@ -106,3 +110,16 @@ def test_distances_stay_accurate_with_a_shared_offset(offset):
     # 1e3 is off by about 4e-2.
     tolerance = 1e-5 if offset > 100 else 1e-4
     assert ((D - exact).abs()[off_diagonal] / exact[off_diagonal]).max() < tolerance
+
+
+def test_distances_stay_accurate_when_the_caller_turns_on_tf32():
+    G = updates(d=200_000, seed=9)  # offset 50: a TF32 product would be off by ~1e-3 before cancellation
+    exact = torch.cdist(G.double(), G.double()).square()
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        D = pairwise_sq_distances(G.to(CUDA)).cpu()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    off_diagonal = ~torch.eye(len(G), dtype=torch.bool)
+    assert ((D - exact).abs()[off_diagonal] / exact[off_diagonal]).max() < 1e-4
