@@ -3,8 +3,9 @@
 For each (N, d) it prints: the time of one aggregation; its ratio to one Gram matrix product G @ G.T (the
 floor: the distance-based rules need at least that), the floor being timed alternately with each pipeline;
 the speed-up over a pairwise loop of vector norms in the style of the authors' public code (timed on a subset
-of the pairs and extrapolated when there are many); and the peak extra memory (CUDA allocator peak on a GPU;
-sampled resident set size on a CPU).
+of the pairs and extrapolated when there are many); the peak extra memory (CUDA allocator peak on a GPU;
+sampled resident set size on a CPU); and the fixed cost of a call, the same pipeline at d = 1000, which is
+what small N on a fast device is made of (small N x N ops, kernel launches, host syncs).
 
     .venv/bin/python benchmarks/aggregators.py [--device auto|cpu|cuda] [--sizes 10x1310922,100x1690046]
                                                [--pipelines prodigy nnm+krum]
@@ -29,6 +30,7 @@ PIPELINES = [
     "nnm+median", "nnm+trimmed_mean", "nnm+geomed", "nnm+krum", "nnm+cclip", "bucketing+krum",
 ]  # fmt: skip
 LOOP_PAIRS = 200  # pairs timed for the pairwise-loop reference
+FIXED_COST_D = 1000  # "fixed ms": the pipeline at this d, its per-call cost of small ops, launches and syncs
 
 
 def sync(device: torch.device) -> None:
@@ -127,7 +129,9 @@ def main() -> None:
         loop *= len(pairs) / len(subset)
         note = "" if len(subset) == len(pairs) else f", extrapolated from {len(subset)} of {len(pairs)} pairs"
         print(f"\nN={N}, d={d:,}, f={f}: Gram floor {gram * 1e3:.1f} ms, pairwise loop {loop:.2f} s{note}")
-        print(f"{'pipeline':<18} {'time ms':>9} {'x Gram':>7} {'loop/time':>9} {'peak extra MB':>14}")
+        print(f"{'pipeline':<18} {'time ms':>9} {'x Gram':>7} {'loop/time':>9} {'peak extra MB':>14} "
+              f"{'fixed ms':>9}")  # fmt: skip
+        tiny = G[:, :FIXED_COST_D].clone()  # the same N at a negligible d: the cost that does not scale
         for pipeline_name in args.pipelines:
             try:
                 pipeline = make_aggregator(pipeline_name, f, n_clients=N)
@@ -135,9 +139,10 @@ def main() -> None:
                 print(f"{pipeline_name:<18} {'n/a':>9}  ({str(e).split(': ', 1)[1]})")
                 continue
             seconds, local_floor, peak = timed(lambda G=G, p=pipeline: p.peek(G), device, floor)
+            fixed = timed(lambda p=pipeline, tiny=tiny: p.peek(tiny), device)[0]
             print(
                 f"{pipeline_name:<18} {seconds * 1e3:>9.1f} {seconds / local_floor:>7.2f} "
-                f"{loop / seconds:>9.1f} {peak / 2**20:>14.0f}"
+                f"{loop / seconds:>9.1f} {peak / 2**20:>14.0f} {fixed * 1e3:>9.2f}"
             )
         del G
 
