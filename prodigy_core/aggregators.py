@@ -686,16 +686,17 @@ class Bucketing(Rule):
 # -------------------------------------------------------------------------------------------- pipelines
 
 
-def _mixed(gram: Tensor, mixers: list[NNM]) -> tuple[Tensor, Tensor]:
-    """Through the mixers (NNMs): from the Gram matrix of [G; p] (any last point p) to that of [A G; p], and
-    the total mixing matrix A (N, N). Every vector finite."""
+def _mixed(gram: Tensor, D: Tensor, mixers: list[NNM]) -> tuple[Tensor, Tensor, Tensor]:
+    """Through the mixers (NNMs): from the Gram matrix of [G; p] (any last point p) and G's squared
+    distances D to those of [A G; p] and A G, and the total mixing matrix A (N, N). Every vector finite."""
     n = gram.shape[0] - 1
     mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
     for p in mixers:
-        A = p.mixing(_distances(gram, _no_bad(n, gram)))
+        A = p.mixing(D)
         P = torch.block_diag(A, torch.ones(1, 1, dtype=gram.dtype, device=gram.device))
         gram, mix = P @ gram @ P.T, A @ mix
-    return gram, mix
+        D = _distances(gram, _no_bad(n, gram))
+    return gram, D, mix
 
 
 def _combine_through(rule: Rule, mixers: list[NNM], K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
@@ -703,8 +704,8 @@ def _combine_through(rule: Rule, mixers: list[NNM], K: Tensor, D: Tensor, bad: T
     mixers map it to the Gram matrix of [A G; reference] and the rule's weights w' back to A^T w'."""
     if not mixers:
         return rule.combine(K, D, bad)
-    K, mix = _mixed(K, mixers)
-    c = rule.combine(K, _distances(K, bad), bad)
+    K, D, mix = _mixed(K, D, mixers)
+    c = rule.combine(K, D, bad)
     if c is None or c.weights is None:
         return c
     return c._replace(weights=torch.cat([mix.T @ c.weights[:-1], c.weights[-1:]]))
@@ -774,7 +775,7 @@ class Pipeline:
     def _one_gram(self, G: Tensor) -> tuple[Tensor | None, Any]:
         """NNM then a combining rule, from one Gram matrix (`_combined`); (None, None) for other pipelines
         (a rule alone runs its own route)."""
-        if not (self.pre and self._pre_all_nnm and self._rule_combines):
+        if not (self.pre and self._combines):
             return None, None
         return _combined(self.rule, G, self.pre)
 
@@ -792,9 +793,10 @@ class Pipeline:
         return self._rule_combines
 
     @property
-    def _pre_all_nnm(self) -> bool:
-        """Whether every pre-aggregator is an NNM (a mixing matrix A, so the inputs reach the rule as A G)."""
-        return all(isinstance(p, NNM) for p in self.pre)
+    def _combines(self) -> bool:
+        """Whether the pipeline's output is a weighted combination of its inputs: every pre-aggregator an NNM
+        (a mixing matrix A, so the inputs reach the rule as A G) and a rule that combines."""
+        return self._rule_combines and all(isinstance(p, NNM) for p in self.pre)
 
     @property
     def _rule_combines(self) -> bool:
@@ -815,7 +817,7 @@ class Pipeline:
             )
         n = gram.shape[0] - 1
         self.check_n(n)
-        if not (self._rule_combines and self._pre_all_nnm):
+        if not self._combines:
             return None
         bad = _no_bad(n, gram)
         c = _combine_through(self.rule, self.pre, gram, _distances(gram, bad), bad)
