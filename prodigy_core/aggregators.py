@@ -11,7 +11,10 @@ origin are accurate, cost one Gram product, and need no copy. When the vectors s
 than their spread, a float32 product of the raw vectors loses everything to cancellation; `geometry` sees
 that and recomputes about a central client. Distances, neighbourhood means and Weiszfeld/clipping iterates
 are all affine combinations of the vectors, so they follow from this (N, N) matrix alone, and only the
-final weighted sum reads G again.
+final weighted sum reads G again. That N x N algebra runs on the CPU whatever G's device: after the Gram pass
+(one wait for the device) each of its ~100 small ops costs a few microseconds on the host, where on an
+accelerator each would be a kernel launch, and its branches and the attack search's candidates would each
+wait for the device again.
 
 Hostile input. A vector with a NaN/Inf entry, or whose squared norm overflows, is *bad*: it is infinitely
 far from everything (+inf distance), never selected, and gets weight 0. Coordinate-wise rules treat NaN as
@@ -116,16 +119,16 @@ def _gram(
     P = N + E + int(origin)
     K = torch.zeros(P, P, dtype=torch.float64, device=G.device)
     step = min(d, max(1, _CHUNK_ELEMENTS["cpu" if G.device.type == "cpu" else "other"] // P))
-    if centre is None:
+    if centre is None:  # add_ of a float32 product into float64 K: summed in float64, no extra copy
         for start in range(0, d, step):
             X = G[:, start : start + step].to(compute)
-            K[:N, :N] += (X @ X.T).double()
+            K[:N, :N].add_(X @ X.T)
             if extra is not None:  # the origin's row and column stay 0: it is the centre
                 Z = extra[:, start : start + step].to(compute)
-                cross = (X @ Z.T).double()
-                K[:N, N : N + E] += cross
-                K[N : N + E, :N] += cross.T
-                K[N : N + E, N : N + E] += (Z @ Z.T).double()
+                K[:N, N : N + E].add_(X @ Z.T)
+                K[N : N + E, N : N + E].add_(Z @ Z.T)
+        if extra is not None:
+            K[N : N + E, :N] = K[:N, N : N + E].T
         return K
     buffer = torch.empty(P, step, dtype=compute, device=G.device)
     for start in range(0, d, step):
@@ -139,7 +142,7 @@ def _gram(
             torch.sub(extra[:, start : start + step].to(compute), c, out=Y[N : N + E])
         if origin:
             torch.neg(c, out=Y[N + E])
-        K += (Y @ Y.T).double()
+        K.add_(Y @ Y.T)
     return K
 
 
@@ -148,11 +151,15 @@ def _distances(K: Tensor, bad: Tensor) -> Tensor:
     n = len(bad)
     sq = K.diagonal()[:n]
     D = (sq[:, None] + sq[None, :] - 2 * K[:n, :n]).clamp_(min=0)
-    return D.masked_fill_(bad[:, None] | bad[None, :], math.inf).fill_diagonal_(0)
+    if bad.any():
+        D.masked_fill_(bad[:, None] | bad[None, :], math.inf)
+    return D.fill_diagonal_(0)
 
 
 def _clean(K: Tensor, bad: Tensor) -> Tensor:
     """K with the rows and columns of bad vectors zeroed (their products may be NaN or infinite)."""
+    if not bad.any():
+        return K
     keep = torch.cat([~bad, bad.new_ones(K.shape[0] - len(bad))])
     return torch.where(keep[:, None] & keep[None, :], K, 0.0)
 
@@ -163,16 +170,19 @@ def geometry(G: Tensor, extra: Tensor | None = None, origin: bool = False) -> Ge
     First pass about the origin (one Gram product's cost). A vector is bad when its squared norm comes out
     non-finite. If the central client (smallest median distance to the others) lies more than
     `_RECENTRE_RATIO` squared median distances from the origin, the vectors share a component large enough
-    for float32 cancellation to matter, and a second pass centres every chunk on that client."""
+    for float32 cancellation to matter, and a second pass centres every chunk on that client.
+
+    K, D and bad are on the CPU whatever G's device (see the module's docstring): moving K there is the one
+    wait for the device (two when recentring)."""
     N = G.shape[0]
-    K = _gram(G, extra, origin)
+    K = _gram(G, extra, origin).cpu()
     bad = ~torch.isfinite(K.diagonal()[:N])
     K = _clean(K, bad)
     D = _distances(K, bad)
     median = D.median(dim=1).values
-    r = torch.where(bad, math.inf, median).argmin(keepdim=True)  # (1,) on the device: one host sync, below
-    if bool(~bad.all() & ~(K.diagonal()[r] <= _RECENTRE_RATIO * median[r])):
-        K = _clean(_gram(G, extra, origin, centre=G[r].squeeze(0), bad=bad), bad)
+    r = int(torch.where(bad, math.inf, median).argmin())
+    if not bad.all() and not K[r, r] <= _RECENTRE_RATIO * median[r]:
+        K = _clean(_gram(G, extra, origin, centre=G[r], bad=bad.to(G.device)).cpu(), bad)
         D = _distances(K, bad)
     return Geometry(K, D, bad)
 
@@ -185,7 +195,7 @@ def pairwise_sq_distances(G: Tensor) -> Tensor:
     vector and any other.
     """
     _check_input(G, "pairwise_sq_distances")
-    return geometry(G).D
+    return geometry(G).D.to(G.device)
 
 
 def _sort_without_self(D: Tensor) -> tuple[Tensor, Tensor]:
@@ -204,10 +214,10 @@ def _neighbourhood(index: Tensor, m: int, dtype: torch.dtype) -> Tensor:
 
 def _weighted_sum(G: Tensor, w: Tensor, bad: Tensor | None) -> Tensor:
     """sum_i w_i g_i with bad vectors excluded (their weight must be 0: 0 * NaN would poison a matmul);
-    ``bad=None``: every vector is known to be finite."""
-    w = w.to(G.dtype)
+    ``bad=None``: every vector is known to be finite. w and bad on any device (the geometry's: the CPU)."""
+    w = w.to(G.device, G.dtype, non_blocking=w.device.type == "cpu")  # pageable: staged first
     if bad is not None and bad.any():
-        good = (~bad).nonzero().squeeze(1)
+        good = (~bad).nonzero().squeeze(1).to(G.device)
         return w[good] @ G[good]
     return w @ G
 
@@ -363,12 +373,11 @@ class TrimmedMean(Rule):
         N, f = G.shape[0], self.f
         if f == 0:
             return G.mean(dim=0)
-        X = _nan_to_inf(G)
-        if not torch.isfinite(X).all():
-            return X.sort(dim=0).values[f : N - f].mean(dim=0)
-        hi = X.topk(f, dim=0).values[-1]
-        lo = X.topk(f, dim=0, largest=False).values[-1]
-        return (X.clamp(min=lo, max=hi).sum(dim=0) - f * (lo + hi)) / (N - 2 * f)
+        if not torch.isfinite(G).all():  # one wait for the device on the finite path
+            return _nan_to_inf(G).sort(dim=0).values[f : N - f].mean(dim=0)
+        hi = G.topk(f, dim=0).values[-1]
+        lo = G.topk(f, dim=0, largest=False).values[-1]
+        return (G.clamp(min=lo, max=hi).sum(dim=0) - f * (lo + hi)) / (N - 2 * f)
 
 
 class GeoMed(Rule):
@@ -463,7 +472,7 @@ class Bulyan(Rule):
     def aggregate(self, G: Tensor) -> Tensor:
         N, f = G.shape[0], self.f
         D = geometry(G).D
-        remaining = torch.arange(N, device=G.device)
+        remaining = torch.arange(N)
         selected = []
         for _ in range(N - 2 * f):
             sub = D[remaining][:, remaining]
@@ -471,7 +480,7 @@ class Bulyan(Rule):
             j = int(_sort_without_self(sub)[0][:, :k].sum(dim=1).argmin())
             selected.append(remaining[j])
             remaining = torch.cat([remaining[:j], remaining[j + 1 :]])
-        S = G[torch.stack(selected)]  # bad vectors have infinite scores and are never selected
+        S = G[torch.stack(selected).to(G.device)]  # bad vectors have infinite scores and are never selected
         closest = (S - _coordinate_median(S)).abs().topk(N - 4 * f, dim=0, largest=False).indices
         return S.gather(0, closest).mean(dim=0)
 
@@ -550,7 +559,8 @@ class ProDiGy(Rule):
     largest client norm, so that clusters of identical vectors get large but finite scores; if every kept
     score is 0 (a degenerate input, e.g. all vectors equal), the output is the coordinate-wise median.
     Needs 2 <= f < N/2 (f = 1 makes every s_d zero). A call (not a ``peek``) keeps the scores of its input
-    in ``last_scores``."""
+    in ``last_scores``, on the CPU (logging them waits for no device); ``scores(G)`` returns them on G's
+    device."""
 
     by_weights = True
 
@@ -566,14 +576,14 @@ class ProDiGy(Rule):
     def scores(self, G: Tensor) -> ProDiGyScores:
         _check_input(G, repr(self))
         self.check_n(G.shape[0])
-        return self._scores_from(*geometry(G, origin=True))
+        return ProDiGyScores(*(s.to(G.device) for s in self._scores_from(*geometry(G, origin=True))))
 
     def _scores_from(self, K: Tensor, D: Tensor, bad: Tensor) -> ProDiGyScores:
         """The scores from the Gram matrix K of [G; 0] (point N is the origin, for ||mu||)."""
         N, f = D.shape[0], self.f
         delta, index = _sort_without_self(D)
         spread = delta[:, f - 1 : N - f - 1].sum(dim=1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
-        largest = spread.masked_fill(bad, 0.0).max()  # guards as tensors: no host sync on a GPU
+        largest = spread.masked_fill(bad, 0.0).max()  # guards as tensors: valid on any device
         proximity = 1.0 / spread.clamp(min=torch.where(largest > 0, _FLOOR * largest, 1.0))
         A = _neighbourhood(index, f, torch.float64)
         D_good = D.masked_fill(torch.isinf(D), 0.0)  # neighbourhoods of good clients hold good clients only
@@ -633,11 +643,11 @@ class NNM(Rule):
         if distances is None:
             _, D, bad = geometry(G)
         else:
-            D, bad = distances, _no_bad(G.shape[0], G)
-        A = self.mixing(D).to(G.dtype)
+            D, bad = distances, _no_bad(G.shape[0], distances)
+        A = self.mixing(D).to(G.device, G.dtype)
         if not bad.any():
             return A @ G
-        good = (~bad).nonzero().squeeze(1)
+        good, bad = (~bad).nonzero().squeeze(1).to(G.device), bad.to(G.device)
         return (A[:, good] @ G[good]).masked_fill(bad[:, None], math.nan)
 
     def mixing(self, D: Tensor) -> Tensor:
@@ -722,8 +732,8 @@ def _combined(rule: Rule, G: Tensor, mixers: list[NNM]) -> tuple[Tensor | None, 
     c = _combine_through(rule, mixers, K, D, bad)
     if c is None or c.weights is None:
         return None, None if c is None else c.record
-    out = _weighted_sum(G, c.weights[:-1], None if mixers else bad)  # None: known finite, no second sync
-    return (out if ref is None else c.weights[-1].to(G.dtype) * ref + out), c.record
+    out = _weighted_sum(G, c.weights[:-1], None if mixers else bad)  # None: known finite
+    return (out if ref is None else out.add_(ref, alpha=c.weights[-1].item())), c.record
 
 
 class Pipeline:

@@ -1,6 +1,8 @@
 """Aggregators against brute-force loops of the paper's formulas, invariants and hostile input."""
 
+import contextlib
 import math
+import weakref
 
 import pytest
 import torch
@@ -507,32 +509,92 @@ def test_distances_accurate_just_below_the_recentre_threshold(monkeypatch):
     assert ((D - truth).abs()[off] / truth[off]).max() < 1e-5
 
 
-class _HostSyncs(TorchDispatchMode):
-    """Counts the ops that copy a value to the host (on a GPU each one waits for the queue to drain)."""
+class _Accelerator(TorchDispatchMode):
+    """An accelerator emulated on the CPU, to count the waits for it that a call would make: the input and
+    everything computed from it (or written into by it) live "on the device" until ``Tensor.cpu`` (patched
+    by `on_accelerator` to copy) brings a copy to the host. A wait is that copy, or a value read to the host
+    (``item``, ``bool``, ``nonzero``, a boolean-mask index) from a tensor on the device."""
 
-    SYNCING = {"_local_scalar_dense", "is_nonzero", "nonzero", "item"}
+    READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "item"}
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.on_device: set[int] = set()
+        self.waits = 0
+        self.device_ops = 0
+
+    def place(self, t: torch.Tensor) -> None:
+        if id(t) not in self.on_device:
+            self.on_device.add(id(t))
+            weakref.finalize(t, self.on_device.discard, id(t))
+
+    def holds(self, t: object) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.on_device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = any(self.holds(t) for t in inputs)
         indices = args[1] if name in ("index", "index_put", "index_put_", "_index_put_impl_") else []
         masks = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)  # nonzero inside
-        self.count += name in self.SYNCING or masks
-        return func(*args, **(kwargs or {}))
+        self.waits += device and (name in self.READS or masks)
+        self.device_ops += device
+        out = func(*args, **kwargs)
+        if device:
+            written = [args[0], args[0]._base] if func._schema.is_mutable else []  # in place: K[:N, :N] += ...
+            for t in torch.utils._pytree.tree_leaves(out) + written:
+                if isinstance(t, torch.Tensor):
+                    self.place(t)
+        return out
 
 
-@pytest.mark.parametrize(("name", "most"), [("prodigy", 3), ("krum", 2), ("nnm+krum", 2)])
-def test_few_host_syncs_per_aggregation(name, most):
-    """Small-N aggregation on a GPU is bound by launches and syncs: geometry syncs once, then ProDiGy's
-    all-zero-scores check and the bad-row check of the final sum."""
-    G = torch.randn(10, 5000) + 0.5
+@contextlib.contextmanager
+def on_accelerator(monkeypatch, G: torch.Tensor):
+    accelerator = _Accelerator()
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        accelerator.waits += accelerator.holds(t)
+        copy = t.clone()
+        accelerator.on_device.discard(id(copy))
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "cpu", to_host)
+    with accelerator:
+        accelerator.place(G)
+        yield accelerator
+
+
+@pytest.mark.parametrize(
+    ("name", "offset", "most"),
+    [("prodigy", 0.5, 1), ("krum", 0.5, 1), ("nnm+krum", 0.5, 1), ("nnm+cclip", 0.5, 1), ("prodigy", 50.0, 2),
+     ("trimmed_mean", 0.5, 1), ("nnm+trimmed_mean", 0.5, 2)],
+)  # fmt: skip
+def test_one_wait_for_the_device_per_aggregation(monkeypatch, name, offset, most):
+    """Small-N aggregation on a GPU is bound by launches and waits: the Gram matrix comes to the host once
+    (twice when recentring on a shared offset), the N x N algebra runs there, one weighted sum goes back.
+    A coordinate-wise rule waits once, for its all-finite check (NNM before it: plus the Gram matrix)."""
+    G = torch.randn(10, 5000, generator=torch.Generator().manual_seed(0)) + offset
     pipeline = make_aggregator(name, 3)
-    with _HostSyncs() as syncs:
-        pipeline(G)
-    assert syncs.count <= most
+    with on_accelerator(monkeypatch, G) as accelerator:
+        out = pipeline(G)
+        assert accelerator.holds(out)
+    assert 1 <= accelerator.waits <= most
+    if name == "prodigy":
+        assert not accelerator.holds(pipeline.rule.last_scores.weight)  # the training loop logs it
+
+
+def test_the_attack_search_waits_once_per_round(monkeypatch):
+    """Every candidate of the line search is scored from one Gram matrix on the host: no wait per candidate."""
+    G = torch.randn(13, 4000, generator=torch.Generator().manual_seed(1)) + 0.5
+    server = make_aggregator("prodigy", 3, n_clients=13)
+    attack = make_attack("alie")
+    with on_accelerator(monkeypatch, G) as accelerator:
+        honest, own = G[3:], G[:3]
+        out = attack.craft(honest, own, server)
+        assert accelerator.holds(out)
+    assert len(attack.last_search) >= 5
+    assert accelerator.waits <= 2  # the Gram matrix of the line, and the statistics' norm check if any
 
 
 def test_a_non_finite_extra_point_is_not_hidden():

@@ -44,6 +44,27 @@ def test_prodigy_zeroes_the_same_clients_on_cuda():
     assert torch.equal(cpu.rule.last_scores.weight == 0, gpu.rule.last_scores.weight.cpu() == 0)
 
 
+def test_the_n_by_n_algebra_runs_on_the_host():
+    """geometry brings the Gram matrix to the CPU; public results stay on G's device, logged scores on the
+    CPU; and a ProDiGy call waits for the device once (sync debug mode warns at each wait)."""
+    from prodigy_core.aggregators import ProDiGy, geometry
+
+    G = updates().to(CUDA) - 50.0  # no shared offset: no recentring pass
+    assert all(t.device.type == "cpu" for t in geometry(G, origin=True))
+    assert pairwise_sq_distances(G).device.type == "cuda" and ProDiGy(3).scores(G).weight.device.type == "cuda"
+    pipeline = make_aggregator("prodigy", 3)
+    pipeline(G)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning) as waits:
+            out = pipeline(G)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.device.type == "cuda" and pipeline.rule.last_scores.weight.device.type == "cpu"
+    assert len([w for w in waits if "synchroniz" in str(w.message)]) <= 2  # K to the host, weights back
+
+
 @pytest.mark.parametrize("defense", ["nnm+trimmed_mean", "prodigy", "nnm+cclip"])  # each route of the search
 @pytest.mark.parametrize("attack", ["alie", "foe_100", "minmax"])
 def test_attack_search_picks_the_same_candidate(attack, defense):
