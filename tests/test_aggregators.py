@@ -542,7 +542,8 @@ class _Accelerator(TorchDispatchMode):
         self.device_ops += device
         out = func(*args, **kwargs)
         if device:
-            written = [args[0], args[0]._base] if func._schema.is_mutable else []  # in place: K[:N, :N] += ...
+            # written in place (K[:N, :N].add_(...) writes into K too)
+            written = [args[0], args[0]._base] if func._schema.is_mutable else []
             for t in torch.utils._pytree.tree_leaves(out) + written:
                 if isinstance(t, torch.Tensor):
                     self.place(t)
@@ -585,7 +586,7 @@ def test_one_wait_for_the_device_per_aggregation(monkeypatch, name, offset, most
 
 
 def test_the_attack_search_waits_once_per_round(monkeypatch):
-    """Every candidate of the line search is scored from one Gram matrix on the host: no wait per candidate."""
+    """Every candidate of the line search is scored from one Gram matrix on the host: no wait for each."""
     G = torch.randn(13, 4000, generator=torch.Generator().manual_seed(1)) + 0.5
     server = make_aggregator("prodigy", 3, n_clients=13)
     attack = make_attack("alie")

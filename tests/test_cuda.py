@@ -51,7 +51,8 @@ def test_the_n_by_n_algebra_runs_on_the_host():
 
     G = updates().to(CUDA) - 50.0  # no shared offset: no recentring pass
     assert all(t.device.type == "cpu" for t in geometry(G, origin=True))
-    assert pairwise_sq_distances(G).device.type == "cuda" and ProDiGy(3).scores(G).weight.device.type == "cuda"
+    assert pairwise_sq_distances(G).device.type == "cuda"
+    assert ProDiGy(3).scores(G).weight.device.type == "cuda"
     pipeline = make_aggregator("prodigy", 3)
     pipeline(G)
     torch.cuda.synchronize()
