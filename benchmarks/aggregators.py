@@ -5,7 +5,7 @@ floor: the distance-based rules need at least that), the floor being timed alter
 the speed-up over a pairwise loop of vector norms in the style of the authors' public code (timed on a subset
 of the pairs and extrapolated when there are many); the peak extra memory (CUDA allocator peak on a GPU;
 sampled resident set size on a CPU); and the fixed cost of a call, the same pipeline at d = 1000, which is
-what small N on a fast device is made of (small N x N ops, kernel launches, host syncs).
+what small N on a fast device is made of (the N x N algebra on the host, kernel launches, waits).
 
     .venv/bin/python benchmarks/aggregators.py [--device auto|cpu|cuda] [--sizes 10x1310922,100x1690046]
                                                [--pipelines prodigy nnm+krum]
