@@ -3,6 +3,8 @@
 Skipped where torch sees no CUDA device (CI has none); run on a GPU machine with `pytest tests/test_cuda.py`.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -58,12 +60,14 @@ def test_the_n_by_n_algebra_runs_on_the_host():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with pytest.warns(UserWarning) as waits:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             out = pipeline(G)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.device.type == "cuda" and pipeline.rule.last_scores.weight.device.type == "cpu"
-    assert len([w for w in waits if "synchroniz" in str(w.message)]) <= 2  # K to the host, weights back
+    waits = [w for w in caught if "synchroniz" in str(w.message)]
+    assert 1 <= len(waits) <= 2, [str(w.message) for w in waits]  # K to the host (weights back: pageable)
 
 
 @pytest.mark.parametrize("defense", ["nnm+trimmed_mean", "prodigy", "nnm+cclip"])  # each route of the search
