@@ -14,7 +14,8 @@ are all affine combinations of the vectors, so they follow from this (N, N) matr
 final weighted sum reads G again. That N x N algebra runs on the CPU whatever G's device: after the Gram pass
 (one wait for the device) each of its ~100 small ops costs a few microseconds on the host, where on an
 accelerator each would be a kernel launch, and its branches and the attack search's candidates would each
-wait for the device again.
+wait for the device again. Its cost grows as N^3 (ProDiGy's neighbourhood products): 1.7 ms at N=100 and
+134 ms at N=1000 on 2 CPU cores, against a Gram product of N^2 d multiply-adds on the device.
 
 Hostile input. A vector with a NaN/Inf entry, or whose squared norm overflows, is *bad*: it is infinitely
 far from everything (+inf distance), never selected, and gets weight 0. Coordinate-wise rules treat NaN as
