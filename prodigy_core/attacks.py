@@ -178,7 +178,7 @@ class Mimic(Attack):
     name = "mimic"
 
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
-        dist = pairwise_sq_distances(honest).double()
+        dist = geometry(honest).D  # float64 on the host, like every N x N computation (see aggregators)
         h = dist.shape[0]
         centring = torch.eye(h, dtype=dist.dtype, device=dist.device) - 1.0 / h
         gram = -0.5 * centring @ dist @ centring  # <g_i - mu, g_j - mu> (classical MDS)
