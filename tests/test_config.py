@@ -68,10 +68,18 @@ def test_key_ignores_fields_that_do_not_change_results():
 @pytest.mark.parametrize(
     "changes",
     [{"seed": 1}, {"data_seed": 1}, {"rounds": 99}, {"attack": "alie"}, {"defense": "nnm+krum"},
-     {"local_momentum": 0.9}, {"dirichlet_alpha": 0.5}, {"lr": 0.1}, {"eval_every": 5}],
+     {"local_momentum": 0.9}, {"dirichlet_alpha": 0.5}, {"lr": 0.1}, {"eval_every": 5}, {"variant": "authors"}],
 )  # fmt: skip
 def test_key_changes_with_every_result_field(changes):
     assert RunConfig().key() != RunConfig().replace(**changes).key()
+
+
+def test_keys_changed_with_the_per_seed_split_so_old_records_are_never_reused():
+    # keys computed by the code before `variant` and `data_seed: null` (every seed's split was data_seed=0)
+    old = {"default": "bfb2c7c14ba1e310", "seed=1, data_seed=1": "86c46ca27a7f0f12",
+           "seed=1, data_seed=0": "d86199b234ed397c"}  # fmt: skip
+    new = {RunConfig().key(), RunConfig(seed=1).key(), RunConfig(seed=1, data_seed=0).key()}
+    assert not new & set(old.values())
 
 
 def test_int_and_float_spellings_give_one_key():
