@@ -99,7 +99,9 @@ class RunConfig:
         """Fill the fields whose default depends on others (lr decay round, weight decay, data seed)."""
         return dataclasses.replace(
             self,
-            lr_decay_at=decay_round(self.rounds, self.variant) if self.lr_decay_at is None else self.lr_decay_at,
+            lr_decay_at=decay_round(self.rounds, self.variant)
+            if self.lr_decay_at is None
+            else self.lr_decay_at,
             data_seed=self.seed if self.data_seed is None else self.data_seed,
             weight_decay=DEFAULT_WEIGHT_DECAY[self.dataset]
             if self.weight_decay is None

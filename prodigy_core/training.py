@@ -51,9 +51,10 @@ micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = 
 A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is not finite)
 stops with its model frozen and is recorded as diverged, with no loss and the accuracy
 `diverged_accuracy`: chance level 100 / num_classes (``paper``), or what a NaN network predicts in the
-authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set. Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir`
-is given, named `<config.key()>.pt`) hold the model, the momentum, the pipeline state and every RNG state,
-so a resumed run reproduces the uninterrupted one; the checkpoint is deleted when the run completes.
+authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set.
+Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`) hold
+the model, the momentum, the pipeline state and every RNG state, so a resumed run reproduces the uninterrupted
+one; the checkpoint is deleted when the run completes.
 """
 
 from __future__ import annotations
@@ -219,7 +220,9 @@ def run(
         result.round_times.append(time.perf_counter() - tic)
 
         if r % cfg.eval_every == 0 or r == cfg.rounds:
-            result.final_accuracy, result.final_loss = evaluate(model, fed, train_mode=cfg.variant == "authors")
+            result.final_accuracy, result.final_loss = evaluate(
+                model, fed, train_mode=cfg.variant == "authors"
+            )
             result.accuracy_curve.append([r, result.final_accuracy])
             if cfg.variant == "authors" and not math.isfinite(result.final_loss):  # the authors' divergence
                 result.diverged, result.diverged_at = True, r
@@ -484,5 +487,13 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-__all__ = ["RunResult", "run", "evaluate", "diverged_accuracy", "local_momentum", "server_input", "pick_engine",
-           "AUTO_CPU_ENGINE"]
+__all__ = [
+    "RunResult",
+    "run",
+    "evaluate",
+    "diverged_accuracy",
+    "local_momentum",
+    "server_input",
+    "pick_engine",
+    "AUTO_CPU_ENGINE",
+]

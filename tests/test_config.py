@@ -68,7 +68,8 @@ def test_key_ignores_fields_that_do_not_change_results():
 @pytest.mark.parametrize(
     "changes",
     [{"seed": 1}, {"data_seed": 1}, {"rounds": 99}, {"attack": "alie"}, {"defense": "nnm+krum"},
-     {"local_momentum": 0.9}, {"dirichlet_alpha": 0.5}, {"lr": 0.1}, {"eval_every": 5}, {"variant": "authors"}],
+     {"local_momentum": 0.9}, {"dirichlet_alpha": 0.5}, {"lr": 0.1}, {"eval_every": 5},
+     {"variant": "authors"}],
 )  # fmt: skip
 def test_key_changes_with_every_result_field(changes):
     assert RunConfig().key() != RunConfig().replace(**changes).key()

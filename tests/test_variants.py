@@ -2,10 +2,12 @@
 for both (issue 15): each expectation is hand-worked or brute-forced here, never produced by the code under
 test."""
 
+import dataclasses
 import math
 import types
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,7 +75,10 @@ def test_figure1_rate_at_round_100_is_still_005():
 # ------------------------------------------------------------------------------------------- data splits
 def test_each_seed_draws_its_own_split_unless_pinned():
     def split(cfg):
-        return [ix.tolist() for ix in training._load_federation(cfg.resolved(), torch.device("cpu")).client_indices]
+        return [
+            ix.tolist()
+            for ix in training._load_federation(cfg.resolved(), torch.device("cpu")).client_indices
+        ]
 
     splits = [split(tiny(distribution="dirichlet", seed=s)) for s in (0, 1, 2)]
     assert splits[0] != splits[1] and splits[1] != splits[2] and splits[0] != splits[2]
@@ -98,10 +103,8 @@ def test_authors_sign_flip_follows_its_recurrence_and_fixed_point():
             m = local_momentum(m, g, beta)
             sent = server_input(m, f, attack, server)
             honest_m = beta * honest_m + (1 - beta) * g[:f]
-            if variant == "paper":
-                expected = -honest_m
-            else:
-                expected = -(beta * sent_before + (1 - beta) * g[:f])
+            # paper: -(honest momentum); authors: -(beta s_{t-1} + (1 - beta) g_t)
+            expected = -honest_m if variant == "paper" else -(beta * sent_before + (1 - beta) * g[:f])
             torch.testing.assert_close(sent[:f], expected)
             torch.testing.assert_close(sent[f:], m[f:])  # the honest rows are untouched
             sent_before = expected
@@ -255,3 +258,61 @@ def test_diverged_authors_run_scores_the_class_0_share():
     labels = load_federation("digits", 6, distribution="dirichlet", seed=0).test_labels
     share = 100.0 * (labels == 0).sum().item() / len(labels)
     assert result.final_accuracy == pytest.approx(share) and share != pytest.approx(10.0)
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def _paper_value(config, paper):
+    cell = paper[(paper["n_clients"] == config.n_clients) & (paper["n_byzantine"] == config.n_byzantine)
+                 & (paper["defense"] == config.defense) & (paper["attack"] == config.attack)]  # fmt: skip
+    return float(cell["accuracy_mean"].iloc[0])
+
+
+def test_report_puts_both_variants_beside_the_paper(tmp_path):
+    from prodigy_core import report, results
+
+    exp = load_experiment("table4_fraction_byzantine")
+    assert {c.variant for c in exp.configs} == {"paper"}
+    paper = results.paper_results().query("table == 'fraction_byzantine'")
+    # ours (paper): every cell 1 point above the paper; ours (authors): 5 points below, except one defense
+    # row, where the attack the paper does not bold becomes our worst case
+    bold = paper[paper["worst_case_bold"]].iloc[0]
+    other = "sf" if bold["attack"] == "alie" else "alie"
+
+    def record(config, shift):
+        value = _paper_value(config, paper) + shift
+        row = (config.n_byzantine, config.defense) == (bold["n_byzantine"], bold["defense"])
+        if config.variant == "authors" and row and config.attack == other:
+            value = 0.0
+        return {"config": config.to_dict(), "final_accuracy": value, "stand_in": None}
+
+    for config in exp.with_variant("authors").configs:
+        results.save_record(tmp_path / exp.name, config.key(), record(config, -5.0), exp.name)
+    rows = [{**c.to_dict(), **record(c, 1.0), "status": "done"} for c in exp.configs]
+    df = pd.DataFrame(rows).drop(columns="config")
+
+    both = results.load_variants(exp, tmp_path)
+    assert results.variants_in(both) == ["authors"]  # only the authors' runs are stored
+    with pytest.raises(ValueError, match="variant=..."):
+        results.compare_with_paper(pd.concat([df, both]), "fraction_byzantine")
+    ours = results.compare_with_paper(df, "fraction_byzantine")
+    assert set(ours["variant"]) == {"paper"}
+    agreement = results.paper_agreement(ours)
+    assert agreement["mean_abs_delta"] == pytest.approx(1.0) and agreement["within"] == 36
+    authors = results.paper_agreement(
+        results.compare_with_paper(both, "fraction_byzantine", variant="authors")
+    )
+    assert authors["within"] == 0 and authors["worst_case_agree"] == authors["worst_case_rows"] - 1
+
+    exp = dataclasses.replace(exp, report={**exp.report, "figures": ["distances"]})  # no figure to draw
+    paths = report.write_report(exp, df, tmp_path / "figures", results_dir=tmp_path)
+    text = (tmp_path / "figures" / f"{exp.name}_vs_paper.md").read_text()
+    assert tmp_path / "figures" / f"{exp.name}_vs_paper.md" in paths
+    assert "(variant: paper, authors)" in text.splitlines()[0]
+    assert "| paper " in text and "| ours (paper) " in text and "| ours (authors) " in text
+    assert "| defense | attack | paper | ours (paper) | ours (authors) |" in text
+    zeroed = paper[(paper["n_byzantine"] == bold["n_byzantine"]) & (paper["defense"] == bold["defense"])
+                   & (paper["attack"] == other)]["accuracy_mean"].iloc[0]  # fmt: skip
+    rows = len(paper.groupby(["n_byzantine", "defense"]))
+    assert f"| paper | 36 of 36 | 1.00 | 36 of 36 | {rows} of {rows} |" in text
+    assert f"| authors | 36 of 36 | {(35 * 5 + zeroed) / 36:.2f} | 0 of 36 | {rows - 1} of {rows} |" in text
+    assert "(variant: paper)" in (tmp_path / "figures" / f"{exp.name}.md").read_text().splitlines()[0]
