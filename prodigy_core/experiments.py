@@ -86,6 +86,15 @@ class Experiment:
         """The stand-in label of one run (None when it runs on the dataset the params file names)."""
         return self.stand_ins.get(config.key())
 
+    def with_variant(self, variant: str) -> Experiment:
+        """The same grid with every run under `variant` (``paper`` or ``authors``: other result keys)."""
+        configs = [c.replace(variant=variant) for c in self.configs]
+        pairs = zip(self.configs, configs, strict=True)
+        stand_ins = {
+            new.key(): self.stand_ins[old.key()] for old, new in pairs if old.key() in self.stand_ins
+        }
+        return dataclasses.replace(self, configs=configs, stand_ins=stand_ins)
+
 
 # ------------------------------------------------------------------------------------------- loading
 

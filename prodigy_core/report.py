@@ -612,8 +612,20 @@ def output_dir(smoke: bool, out_dir: str | Path | None = None) -> Path:
     return base / SMOKE_SUBDIR if smoke else base
 
 
+def variants_of(experiment: Any, df: pd.DataFrame | None = None) -> list[str]:
+    """The variants (``paper``, ``authors``) of an experiment's grid, else of its runs; ["paper"] if neither
+    says."""
+    from prodigy_core.results import variants_in
+
+    configs = getattr(experiment, "configs", None) or []
+    found = list(dict.fromkeys(c.variant for c in configs if hasattr(c, "variant")))
+    return found or (variants_in(df) if df is not None else []) or ["paper"]
+
+
 def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
+    """The experiment's title, the variant(s) it ran under, and the smoke/stand-in label where it applies."""
     title = getattr(experiment, "title", None) or experiment.name
+    title = f"{title} (variant: {', '.join(variants_of(experiment, df))})"
     if not is_smoke(experiment, df) or "SMOKE" in title:  # smoke_profile already labels its titles
         return title
     stand_in = stand_in_of(experiment, df)
@@ -629,26 +641,51 @@ def grid_order(experiment: Any) -> dict[str, list[Any]]:
     return {k: list(dict.fromkeys(d[k] for d in dicts if not isinstance(d[k], list))) for k in dicts[0]}
 
 
-def paper_comparison_markdown(comparison: pd.DataFrame, title: str) -> str:
-    """``results.compare_with_paper`` as Markdown: the setting columns that vary, then ours, paper, delta and
-    the worst-case flags; headed by the mean absolute delta and the worst-case agreement over table rows."""
-    setting = list(comparison.columns[: comparison.columns.get_loc("attack")])  # ... defense: one table row
-    varying = [c for c in setting if comparison[c].nunique(dropna=False) > 1]
-    frame = comparison.drop(columns=[c for c in setting if c not in varying])
-    ran = comparison["ours"].notna()
-    summary = [f"Cells run: {int(ran.sum())} of {len(comparison)}."]
-    if ran.any():
-        summary.append(f"Mean |ours - paper|: {comparison.loc[ran, 'delta'].abs().mean():.2f} points.")
-    # worst_case_match is one flag per (setting, defense) row, repeated on each attack of the row
-    rows = comparison.groupby([comparison[c].fillna(-1) for c in setting], sort=False)[
-        "worst_case_match"
-    ].first()
-    rows = rows.dropna()
-    if len(rows):
-        agree = int(rows.astype(bool).sum())
-        summary.append(f"Worst-case attack agrees with the paper's on {agree} of {len(rows)} rows.")
-    body = frame_to_markdown(frame)
-    return "\n".join([f"# {title}", "", *summary, "", body])
+def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFrame], title: str) -> str:
+    """``results.compare_with_paper`` as Markdown, one frame or one per variant ({variant: frame}).
+
+    One variant: the setting columns that vary, then ours, paper, delta and the worst-case flags, headed by
+    the variant, the cells run, the mean absolute delta, the cells within 3 points and the worst-case
+    agreement over defense rows. Several: paper | ours (paper) | ours (authors) side by side, headed by a
+    table of those numbers per variant."""
+    from prodigy_core.results import WITHIN_POINTS, paper_agreement
+
+    comparisons = {comparison["variant"].iloc[0] if "variant" in comparison and len(comparison) else "paper":
+                   comparison} if isinstance(comparison, pd.DataFrame) else dict(comparison)  # fmt: skip
+    first = next(iter(comparisons.values()))
+    setting = list(first.columns[: first.columns.get_loc("attack")])  # ... defense: one table row
+    varying = [c for c in setting if first[c].nunique(dropna=False) > 1]
+    stats = {v: paper_agreement(c) for v, c in comparisons.items()}
+    if len(comparisons) == 1:
+        ((variant, only),) = comparisons.items()
+        a = stats[variant]
+        frame = only.drop(columns=[c for c in setting if c not in varying] + ["variant"], errors="ignore")
+        summary = [f"Variant: {variant}.", f"Cells run: {a['cells_run']} of {a['cells']}."]
+        if a["cells_run"]:
+            summary.append(f"Mean |ours - paper|: {a['mean_abs_delta']:.2f} points.")
+            summary.append(
+                f"Within {WITHIN_POINTS:g} points of the paper: {a['within']} of {a['cells_run']} cells."
+            )
+        if a["worst_case_rows"]:
+            agree, rows = a["worst_case_agree"], a["worst_case_rows"]
+            summary.append(f"Worst-case attack agrees with the paper's on {agree} of {rows} rows.")
+        return "\n".join([f"# {title}", "", *summary, "", frame_to_markdown(frame)])
+    per_variant = pd.DataFrame(
+        {"variant": list(stats),
+         "cells run": [f"{a['cells_run']} of {a['cells']}" for a in stats.values()],
+         "mean abs(ours - paper)": [a["mean_abs_delta"] for a in stats.values()],
+         f"within {WITHIN_POINTS:g} points": [f"{a['within']} of {a['cells_run']}" for a in stats.values()],
+         "worst case agrees (rows)": [f"{a['worst_case_agree']} of {a['worst_case_rows']}"
+                                      for a in stats.values()]}
+    )  # fmt: skip
+    side = first[list(dict.fromkeys([*varying, "defense", "attack", "paper"]))].copy()
+    for variant, c in comparisons.items():
+        side[f"ours ({variant})"] = c["ours"].to_numpy()
+    for variant, c in comparisons.items():
+        side[f"delta ({variant})"] = c["delta"].to_numpy()
+    body = ["Which variant matches the paper (paper: the text; authors: the authors' code):", "",
+            frame_to_markdown(per_variant), "", frame_to_markdown(side)]  # fmt: skip
+    return "\n".join([f"# {title}", "", *body])
 
 
 # What a layout's `figures` list may name; heatmap and curves by default. "distances": one distance heatmap
@@ -657,9 +694,18 @@ FIGURES = ("heatmap", "curves", "distances")
 DEFAULT_FIGURES = ("heatmap", "curves")
 
 
-def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None = None) -> list[Path]:
+def write_report(
+    experiment: Any,
+    df: pd.DataFrame,
+    out_dir: str | Path | None = None,
+    results_dir: str | os.PathLike | None = None,
+) -> list[Path]:
     """Write an experiment's table (``<name>.md``, ``.tex``), heatmap (``.pdf``, ``.png``), accuracy curves
     (``<name>_curves.pdf``/``.png``) and, at paper scale for a paper table, ``<name>_vs_paper.md``.
+
+    ``<name>_vs_paper.md`` compares each variant of ``df`` and, when ``experiment`` can (an `Experiment`),
+    the stored runs of the same grid under the other variant (from ``results_dir``): with both, paper |
+    ours (paper) | ours (authors) side by side.
 
     Smoke-scale or stand-in results go to ``<out_dir>/smoke/`` and say so in every title.
     """
@@ -703,12 +749,26 @@ def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None =
             )
     paper_table = getattr(experiment, "paper_table", None)
     if paper_table and not smoke:
-        from prodigy_core.results import compare_with_paper
+        from prodigy_core import results
+        from prodigy_core.config import VARIANTS
 
-        comparison = compare_with_paper(df, paper_table)
+        frames = {v: df for v in results.variants_in(df)} or {variants_of(experiment)[0]: df}
+        if hasattr(experiment, "with_variant"):
+            for v in (v for v in VARIANTS if v not in frames):
+                stored = results.load(experiment.with_variant(v), results_dir)
+                if not stored.empty:
+                    frames[v] = stored
+        comparisons = {
+            v: results.compare_with_paper(frame, paper_table, variant=v) for v, frame in frames.items()
+        }
+        comparisons = {v: comparisons[v] for v in [*VARIANTS, *comparisons] if v in comparisons}
+        base_title = getattr(experiment, "title", None) or name
         path = folder / f"{name}_vs_paper.md"
         path.write_text(
-            paper_comparison_markdown(comparison, f"{title}: ours vs the paper"), encoding="utf-8"
+            paper_comparison_markdown(
+                comparisons, f"{base_title}: ours vs the paper (variant: {', '.join(comparisons)})"
+            ),
+            encoding="utf-8",
         )
         paths.append(path)
     return paths

@@ -148,7 +148,8 @@ def test_paper_comparison_written_at_paper_scale(tmp_path, monkeypatch):
                                "delta": [-2.0, 2.0, -1.0, np.nan],
                                "worst_case_match": [True, True, pd.NA, pd.NA]})  # fmt: skip
     seen = []
-    monkeypatch.setattr("prodigy_core.results.compare_with_paper", lambda df, t: seen.append(t) or comparison)
+    fake = lambda df, t, **kw: seen.append(t) or comparison  # noqa: E731
+    monkeypatch.setattr("prodigy_core.results.compare_with_paper", fake)
     exp = experiment(paper_table="fraction_byzantine", layout=HEATMAP_ONLY)
     paths = report.write_report(exp, fabricated(seeds=(0,), momenta=(0.0,)), tmp_path)
     assert seen == ["fraction_byzantine"]
