@@ -89,6 +89,7 @@ FIXED_METADATA = {
     "pdf": {"CreationDate": None, "ModDate": None, "Creator": None, "Producer": None},
     "png": {"Software": None},
 }
+SUBTITLE_SIZE = 7  # points: the smoke/stand-in tag under a figure's title
 BYZANTINE_COLOUR = "#d62728"
 HONEST_COLOUR = "#1f77b4"
 
@@ -242,7 +243,8 @@ def _tables(df: pd.DataFrame, layout: Mapping[str, Any], order: Mapping[str, Seq
         accuracy_table(df, layout, stat, order)
         for stat in ("mean", "std", "worst_case", "n_seeds", "n_diverged")
     )
-    return mean, std, worst, n_diverged.fillna(0) > 0, seeds_phrase(n_seeds.stack().dropna().tolist())
+    counts = n_seeds.to_numpy(dtype=float).ravel()
+    return mean, std, worst, n_diverged.fillna(0) > 0, seeds_phrase(counts[~np.isnan(counts)].tolist())
 
 
 def seeds_phrase(n_seeds: Sequence[float]) -> str:
@@ -395,19 +397,26 @@ def save_figure(fig: Figure, base: str | Path) -> list[Path]:
     return paths
 
 
-def wrap(title: str, fig: Figure) -> str:
+def wrap(title: str, fig: Figure, size: float = 9) -> str:
     """A title broken into lines that fit the figure's width (about 10 characters per inch at 9 pt)."""
-    width = max(24, int(fig.get_figwidth() * 10))
+    width = max(24, int(fig.get_figwidth() * 10 * 9 / size))
     return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
 
 
 def set_title(fig: Figure, title: str) -> None:
-    """The figure's title: the headline, and under it, smaller, its smoke/stand-in tag (split_title)."""
+    """The figure's title: the headline, and under it, smaller and in italics, its smoke/stand-in tag
+    (:func:`split_title`)."""
     headline, tag = split_title(title)
-    fig.suptitle(wrap(headline, fig))
-    if tag:  # an empty legend's title: constrained layout keeps room for it under the suptitle
-        fig.legend(handles=[], title=wrap(tag, fig), loc="outside upper center", frameon=False,
-                   title_fontproperties={"size": 7, "style": "italic"})  # fmt: skip
+    head = wrap(headline, fig)
+    if not tag:
+        fig.suptitle(head)
+        return
+    sub = wrap(tag, fig, SUBTITLE_SIZE)
+    # the suptitle (which constrained layout makes room for) holds blank lines where the subtitle goes
+    suptitle = fig.suptitle(head + "\n" * (sub.count("\n") + 1))
+    size = suptitle.get_fontsize()
+    top = suptitle.get_position()[1] - (head.count("\n") + 1) * 1.2 * size / 72 / fig.get_figheight()
+    fig.text(0.5, top, sub, ha="center", va="top", fontsize=SUBTITLE_SIZE, fontstyle="italic")
 
 
 def _grid(n: int, max_cols: int = 4) -> tuple[int, int]:
@@ -466,8 +475,8 @@ def heatmap(
             ax.set_visible(False)
         fig.colorbar(image, ax=axes, label="final test accuracy (%)", shrink=0.8)
         if diverged.to_numpy().any():
-            hatch = matplotlib.patches.Patch(facecolor="white", edgecolor="0.5", hatch="xxx",
-                                             label=f"{DIVERGED_MARK} {DIVERGED_NOTE}")  # fmt: skip
+            label = f"{DIVERGED_MARK} diverged in at least one seed (counted at chance accuracy)"
+            hatch = matplotlib.patches.Patch(facecolor="white", edgecolor="0.5", hatch="xxx", label=label)
             fig.legend(handles=[hatch], loc="outside lower center", frameon=False, fontsize=7)
         if title:
             set_title(fig, title)
@@ -964,8 +973,9 @@ def explorer(**setting: Any) -> Any:
         dataset=widgets.Dropdown(options=[(DATASET_LABELS[d], d) for d in DATASETS], value=s["dataset"]),
         n_clients=widgets.IntSlider(value=s["n_clients"], min=4, max=50),
         n_byzantine=widgets.IntSlider(value=s["n_byzantine"], min=0, max=24),
-        distribution=widgets.Dropdown(options=choices("distribution", distributions),
-                                      value=s["distribution"]),  # fmt: skip
+        distribution=widgets.Dropdown(
+            options=choices("distribution", distributions), value=s["distribution"]
+        ),  # fmt: skip
         dirichlet_alpha=widgets.FloatLogSlider(value=s["dirichlet_alpha"], base=10, min=-2, max=2),
         attack=widgets.Dropdown(options=choices("attack", list(ATTACKS)), value=s["attack"]),
         defense=widgets.Dropdown(options=choices("defense", AGGREGATOR_NAMES), value=s["defense"]),

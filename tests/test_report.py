@@ -129,15 +129,16 @@ def test_smoke_and_stand_in_outputs_go_to_smoke_folder_and_say_so(tmp_path):
     df = fabricated(seeds=(0,), momenta=(0.0,))
     paths = report.write_report(experiment(smoke=True, layout=HEATMAP_ONLY), df, tmp_path)
     assert {p.parent for p in paths} == {tmp_path / "smoke"}
-    assert report.SMOKE_LABEL in (tmp_path / "smoke" / "fab.md").read_text().splitlines()[0]
+    headline, subtitle = (tmp_path / "smoke" / "fab.md").read_text().splitlines()[0:3:2]
+    assert headline == "# Fabricated table" and report.SMOKE_LABEL in subtitle  # the tag is a subtitle
     # a run on stand-in data is labelled even when the experiment itself is not smoke
     df_stand_in = df.assign(stand_in="digits (offline stand-in for cifar10)")
     paths = report.write_report(
         experiment("s", paper_table="bigtable", layout=HEATMAP_ONLY), df_stand_in, tmp_path
     )
     assert {p.parent for p in paths} == {tmp_path / "smoke"}
-    header = (tmp_path / "smoke" / "s.md").read_text().splitlines()[0]
-    assert report.SMOKE_LABEL in header and "digits (offline stand-in" in header
+    subtitle = (tmp_path / "smoke" / "s.md").read_text().splitlines()[2]
+    assert report.SMOKE_LABEL in subtitle and "digits (offline stand-in" in subtitle
     assert not any("vs_paper" in p.name for p in paths)  # no paper comparison for stand-in numbers
 
 
