@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import nbformat
 import papermill
@@ -124,3 +126,14 @@ def test_papermill_hints_work_from_the_repository_root(name):
         assert (root / params_path).resolve() == (PARAMS_DIR / params_file).resolve()
         assert output.startswith("build/")  # the git-ignored folder, made by the hint's `mkdir -p build`
     assert "../params" not in source
+
+
+def test_tests_and_notebooks_use_a_temporary_results_and_figures_folder():
+    # set by the repository's root conftest.py before prodigy_core is imported or a kernel started
+    from prodigy_core import report, results
+
+    for name in ("PRODIGY_RESULTS_DIR", "PRODIGY_FIGURES_DIR"):
+        folder = Path(os.environ[name])
+        assert Path(tempfile.gettempdir()).resolve() in folder.resolve().parents, (name, folder)
+    assert results.resolve_results_dir() == Path(os.environ["PRODIGY_RESULTS_DIR"])
+    assert report.output_dir(False) == Path(os.environ["PRODIGY_FIGURES_DIR"])
