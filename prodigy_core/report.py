@@ -17,6 +17,7 @@ the same results twice gives byte-identical files.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import re
@@ -786,6 +787,35 @@ def paper_comparison_markdown(comparison: pd.DataFrame, title: str) -> str:
     return "\n".join([f"# {title}", "", *summary, "", body])
 
 
+PROVENANCE = re.compile(r"<!-- provenance: (.*?) -->")
+
+
+def code_hash() -> str:
+    """sha256 (12 hex digits) of the package's files (prodigy_core/**, line endings normalised): which code
+    wrote a table."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def provenance(experiment: Any) -> str:
+    """What produced an experiment's report: its runs (a hash of their result keys, which hash every
+    resolved config field) and the code (:func:`code_hash`). Written into the Markdown and LaTeX tables, and
+    checked for the committed quickstart table by tests/test_report.py."""
+    keys = sorted(c.key() for c in getattr(experiment, "configs", None) or [])
+    runs = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:12]
+    return f"runs {runs} ({len(keys)}), code {code_hash()}"
+
+
+def read_provenance(text: str) -> str | None:
+    """The provenance written into a Markdown table by :func:`write_report` (None when it has none)."""
+    m = PROVENANCE.search(text)
+    return m[1] if m else None
+
+
 # What a layout's `figures` list may name; heatmap and curves by default. "distances": one distance heatmap
 # per run and recorded round (`record_distances_at`), named <name> when there is just one.
 FIGURES = ("heatmap", "curves", "distances")
@@ -812,8 +842,11 @@ def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None =
         note = f"**{SMOKE_LABEL}**: tiny scale, not comparable with the paper. " + note
 
     paths = [folder / f"{name}.md", folder / f"{name}.tex"]
-    paths[0].write_text(to_markdown(df, layout, title, order, note=note), encoding="utf-8")
-    paths[1].write_text(to_latex(df, layout, title, order, label=f"tab:{name}"), encoding="utf-8")
+    made_by = provenance(experiment)
+    markdown = to_markdown(df, layout, title, order, note=note)
+    paths[0].write_text(f"{markdown}\n<!-- provenance: {made_by} -->\n", encoding="utf-8")
+    latex = to_latex(df, layout, title, order, label=f"tab:{name}")
+    paths[1].write_text(f"% provenance: {made_by}\n{latex}", encoding="utf-8")
     figures = layout.get("figures") or DEFAULT_FIGURES
     unknown = sorted(set(figures) - set(FIGURES))
     if unknown:

@@ -7,6 +7,7 @@ import itertools
 import re
 import statistics
 import types
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -358,3 +359,27 @@ def test_explorer_widget_has_readable_labels_and_trains_with_round_progress():
     ex = box.train()
     assert ex is not None and ex.round == 1 and ex.config.data_dir is None
     assert seen[-1] == "round 1 / 1" and not button.disabled
+
+
+def test_committed_quickstart_table_was_made_by_the_current_params_and_code():
+    # The cheap half of the check that committed outputs are what the committed code produces; the full
+    # half (retrain everything, compare every cell) is scripts/check_committed_quickstart.py.
+    from prodigy_core.experiments import load_experiment
+
+    committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
+    written = report.read_provenance(committed.read_text(encoding="utf-8"))
+    current = report.provenance(load_experiment("quickstart_digits"))
+    assert written == current, (
+        f"figures/quickstart_digits.* were made by other params or code ({written}; now {current}): "
+        "run `python scripts/check_committed_quickstart.py --update` and commit figures/"
+    )
+
+
+def test_provenance_names_the_runs_and_the_code(tmp_path):
+    df = fabricated(seeds=(0,), momenta=(0.0,))
+    exp = experiment(layout=HEATMAP_ONLY)
+    exp.configs = [report.RunConfig(seed=0), report.RunConfig(seed=1)]
+    md = next(p for p in report.write_report(exp, df, tmp_path) if p.suffix == ".md").read_text()
+    assert report.read_provenance(md) == report.provenance(exp)
+    other = report.provenance(types.SimpleNamespace(configs=[report.RunConfig(seed=0)]))
+    assert other != report.provenance(exp) and other.endswith(f"code {report.code_hash()}")
