@@ -370,6 +370,7 @@ def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
 
 
 Outcome = dict[str, Any] | BaseException
+PROGRESS_ENV = "PRODIGY_PROGRESS"  # "text": run_grid draws a text bar even in a notebook kernel (reproduce)
 
 
 def run_grid(
@@ -393,7 +394,10 @@ def run_grid(
     GPU), retried once on failure; `address` joins an existing cluster (e.g. "auto" or "ray://host:10001"),
     otherwise a local Ray runtime with `jobs` CPUs is started (jobs is ignored with an address).
     """
-    from tqdm.auto import tqdm
+    if os.environ.get(PROGRESS_ENV) == "text":  # a kernel under papermill: a widget bar would go unseen
+        from tqdm.std import tqdm
+    else:  # a widget bar in JupyterLab, text in a terminal
+        from tqdm.auto import tqdm
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
