@@ -69,6 +69,7 @@ CIFAR10_BATCH_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_PER_CLASS = {"train": 5000, "test": 1000}
 CIFAR10_JPEG_FILE = Path("cifar10-jpeg") / "cifar10-jpeg-uint8.pt"  # under the data root
+PAPER_MIN_WRITER_SAMPLES = 350  # the paper's LEAF -k (femnist_min_writer_samples in params/table2, table3)
 # How to make a LEAF FEMNIST folder with enough writers (LEAF's data/femnist; --tf 0.9 is LEAF's default and
 # the "_train_9" of the authors' file names; -k 350 keeps writers with >= 350 samples before the split).
 LEAF_COMMAND = (

@@ -1,21 +1,52 @@
 """Shared fixtures."""
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from prodigy_core.data import default_femnist_dir
+from prodigy_core.data import CIFAR10_JPEG_ARCHIVE, SHARED_DATA_DIR
+
+
+def shared_data(path: Path | None, what: str) -> Path:
+    """`path` when it exists; otherwise skip with a reason, except under CI=true, where it must be there."""
+    if path is not None and path.exists():
+        return path
+    reason = f"{what} not found"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason + " but CI=true requires it")
+    pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_datasets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests never see datasets stored in the user's data folder (a decoded CIFAR-10 would turn the smoke
+    profile's digits stand-in into real CIFAR-10): PRODIGY_DATA_DIR is an empty folder during the tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRODIGY_DATA_DIR", str(tmp_path_factory.mktemp("empty-data-dir")))
+        yield
 
 
 @pytest.fixture
 def femnist_dir() -> Path:
-    """The real FEMNIST LEAF subset (shared/data/femnist-leaf or env PRODIGY_FEMNIST_DIR): skipped with a
-    reason when absent, except under CI=true, where it must be there."""
-    found = default_femnist_dir()
-    if found is None:
-        reason = "FEMNIST LEAF subset not found (../shared/data/femnist-leaf or env PRODIGY_FEMNIST_DIR)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason + " but CI=true requires it")
-        pytest.skip(reason)
-    return found
+    """The real 10-writer FEMNIST LEAF subset (shared/data/femnist-leaf, or env PRODIGY_FEMNIST_DIR)."""
+    named = os.environ.get("PRODIGY_FEMNIST_DIR")
+    path = Path(named) if named else SHARED_DATA_DIR / "femnist-leaf"
+    return shared_data(path, f"FEMNIST LEAF subset ({path}; ../shared/data/femnist-leaf or PRODIGY_FEMNIST_DIR)")
+
+
+@pytest.fixture
+def femnist24_dir() -> Path:
+    """The real 24-writer FEMNIST LEAF folder (shared/data/femnist-leaf-24, or env PRODIGY_FEMNIST24_DIR)."""
+    named = os.environ.get("PRODIGY_FEMNIST24_DIR")
+    path = Path(named) if named else SHARED_DATA_DIR / "femnist-leaf-24"
+    return shared_data(path, f"24-writer FEMNIST LEAF folder ({path})")
+
+
+@pytest.fixture
+def cifar10_jpeg_archive() -> Path:
+    """The JPEG copy of CIFAR-10 (shared/data/cifar10-jpeg/cifar10-jpeg.tar.gz, or env PRODIGY_CIFAR10_JPEG)."""
+    named = os.environ.get("PRODIGY_CIFAR10_JPEG")
+    path = Path(named) if named else CIFAR10_JPEG_ARCHIVE
+    return shared_data(path, f"CIFAR-10 JPEG copy ({path})")
