@@ -33,7 +33,7 @@ def femnist_dir() -> Path:
     """The real 10-writer FEMNIST LEAF subset (shared/data/femnist-leaf, or env PRODIGY_FEMNIST_DIR)."""
     named = os.environ.get("PRODIGY_FEMNIST_DIR")
     path = Path(named) if named else SHARED_DATA_DIR / "femnist-leaf"
-    return shared_data(path, f"FEMNIST LEAF subset ({path}; ../shared/data/femnist-leaf or PRODIGY_FEMNIST_DIR)")
+    return shared_data(path, f"FEMNIST LEAF subset ({path}; or env PRODIGY_FEMNIST_DIR)")
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def femnist24_dir() -> Path:
 
 @pytest.fixture
 def cifar10_jpeg_archive() -> Path:
-    """The JPEG copy of CIFAR-10 (shared/data/cifar10-jpeg/cifar10-jpeg.tar.gz, or env PRODIGY_CIFAR10_JPEG)."""
+    """The JPEG copy of CIFAR-10 (shared/data/cifar10-jpeg/cifar10-jpeg.tar.gz; env PRODIGY_CIFAR10_JPEG)."""
     named = os.environ.get("PRODIGY_CIFAR10_JPEG")
     path = Path(named) if named else CIFAR10_JPEG_ARCHIVE
     return shared_data(path, f"CIFAR-10 JPEG copy ({path})")
