@@ -1,12 +1,13 @@
 """Shared fixtures."""
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from prodigy_core.data import CIFAR10_JPEG_ARCHIVE, SHARED_DATA_DIR
+from prodigy_core.data import CIFAR10_CLASSES, CIFAR10_JPEG_ARCHIVE, SHARED_DATA_DIR
 
 
 def shared_data(path: Path | None, what: str) -> Path:
@@ -50,3 +51,23 @@ def cifar10_jpeg_archive() -> Path:
     named = os.environ.get("PRODIGY_CIFAR10_JPEG")
     path = Path(named) if named else CIFAR10_JPEG_ARCHIVE
     return shared_data(path, f"CIFAR-10 JPEG copy ({path})")
+
+
+def write_jpeg_folder(root: Path, per_class: int, size: int = 32, classes=CIFAR10_CLASSES) -> Path:
+    """The JPEG copy's unpacked layout (train/<class>/NNNN.jpg, test/<class>/NNNN.jpg) of noise images."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for cls in classes:
+            (root / split / cls).mkdir(parents=True)
+            for i in range(per_class):
+                pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / cls / f"{i:04d}.jpg", quality=75)
+    return root
+
+
+@pytest.fixture
+def jpeg_folder() -> Callable[..., Path]:
+    """`write_jpeg_folder(root, per_class, size=32, classes=CIFAR-10's)`: a tiny JPEG copy of CIFAR-10."""
+    return write_jpeg_folder

@@ -15,6 +15,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 
 from prodigy_core.data import (
+    CIFAR10_CLASSES,
     CIFAR10_MEAN,
     CIFAR10_STD,
     DIGITS_MEAN,
@@ -136,21 +137,7 @@ def test_cifar10_missing_files_say_where_and_how(tmp_path):
 # ------------------------------------------------------------------------------------ CIFAR-10, JPEG copy
 
 
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-
-
-def write_jpeg_folder(root: Path, per_class: int, size: int = 32, classes=CLASSES) -> Path:
-    """The JPEG copy's unpacked layout (train/<class>/NNNN.jpg, test/<class>/NNNN.jpg) of noise images."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "test"):
-        for cls in classes:
-            (root / split / cls).mkdir(parents=True)
-            for i in range(per_class):
-                pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-                Image.fromarray(pixels).save(root / split / cls / f"{i:04d}.jpg", quality=75)
-    return root
+CLASSES = CIFAR10_CLASSES
 
 
 def pillow_decode(content: bytes) -> torch.Tensor:
@@ -161,8 +148,8 @@ def pillow_decode(content: bytes) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
-def test_cifar10_jpeg_folder_decodes_with_labels_in_class_order(tmp_path):
-    source = write_jpeg_folder(tmp_path / "jpeg", per_class=2)
+def test_cifar10_jpeg_folder_decodes_with_labels_in_class_order(tmp_path, jpeg_folder):
+    source = jpeg_folder(tmp_path / "jpeg", per_class=2)
     path = decode_cifar10_jpeg(source, tmp_path / "data", per_class=2, progress=False)
     assert path == tmp_path / "data" / "cifar10-jpeg" / "cifar10-jpeg-uint8.pt"
     assert not [p for p in path.parent.iterdir() if p != path]  # atomic write: no temporary file left
@@ -175,14 +162,14 @@ def test_cifar10_jpeg_folder_decodes_with_labels_in_class_order(tmp_path):
             assert torch.equal(images[row], expected), (split, cls, i)
 
 
-def test_cifar10_jpeg_wrong_counts_classes_or_sizes_are_clear_errors(tmp_path):
-    source = write_jpeg_folder(tmp_path / "small", per_class=1)
+def test_cifar10_jpeg_wrong_counts_classes_or_sizes_are_clear_errors(tmp_path, jpeg_folder):
+    source = jpeg_folder(tmp_path / "small", per_class=1)
     with pytest.raises(DataError, match=r"train/airplane has 1 JPEG files, expected 5,000"):
         decode_cifar10_jpeg(source, tmp_path / "data", progress=False)
-    nine = write_jpeg_folder(tmp_path / "nine", per_class=1, classes=CLASSES[:9])
+    nine = jpeg_folder(tmp_path / "nine", per_class=1, classes=CLASSES[:9])
     with pytest.raises(DataError, match="expected the 10 CIFAR-10 class folders"):
         decode_cifar10_jpeg(nine, tmp_path / "data", per_class=1, progress=False)
-    big = write_jpeg_folder(tmp_path / "big", per_class=1, size=40)
+    big = jpeg_folder(tmp_path / "big", per_class=1, size=40)
     with pytest.raises(DataError, match=r"train/airplane/0000.jpg is \(40, 40\), not 32x32"):
         decode_cifar10_jpeg(big, tmp_path / "data", per_class=1, progress=False)
     with pytest.raises(DataError, match="does not exist"):
@@ -190,9 +177,9 @@ def test_cifar10_jpeg_wrong_counts_classes_or_sizes_are_clear_errors(tmp_path):
     assert not (tmp_path / "data" / "cifar10-jpeg" / "cifar10-jpeg-uint8.pt").exists()
 
 
-def test_cifar10_binary_batches_come_before_the_jpeg_copy(cifar_root):
+def test_cifar10_binary_batches_come_before_the_jpeg_copy(cifar_root, jpeg_folder):
     root, batches = cifar_root
-    decode_cifar10_jpeg(write_jpeg_folder(root / "jpeg", per_class=1), root, per_class=1, progress=False)
+    decode_cifar10_jpeg(jpeg_folder(root / "jpeg", per_class=1), root, per_class=1, progress=False)
     fed = load_federation("cifar10", 2, "iid", data_dir=root)
     assert fed.source == "cifar10-binary" and len(fed.train_labels) == 5 * CIFAR_PER_BATCH
     fed = load_federation("cifar10", 2, "iid", data_dir=root, source="cifar10-jpeg")
