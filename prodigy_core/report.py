@@ -763,15 +763,16 @@ def variants_of(experiment: Any, df: pd.DataFrame | None = None) -> list[str]:
 
 def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
     """The experiment's title, the variant(s) it ran under, its data when it is real CIFAR-10 or FEMNIST
-    ("[data: CIFAR-10 (JPEG copy)]"), and the smoke/stand-in label where it applies."""
+    ("data: CIFAR-10 (JPEG copy)"), and the smoke/stand-in label where it applies."""
     from prodigy_core.data import DIGITS_SOURCE, source_label
     from prodigy_core.results import data_source_of
 
     title = getattr(experiment, "title", None) or experiment.name
-    title = f"{title} (variant: {', '.join(variants_of(experiment, df))})"
+    about = [f"variant: {', '.join(variants_of(experiment, df))}"]
     source = data_source_of(df)
     if source is not None and source != DIGITS_SOURCE:
-        title = f"{title} [data: {source_label(source)}]"
+        about.append(f"data: {source_label(source)}")
+    title = f"{title} ({'; '.join(about)})"
     if not is_smoke(experiment, df) or "SMOKE" in title:  # smoke_profile already labels its titles
         return title
     stand_in = stand_in_of(experiment, df)
