@@ -1,7 +1,7 @@
 """Shared fixtures."""
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,15 +18,6 @@ def shared_data(path: Path | None, what: str) -> Path:
     if os.environ.get("CI") == "true":
         pytest.fail(reason + " but CI=true requires it")
     pytest.skip(reason)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _no_user_datasets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Tests never see datasets stored in the user's data folder (a decoded CIFAR-10 would turn the smoke
-    profile's digits stand-in into real CIFAR-10): PRODIGY_DATA_DIR is an empty folder during the tests."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PRODIGY_DATA_DIR", str(tmp_path_factory.mktemp("empty-data-dir")))
-        yield
 
 
 @pytest.fixture
