@@ -4,7 +4,7 @@
     prodigy-fl grid PARAMS.yaml [--smoke] [--executor local|ray] [--jobs N] [--force]
     prodigy-fl report PARAMS.yaml [--smoke]
     prodigy-fl quickstart
-    prodigy-fl data cifar10 | prodigy-fl data femnist PATH
+    prodigy-fl data cifar10 [DIR] [--from JPEG_COPY] | prodigy-fl data femnist [PATH]
     prodigy-fl reproduce [--scale smoke|paper] [--only NAME ...]
 
 Bad input (an unknown field, an impossible config, a missing file) ends with one line
@@ -102,9 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     results_dir(p)
     p.set_defaults(command=cmd_quickstart)
 
-    p = sub.add_parser("data", help="download CIFAR-10 or validate a LEAF FEMNIST directory")
+    p = sub.add_parser(
+        "data", help="get CIFAR-10 (download, or decode the JPEG copy) or check a LEAF FEMNIST directory"
+    )
     p.add_argument("dataset", choices=("cifar10", "femnist"))
-    p.add_argument("path", nargs="?", type=Path, help="cifar10: download root; femnist: the LEAF directory")
+    p.add_argument(
+        "path", nargs="?", type=Path,
+        help="cifar10: the data folder (default: env PRODIGY_DATA_DIR, else <repo>/data); femnist: the LEAF "
+        "directory (default: the folders found, env PRODIGY_FEMNIST_DIR and ../shared/data)",
+    )  # fmt: skip
+    p.add_argument("--from", dest="source", type=Path, metavar="JPEG_COPY",
+                   help="cifar10: decode the JPEG copy (cifar10-jpeg.tar.gz or its unpacked folder) "
+                   "instead of downloading")  # fmt: skip
     p.set_defaults(command=cmd_data)
 
     p = sub.add_parser("reproduce", help="every paper table and figure, then the reports")
@@ -225,26 +234,48 @@ def cmd_data(args: argparse.Namespace) -> int:
     from prodigy_core import data
 
     if args.dataset == "cifar10":
-        root = args.path or data.DATA_DIR
-        data.load_federation("cifar10", n_clients=1, distribution="iid", data_dir=root, download=True)
-        print(f"CIFAR-10 is in {root}")
+        root = args.path or data.data_root()
+        if args.source is not None:
+            path = data.decode_cifar10_jpeg(args.source, root)
+            first = data.cifar10_source(root)
+            note = "" if first == data.CIFAR10_JPEG else " (torchvision's binary batches there come first)"
+            print(f"CIFAR-10 (JPEG copy): 50,000 train and 10,000 test images decoded into {path}{note}")
+            return 0
+        try:
+            data.load_federation("cifar10", n_clients=1, distribution="iid", data_dir=root, download=True,
+                                 source=data.CIFAR10_BINARY)  # fmt: skip
+        except OSError as e:  # offline: urllib's URLError, a socket error
+            shared = data.CIFAR10_JPEG_ARCHIVE
+            copy = str(shared) if shared.exists() else "PATH/cifar10-jpeg.tar.gz"
+            raise ValueError(
+                f"cannot download CIFAR-10 ({getattr(e, 'reason', None) or e}); offline, decode the JPEG "
+                f"copy with `prodigy-fl data cifar10 --from {copy}`, or copy torchvision's "
+                f"cifar-10-batches-py folder from a machine with internet into {root}"
+            ) from None
+        print(f"CIFAR-10 (torchvision binary batches) is in {root}")
         return 0
-    if args.path is None:
+    if args.source is not None:
+        raise ValueError("--from is for cifar10 (the JPEG copy); femnist reads a LEAF directory in place")
+    folders = [args.path] if args.path is not None else data.femnist_dirs()
+    if not folders:
         raise ValueError(
-            "data femnist needs the LEAF directory: prodigy-fl data femnist PATH (with train/ and test/)"
+            "no LEAF FEMNIST directory found (env PRODIGY_FEMNIST_DIR, ../shared/data/femnist-leaf-24 or "
+            f"femnist-leaf); pass one: prodigy-fl data femnist PATH; LEAF makes one: {data.LEAF_COMMAND}"
         )
-    fed = data.load_federation("femnist", n_clients=1, distribution="natural", data_dir=args.path)
-    del fed
-    writers = _count_leaf_writers(args.path)
-    print(f"{args.path}: a valid LEAF FEMNIST directory with {writers} writers (N must be at most {writers})")
+    for folder in folders:
+        counts = data.leaf_writer_counts(folder)
+        fed = data.load_federation("femnist", n_clients=len(counts), distribution="natural", data_dir=folder)
+        k = data.PAPER_MIN_WRITER_SAMPLES
+        eligible = len(data.eligible_writers(counts, k))
+        train, test = len(fed.train_labels), len(fed.test_labels)
+        print(
+            f"{folder}: a valid LEAF FEMNIST directory with {len(counts)} writers ({train:,} train / "
+            f"{test:,} test samples); {eligible} have >= {k} samples (train + test, the paper's LEAF "
+            f"-k {k}): enough for N <= {eligible}"
+        )
+        if eligible < 100:
+            print(f"  Table III (N=100) needs 100 such writers; LEAF makes them: {data.LEAF_COMMAND}")
     return 0
-
-
-def _count_leaf_writers(path: Path) -> int:
-    users: set[str] = set()
-    for file in sorted((path / "train").glob("*.json")):
-        users.update(json.loads(file.read_text()).get("users", []))
-    return len(users)
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import difflib
 import functools
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet")
 ENGINES = ("auto", "batched", "sequential", "compiled")  # compiled: batched under torch.compile
 # paper: the paper's text; authors: the authors' public code (README, "Semantics: the two variants").
 VARIANTS = ("paper", "authors")
+# RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.
+DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jpeg"),
+                "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 
@@ -49,7 +53,11 @@ class RunConfig:
     eval_every: int = 10
     seed: int = 0
     data_seed: int | None = None  # seed of the data split; None: the same as seed (each seed its own split)
-    femnist_min_samples: int = 0  # writers with fewer training samples are not eligible as clients
+    # writers with fewer samples over train + test (LEAF's -k, the paper's 350) are not eligible as clients
+    femnist_min_writer_samples: int = 0
+    # where the samples come from (DATA_SOURCES); None: the first one found on this machine, fixed by
+    # resolved() before the key is computed, so records from different sources never share a key
+    data_source: str | None = None
     record_distances_at: tuple[int, ...] = ()  # rounds at which the (N, N) distance matrix is stored
     variant: str = "paper"  # one of VARIANTS
     checkpoint_every: int = 50
@@ -96,9 +104,18 @@ class RunConfig:
         return d
 
     def resolved(self) -> RunConfig:
-        """Fill the fields whose default depends on others (lr decay round, weight decay, data seed)."""
+        """Fill the fields whose default depends on others (lr decay round, weight decay, data seed) or on
+        this machine (data_source: `prodigy_core.data.resolve_data_source`; None when no data is found)."""
+        from prodigy_core.data import resolve_data_source
+
+        source = self.data_source or resolve_data_source(
+            self.dataset, self.data_dir, self.n_clients, self.femnist_min_writer_samples
+        )
+        if source is None and self.dataset == "cifar10" and self.download:
+            source = "cifar10-binary"  # what the run will download
         return dataclasses.replace(
             self,
+            data_source=source,
             lr_decay_at=decay_round(self.rounds, self.variant)
             if self.lr_decay_at is None
             else self.lr_decay_at,
@@ -116,7 +133,7 @@ class RunConfig:
         if d["distribution"] != "dirichlet":
             d.pop("dirichlet_alpha")
         if d["dataset"] != "femnist":
-            d.pop("femnist_min_samples")
+            d.pop("femnist_min_writer_samples")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -137,6 +154,15 @@ class RunConfig:
             )
         if self.variant not in VARIANTS:
             raise ConfigError(f"variant={self.variant!r} is unknown; valid: {', '.join(VARIANTS)}")
+        if self.data_source is not None and not _valid_source(self.dataset, self.data_source):
+            raise ConfigError(
+                f"data_source={self.data_source!r} is not a source of dataset={self.dataset!r}; valid: "
+                f"{', '.join(DATA_SOURCES[self.dataset])}, or null (the first one found on this machine)"
+            )
+        if self.femnist_min_writer_samples < 0:
+            raise ConfigError(
+                f"femnist_min_writer_samples={self.femnist_min_writer_samples} must be >= 0 (the paper: 350)"
+            )
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown; valid: {', '.join(ENGINES)}")
         positive = {"n_clients": self.n_clients, "rounds": self.rounds, "local_steps": self.local_steps,
@@ -182,6 +208,10 @@ def decay_round(rounds: int, variant: str = "paper") -> int:
     ``paper``: the text's gamma_t = lr for t <= 2T/3, so the first decayed round is floor(2T/3) + 1 (667 for
     T = 1000, 1334 for T = 2000). ``authors``: the authors' code decays at round int(2T/3) (666, 1333)."""
     return 2 * rounds // 3 + (variant == "paper")
+def _valid_source(dataset: str, source: str) -> bool:
+    if dataset == "femnist":
+        return re.fullmatch(r"femnist-leaf-[0-9a-f]{12}", source) is not None
+    return source in DATA_SOURCES[dataset]
 
 
 def field_names() -> list[str]:
@@ -246,6 +276,7 @@ __all__ = [
     "RunConfig",
     "ConfigError",
     "DATASETS",
+    "DATA_SOURCES",
     "DISTRIBUTIONS",
     "VARIANTS",
     "decay_round",

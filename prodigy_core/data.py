@@ -8,13 +8,28 @@ per-sample PIL transform in the training loop (design-notes section 2; benchmark
 Splits (cifar10, digits): `iid` (a seeded random partition into near-equal parts) and `dirichlet` (the
 NIID-Bench recipe, `dirichlet_split`). FEMNIST is `natural`: one writer per client. Splits are drawn on the
 CPU from a generator seeded with the data seed, so a seed gives the same federation on every device.
+
+Data sources (`RunConfig.data_source`, part of every result key, named in every table): CIFAR-10 comes from
+torchvision's binary batches (`cifar10-binary`, `prodigy-fl data cifar10` with internet) or else from the
+decoded JPEG copy (`cifar10-jpeg`, `prodigy-fl data cifar10 --from cifar10-jpeg.tar.gz`: lossy re-encoded
+images, labelled "CIFAR-10 (JPEG copy)"). FEMNIST comes from a LEAF folder; its source is
+`femnist-leaf-<hash>`, a hash of the writers a run uses (ids and train/test counts), so that runs on different
+writers never share a key. Eligible writers have at least `min_writer_samples` samples over train + test
+(LEAF's `-k`, counted before LEAF's train/test split); clients are the first N eligible writers in sorted
+order, as in the authors' loader.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import io
+import itertools
 import json
 import os
-from collections.abc import Iterator, Sequence
+import re
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +39,12 @@ from torch import Tensor
 from prodigy_core.config import DATASETS, DISTRIBUTIONS
 from prodigy_core.seeding import resolve_device
 
-# Default root for downloaded datasets (torchvision's CIFAR-10 folder lives under it); env PRODIGY_DATA_DIR.
-DATA_DIR = Path(os.environ.get("PRODIGY_DATA_DIR", Path(__file__).resolve().parents[1] / "data"))
+# Default root for datasets (torchvision's CIFAR-10 folder and the decoded JPEG copy live under it); env
+# PRODIGY_DATA_DIR wins (read when used, see data_root).
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+# Read-only data beside the repository clone (../shared/data): CIFAR-10's JPEG copy, LEAF FEMNIST folders.
+SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+CIFAR10_JPEG_ARCHIVE = SHARED_DATA_DIR / "cifar10-jpeg" / "cifar10-jpeg.tar.gz"
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # the paper's normalisation (design-notes section 1)
 CIFAR10_STD = (0.2023, 0.1994, 0.2010)
@@ -37,19 +56,180 @@ DIGITS_MEAN, DIGITS_STD = (0.3053,), (0.3760,)
 DIGITS_TEST_FRACTION = 0.2
 CIFAR_PAD = 4  # random crop 32 with padding 4
 
+# RunConfig.data_source values (config.DATA_SOURCES lists them per dataset) and how outputs name them.
+CIFAR10_BINARY, CIFAR10_JPEG, DIGITS_SOURCE, FEMNIST_SOURCE_PREFIX = (
+    "cifar10-binary", "cifar10-jpeg", "digits", "femnist-leaf-"
+)  # fmt: skip
+SOURCE_LABELS = {
+    CIFAR10_BINARY: "CIFAR-10 (torchvision binary batches)",
+    CIFAR10_JPEG: "CIFAR-10 (JPEG copy)",
+    DIGITS_SOURCE: "scikit-learn digits",
+}
+CIFAR10_BATCH_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR10_PER_CLASS = {"train": 5000, "test": 1000}
+CIFAR10_JPEG_FILE = Path("cifar10-jpeg") / "cifar10-jpeg-uint8.pt"  # under the data root
+PAPER_MIN_WRITER_SAMPLES = 350  # the paper's LEAF -k (femnist_min_writer_samples in params/table2, table3)
+# How to make a LEAF FEMNIST folder with enough writers (LEAF's data/femnist; --tf 0.9 is LEAF's default and
+# the "_train_9" of the authors' file names; -k 350 keeps writers with >= 350 samples before the split).
+LEAF_COMMAND = (
+    "git clone https://github.com/TalwalkarLab/leaf && cd leaf/data/femnist && "
+    "./preprocess.sh -s niid --sf 1.0 -k 350 -t sample --tf 0.9"
+)
+
 
 class DataError(ValueError):
     """Dataset files missing or malformed; the message says where we looked and how to fix it."""
 
 
-def default_femnist_dir() -> Path | None:
-    """The LEAF FEMNIST directory to use when none is given: env PRODIGY_FEMNIST_DIR, else the shared subset
-    `shared/data/femnist-leaf` beside the repository clone; None when neither exists."""
-    candidates = []
-    if os.environ.get("PRODIGY_FEMNIST_DIR"):
-        candidates.append(Path(os.environ["PRODIGY_FEMNIST_DIR"]))
-    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "data" / "femnist-leaf")
-    return next((p for p in candidates if (p / "train").is_dir()), None)
+def data_root() -> Path:
+    """Where datasets are stored: env PRODIGY_DATA_DIR (read now, so tests and notebooks can set it), else
+    DATA_DIR (`<repo>/data`)."""
+    return Path(os.environ.get("PRODIGY_DATA_DIR", DATA_DIR))
+
+
+def source_label(source: str | None) -> str | None:
+    """How tables, figure titles and reports name a data source ("CIFAR-10 (JPEG copy)", ...)."""
+    if source is None or source in SOURCE_LABELS:
+        return SOURCE_LABELS.get(source) if source else None
+    if source.startswith(FEMNIST_SOURCE_PREFIX):
+        return f"FEMNIST (LEAF writers {source.removeprefix(FEMNIST_SOURCE_PREFIX)})"
+    return source
+
+
+def resolve_data_source(
+    dataset: str, data_dir: str | Path | None, n_clients: int, min_writer_samples: int = 0
+) -> str | None:
+    """The data source a run of `dataset` would use on this machine now; None when there is none.
+
+    cifar10: torchvision's binary batches when present, else the decoded JPEG copy (both under `data_dir`,
+    default `data_root()`). femnist: `femnist-leaf-<hash>` of the first n_clients eligible writers of
+    `data_dir` (default: `default_femnist_dir(n_clients, min_writer_samples)`), None with too few.
+    """
+    if dataset == "digits":
+        return DIGITS_SOURCE
+    if dataset == "cifar10":
+        return cifar10_source(Path(data_dir) if data_dir else data_root())
+    leaf = Path(data_dir) if data_dir else default_femnist_dir(n_clients, min_writer_samples)
+    try:
+        counts = leaf_writer_counts(leaf) if leaf is not None else {}
+    except DataError:
+        return None
+    writers = eligible_writers(counts, min_writer_samples)
+    return femnist_source(counts, writers[:n_clients]) if len(writers) >= n_clients else None
+
+
+def cifar10_source(root: Path) -> str | None:
+    """`cifar10-binary` when torchvision's batches are in root/cifar-10-batches-py, else `cifar10-jpeg` when
+    the decoded JPEG copy is in root/cifar10-jpeg, else None (files checked for presence only)."""
+    if all((root / "cifar-10-batches-py" / name).is_file() for name in CIFAR10_BATCH_FILES):
+        return CIFAR10_BINARY
+    if (root / CIFAR10_JPEG_FILE).is_file():
+        return CIFAR10_JPEG
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FEMNIST folders and writers
+
+
+def femnist_dirs() -> list[Path]:
+    """The LEAF folders to look in, in order of preference: env PRODIGY_FEMNIST_DIR (one folder, or several
+    separated by the path separator), then `shared/data/femnist-leaf-24` (24 writers) and
+    `shared/data/femnist-leaf` (10 writers) beside the repository clone; only those with a train/ folder."""
+    named = [Path(p) for p in os.environ.get("PRODIGY_FEMNIST_DIR", "").split(os.pathsep) if p]
+    shared = [SHARED_DATA_DIR / "femnist-leaf-24", SHARED_DATA_DIR / "femnist-leaf"]
+    return [p for p in named + shared if (p / "train").is_dir()]
+
+
+def default_femnist_dir(n_clients: int | None = None, min_writer_samples: int = 0) -> Path | None:
+    """The LEAF folder to use when none is given: the first of `femnist_dirs()` with at least n_clients
+    eligible writers (the first one when n_clients is None); when none has enough, the one with the most, so
+    that the error names the best count there is. None when there is no folder."""
+    candidates = femnist_dirs()
+    if n_clients is None or not candidates:
+        return candidates[0] if candidates else None
+
+    def eligible(leaf: Path) -> int:
+        try:
+            return len(eligible_writers(leaf_writer_counts(leaf), min_writer_samples))
+        except DataError:
+            return -1
+
+    counts = [eligible(leaf) for leaf in candidates]
+    enough = [leaf for leaf, k in zip(candidates, counts, strict=True) if k >= n_clients]
+    return enough[0] if enough else candidates[counts.index(max(counts))]
+
+
+def leaf_writer_counts(leaf_dir: Path) -> dict[str, tuple[int, int]]:
+    """{writer: (train samples, test samples)} of a LEAF folder, writers sorted; DataError when the folder
+    is malformed. Read from the files' `users`/`num_samples` (the loader checks them against the samples);
+    cached per file version, so resolving the writers of a grid's runs reads each file once."""
+    leaf_dir = Path(leaf_dir)
+    missing = [s for s in ("train", "test") if not (leaf_dir / s).is_dir()]
+    if missing:
+        raise DataError(
+            f"LEAF directory {leaf_dir} has no {' or '.join(missing)}/ folder (need train/ and test/)"
+        )
+    splits = []
+    for split in ("train", "test"):
+        counts: dict[str, int] = {}
+        for path in sorted((leaf_dir / split).glob("*.json")):
+            stat = path.stat()
+            counts.update(_leaf_file_counts(str(path), stat.st_mtime_ns, stat.st_size))
+        splits.append(counts)
+    train, test = splits
+    if set(train) != set(test):
+        raise DataError(
+            f"LEAF directory {leaf_dir}: train and test writers differ ({len(train)} train writers, "
+            f"{len(test)} test writers, {len(set(train) ^ set(test))} in only one of them)"
+        )
+    return {w: (train[w], test[w]) for w in sorted(train)}
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_file_counts(path: str, mtime_ns: int, size: int) -> dict[str, int]:
+    """{writer: num_samples} of one LEAF JSON file. LEAF writes `users` and `num_samples` before
+    `user_data`: that head is parsed alone (0.1 s instead of 4 s for 8,000 samples); else the whole file."""
+    del mtime_ns, size  # part of the cache key only
+    with open(path) as fh:
+        text = fh.read()
+    head = text[: max(text.find('"user_data"'), 0)].rstrip().rstrip(",")
+    try:
+        content = json.loads(head + "}")
+    except ValueError:
+        content = {}
+    if "users" not in content or "num_samples" not in content:
+        try:
+            content = json.loads(text)
+        except ValueError as e:
+            raise DataError(f"{path}: not a valid LEAF JSON file ({e})") from None
+    users, counts = content.get("users", []), content.get("num_samples", [])
+    if len(users) != len(counts):
+        raise DataError(f"{path}: {len(users)} users but {len(counts)} num_samples entries")
+    return dict(zip(users, counts, strict=True))
+
+
+def eligible_writers(counts: dict[str, tuple[int, int]], min_writer_samples: int = 0) -> list[str]:
+    """Writers, sorted, with at least one training sample and at least min_writer_samples samples over train
+    + test (LEAF's -k: the paper's 350)."""
+    return [w for w, (tr, te) in sorted(counts.items()) if tr >= 1 and tr + te >= min_writer_samples]
+
+
+def femnist_source(counts: dict[str, tuple[int, int]], writers: Sequence[str]) -> str:
+    """`femnist-leaf-<12 hex>`: a hash of the writers (in client order) and their train/test counts."""
+    blob = json.dumps([[w, *counts[w]] for w in writers], separators=(",", ":"))
+    return FEMNIST_SOURCE_PREFIX + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def too_few_writers(leaf_dir: Path, counts: dict[str, tuple[int, int]], n_clients: int, k: int) -> DataError:
+    """The error for a LEAF folder with fewer than n_clients eligible writers: the count and the fix."""
+    eligible = len(eligible_writers(counts, k))
+    return DataError(
+        f"LEAF directory {leaf_dir}: {eligible} of its {len(counts)} writers have >= {max(k, 1)} samples "
+        f"(train + test), need n_clients={n_clients}; make a LEAF folder with more writers ({LEAF_COMMAND}) "
+        f"and pass it as data_dir or in env PRODIGY_FEMNIST_DIR"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -138,6 +318,7 @@ class Federation:
     std: tuple[float, ...]
     augment: bool = False
     flipped_clients: list[int] = field(default_factory=list)
+    source: str | None = None  # the data source (RunConfig.data_source) the samples came from
 
     def __post_init__(self) -> None:
         self._padded: Tensor | None = None  # the zero-padded store for augmentation, made on first use
@@ -275,13 +456,17 @@ def load_federation(
     device: str | torch.device = "cpu",
     data_dir: str | Path | None = None,
     download: bool = False,
-    min_samples: int = 0,
+    min_writer_samples: int = 0,
+    source: str | None = None,
 ) -> Federation:
     """Load dataset `name` and split it among `n_clients` clients (see the module docstring).
 
     seed is the data seed (split, digits' train/test split). data_dir: the LEAF directory for femnist
-    (default `default_femnist_dir()`), torchvision's root for cifar10 (default DATA_DIR), ignored by digits.
-    min_samples (femnist): writers with fewer training samples are not eligible as clients.
+    (default `default_femnist_dir(n_clients, min_writer_samples)`), the data root for cifar10 (default
+    `data_root()`), ignored by digits. min_writer_samples (femnist): writers with fewer samples over train +
+    test are not eligible as clients. source: the data source to use (`RunConfig.data_source`; None: the
+    first one found, see `resolve_data_source`); a femnist source names the writers, and a folder whose
+    first eligible writers differ is an error. The returned federation's `source` says which one was used.
     """
     if name not in DATASETS:
         raise ValueError(f"dataset={name!r} is unknown; valid: {', '.join(DATASETS)}")
@@ -297,18 +482,34 @@ def load_federation(
     rng = torch.Generator().manual_seed(seed)
 
     if name == "femnist":
-        leaf_dir = Path(data_dir) if data_dir else default_femnist_dir()
-        train_x, train_y, parts, test_x, test_y = _read_femnist(leaf_dir, n_clients, min_samples)
+        leaf_dir = Path(data_dir) if data_dir else default_femnist_dir(n_clients, min_writer_samples)
+        train_x, train_y, parts, test_x, test_y, used = _read_femnist(leaf_dir, n_clients, min_writer_samples)
+        if source is not None and source != used:
+            raise DataError(
+                f"LEAF directory {leaf_dir}: its first {n_clients} eligible writers are {used}, not the "
+                f"run's data_source={source}; use the folder the run was keyed on, or data_source=null"
+            )
+        source = used
         num_classes, mean, std, augment = FEMNIST_CLASSES, FEMNIST_MEAN, FEMNIST_STD, False
     else:
         if name == "cifar10":
-            train_x, train_y, test_x, test_y = _read_cifar10(
-                Path(data_dir) if data_dir else DATA_DIR, download
-            )
+            root = Path(data_dir) if data_dir else data_root()
+            source = source or cifar10_source(root) or (CIFAR10_BINARY if download else None)
+            if source == CIFAR10_JPEG:
+                train_x, train_y, test_x, test_y = _read_cifar10_jpeg(root)
+            elif source == CIFAR10_BINARY:
+                train_x, train_y, test_x, test_y = _read_cifar10(root, download)
+            else:
+                raise DataError(
+                    f"CIFAR-10 not found in {root} (neither torchvision's cifar-10-batches-py nor a decoded "
+                    f"{CIFAR10_JPEG_FILE}); download it with `prodigy-fl data cifar10` (or download=True), "
+                    f"or offline decode the JPEG copy: `prodigy-fl data cifar10 --from "
+                    f"{CIFAR10_JPEG_ARCHIVE}` (data_dir={str(root)!r})"
+                )
             num_classes, mean, std, augment = 10, CIFAR10_MEAN, CIFAR10_STD, True
         else:
             train_x, train_y, test_x, test_y = _read_digits(rng)
-            num_classes, mean, std, augment = 10, DIGITS_MEAN, DIGITS_STD, False
+            num_classes, mean, std, augment, source = 10, DIGITS_MEAN, DIGITS_STD, False, DIGITS_SOURCE
         if distribution == "iid":
             parts = iid_split(len(train_y), n_clients, rng)
         else:
@@ -324,6 +525,7 @@ def load_federation(
         mean,
         std,
         augment,
+        source=source,
     )
 
 
@@ -362,6 +564,106 @@ def _read_cifar10(root: Path, download: bool) -> tuple[Tensor, Tensor, Tensor, T
     return *as_tensors(train), *as_tensors(test)
 
 
+def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The decoded JPEG copy (`decode_cifar10_jpeg`): uint8 (M, 3, 32, 32) images and int64 labels."""
+    path = root / CIFAR10_JPEG_FILE
+    if not path.is_file():
+        raise DataError(
+            f"the decoded JPEG copy of CIFAR-10 is not in {path}; make it with "
+            f"`prodigy-fl data cifar10 {root} --from {CIFAR10_JPEG_ARCHIVE}`"
+        )
+    arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return arrays["train_images"], arrays["train_labels"], arrays["test_images"], arrays["test_labels"]
+
+
+def decode_cifar10_jpeg(
+    source: str | Path,
+    root: str | Path | None = None,
+    per_class: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Decode the JPEG copy of CIFAR-10 (`cifar10-jpeg.tar.gz`, a folder holding it, or its unpacked
+    `train/<class>/*.jpg`, `test/<class>/*.jpg`) once with Pillow into `root/cifar10-jpeg/` (default
+    `data_root()`), as uint8 (M, 3, 32, 32) images and int64 labels, written atomically; returns the file.
+
+    Labels are the class folders in alphabetical order (CIFAR-10's ids 0..9); images sorted by file name
+    within a class. The counts must be CIFAR-10's: 5,000 train and 1,000 test images per class (50,000 /
+    10,000). per_class (tests): decode only the first per_class files of every class and split.
+    """
+    from PIL import Image
+    from tqdm.auto import tqdm
+
+    from prodigy_core.results import atomic_write
+
+    files = _cifar10_jpeg_files(Path(source))
+    found = sorted({c for (_, c) in files})
+    if found != sorted(CIFAR10_CLASSES):
+        raise DataError(
+            f"{source}: expected the 10 CIFAR-10 class folders ({', '.join(CIFAR10_CLASSES)}) in train/ and "
+            f"test/, found {', '.join(found) or 'none'}"
+        )
+    for split, cls in itertools.product(CIFAR10_PER_CLASS, CIFAR10_CLASSES):
+        have, want = len(files.get((split, cls), {})), CIFAR10_PER_CLASS[split]
+        if have != want and not (per_class and have >= per_class):
+            raise DataError(
+                f"{source}: {split}/{cls} has {have:,} JPEG files, expected {want:,} (a partial or altered "
+                f"copy of CIFAR-10: 5,000 train and 1,000 test images per class); get a complete copy"
+            )
+    arrays: dict[str, Tensor] = {}
+    total = sum(min(len(v), per_class or len(v)) for v in files.values())
+    with tqdm(total=total, unit="img", desc="decoding CIFAR-10 JPEG", disable=not progress) as bar:
+        for split in ("train", "test"):
+            images, labels = [], []
+            for label, cls in enumerate(CIFAR10_CLASSES):
+                for name, read in sorted(files[split, cls].items())[:per_class]:
+                    with Image.open(io.BytesIO(read())) as im:
+                        if im.size != (32, 32):
+                            raise DataError(f"{source}: {split}/{cls}/{name} is {im.size}, not 32x32")
+                        pixels = im.convert("RGB").tobytes()
+                    images.append(torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(32, 32, 3))
+                    labels.append(label)
+                    bar.update(1)
+            arrays[f"{split}_images"] = torch.stack(images).permute(0, 3, 1, 2).contiguous()
+            arrays[f"{split}_labels"] = torch.tensor(labels, dtype=torch.long)
+    path = (Path(root) if root else data_root()) / CIFAR10_JPEG_FILE
+    with atomic_write(path, "wb") as fh:
+        torch.save({**arrays, "classes": list(CIFAR10_CLASSES), "source": str(source)}, fh)
+    return path
+
+
+def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callable[[], bytes]]]:
+    """{(split, class): {file name: a reader of its bytes}} from the archive or the unpacked folder."""
+    pattern = re.compile(r"(?:^|/)(train|test)/([^/]+)/([^/]+\.jpe?g)$", re.IGNORECASE)
+    files: dict[tuple[str, str], dict[str, Callable[[], bytes]]] = {}
+    if source.is_dir() and not (source / "train").is_dir():
+        archives = sorted(source.glob("*.tar.gz"))
+        if len(archives) != 1:
+            raise DataError(
+                f"{source}: expected train/ and test/ class folders of JPEG files, or one .tar.gz of them"
+            )
+        source = archives[0]
+    if source.is_dir():
+        for path in sorted(source.glob("*/*/*")):
+            match = pattern.search(path.relative_to(source).as_posix())
+            if match:
+                files.setdefault(match.group(1, 2), {})[match.group(3)] = path.read_bytes
+    elif source.is_file():
+        try:
+            with tarfile.open(source, "r:*") as tar:
+                for member in tar:
+                    match = pattern.search(member.name)
+                    if member.isfile() and match:
+                        content = tar.extractfile(member).read()  # type: ignore[union-attr]
+                        files.setdefault(match.group(1, 2), {})[match.group(3)] = lambda c=content: c
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise DataError(f"{source}: not a readable .tar.gz of the JPEG copy ({e})") from None
+    else:
+        raise DataError(f"{source} does not exist (pass the JPEG copy's .tar.gz or its unpacked folder)")
+    if not files:
+        raise DataError(f"{source}: no train/<class>/*.jpg or test/<class>/*.jpg files in it")
+    return files
+
+
 def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list]]:
     """{writer: (x, y)} from every LEAF JSON file in `directory` (files with no users are normal)."""
     writers: dict[str, tuple[list, list]] = {}
@@ -375,33 +677,27 @@ def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list]]:
 
 
 def _read_femnist(
-    leaf_dir: Path | None, n_clients: int, min_samples: int
-) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor]:
-    """FEMNIST from a LEAF directory: clients = the first n_clients writers, in sorted order, with at least
-    max(min_samples, 1) training samples; the test set = those writers' test samples."""
+    leaf_dir: Path | None, n_clients: int, min_writer_samples: int
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, str]:
+    """FEMNIST from a LEAF directory: clients = the first n_clients eligible writers (`eligible_writers`) in
+    sorted order; the test set = those writers' test samples; and the data source naming them."""
     if leaf_dir is None:
         raise DataError(
             "no FEMNIST data: pass data_dir=<LEAF directory with train/ and test/> or set "
-            "PRODIGY_FEMNIST_DIR (LEAF's data/femnist/preprocess.sh produces one)"
+            f"PRODIGY_FEMNIST_DIR (LEAF makes one: {LEAF_COMMAND})"
         )
-    missing = [s for s in ("train", "test") if not (leaf_dir / s).is_dir()]
-    if missing:
-        raise DataError(
-            f"LEAF directory {leaf_dir} has no {' or '.join(missing)}/ folder (need train/ and test/)"
-        )
-    train, test = _read_leaf_split(leaf_dir / "train"), _read_leaf_split(leaf_dir / "test")
-    if set(train) != set(test):
-        raise DataError(
-            f"LEAF directory {leaf_dir}: train and test writers differ ({len(train)} train writers, "
-            f"{len(test)} test writers, {len(set(train) ^ set(test))} in only one of them)"
-        )
-    eligible = [w for w in sorted(train) if len(train[w][1]) >= max(min_samples, 1)]
+    counts = leaf_writer_counts(leaf_dir)
+    eligible = eligible_writers(counts, min_writer_samples)
     if len(eligible) < n_clients:
-        raise DataError(
-            f"LEAF directory {leaf_dir}: found {len(eligible)} writers with >= {max(min_samples, 1)} "
-            f"training samples, need n_clients={n_clients}"
-        )
+        raise too_few_writers(leaf_dir, counts, n_clients, min_writer_samples)
     writers = eligible[:n_clients]
+    train, test = _read_leaf_split(leaf_dir / "train"), _read_leaf_split(leaf_dir / "test")
+    for w in writers:
+        if (len(train[w][1]), len(test[w][1])) != counts[w]:
+            raise DataError(
+                f"LEAF directory {leaf_dir}: writer {w} has {len(train[w][1])} train / "
+                f"{len(test[w][1])} test samples but num_samples says {counts[w][0]} / {counts[w][1]}"
+            )
 
     def stack(split: dict[str, tuple[list, list]]) -> tuple[Tensor, Tensor, list[int]]:
         x = torch.tensor([row for w in writers for row in split[w][0]], dtype=torch.float32)
@@ -411,7 +707,7 @@ def _read_femnist(
     train_x, train_y, sizes = stack(train)
     test_x, test_y, _ = stack(test)
     parts = list(torch.arange(len(train_y)).split(sizes))
-    return train_x, train_y, parts, test_x, test_y
+    return train_x, train_y, parts, test_x, test_y, femnist_source(counts, writers)
 
 
 __all__ = [
@@ -422,7 +718,15 @@ __all__ = [
     "iid_split",
     "random_crop_flip",
     "default_femnist_dir",
+    "femnist_dirs",
+    "leaf_writer_counts",
+    "eligible_writers",
+    "resolve_data_source",
+    "source_label",
+    "decode_cifar10_jpeg",
+    "data_root",
     "DATA_DIR",
+    "LEAF_COMMAND",
     "CIFAR10_MEAN",
     "CIFAR10_STD",
 ]

@@ -261,9 +261,10 @@ def smoke_profile(experiment: Experiment) -> Experiment:
          SMOKE_DEFENSES and the attacks in SMOKE_ATTACKS that the grid has (the grid's first three defenses /
          first two attacks when it has none of them).
       4. per run: rounds <= SMOKE_ROUNDS, local_steps <= SMOKE_LOCAL_STEPS, eval_every <= rounds,
-         record_distances_at clipped to the last round; cifar10 is replaced by the embedded digits, femnist by
-         the 10-writer LEAF subset when it is available and by digits otherwise; on a stand-in,
-         n_clients <= SMOKE_MAX_CLIENTS, f scaled to keep f/N (at least 2 if the grid has ProDiGy).
+         record_distances_at clipped to the last round; cifar10 runs on real CIFAR-10 when this machine has
+         it (`data.resolve_data_source`) and on the embedded digits otherwise; femnist keeps at most
+         SMOKE_MAX_CLIENTS writers of the LEAF folder found (`data.default_femnist_dir`), digits without one;
+         on digits, n_clients <= SMOKE_MAX_CLIENTS; f scaled to keep f/N (at least 2 if the grid has ProDiGy).
          The replacement is named in `stand_in`: in every record, the results frame and the report.
     """
     if experiment.smoke:
@@ -315,20 +316,26 @@ def _smoke_config(config: RunConfig, min_byzantine: int) -> tuple[RunConfig, str
     }
     label = None
     if config.dataset == "femnist":
-        from prodigy_core.data import default_femnist_dir
+        from prodigy_core.data import default_femnist_dir, eligible_writers, leaf_writer_counts
 
-        subset = default_femnist_dir()
-        if subset is not None:
-            n = min(config.n_clients, SMOKE_MAX_CLIENTS)
+        n = min(config.n_clients, SMOKE_MAX_CLIENTS)
+        k = config.femnist_min_writer_samples
+        subset = Path(config.data_dir) if config.data_dir else default_femnist_dir(n, k)
+        try:
+            enough = subset is not None and len(eligible_writers(leaf_writer_counts(subset), k)) >= n
+        except ValueError:  # a malformed folder: the stand-in
+            enough = False
+        if enough:
             f = _scaled_byzantine(config, n, min_byzantine)
-            changes.update(n_clients=n, n_byzantine=f, data_dir=str(subset))
-            label = f"FEMNIST {n}-writer LEAF subset (stand-in for full FEMNIST)"
+            changes.update(n_clients=n, n_byzantine=f, data_dir=str(subset), data_source=None)
+            if n < config.n_clients:
+                label = f"FEMNIST, {n} writers of {subset.name} (stand-in for N={config.n_clients})"
         else:
             label = "digits (offline stand-in for femnist)"
-            changes.update(dataset="digits", distribution="dirichlet", data_dir=None)
-    if config.dataset == "cifar10":
+            changes.update(dataset="digits", distribution="dirichlet", data_dir=None, data_source=None)
+    if config.dataset == "cifar10" and config.resolved().data_source is None:
         label = "digits (offline stand-in for cifar10)"
-        changes.update(dataset="digits", data_dir=None, download=False)
+        changes.update(dataset="digits", data_dir=None, download=False, data_source=None)
     if changes.get("dataset") == "digits":
         n = min(config.n_clients, SMOKE_MAX_CLIENTS)
         changes.update(n_clients=n, n_byzantine=_scaled_byzantine(config, n, min_byzantine))
@@ -405,8 +412,14 @@ def run_grid(
         raise ValueError(f"jobs={jobs} must be >= 1")
     folder = store.experiment_dir(experiment.results_name, results_dir)
     todo = [c for c in experiment.configs if force or not store.record_path(folder, c.key()).exists()]
+    check_writers(todo)
+    # Each task gets the data source its key was computed with: a worker never loads another one.
     tasks = {
-        c.key(): Task(c.to_dict(), str(store.checkpoint_dir(folder)), experiment.stand_in_for(c))
+        c.key(): Task(
+            c.replace(data_source=c.resolved().data_source).to_dict(),
+            str(store.checkpoint_dir(folder)),
+            experiment.stand_in_for(c),
+        )
         for c in todo
     }
     varying = [n for n in field_names() if len({getattr(c, n) for c in experiment.configs}) > 1]
@@ -451,6 +464,27 @@ def run_grid(
             file=sys.stderr,
         )
     return store.load(experiment, results_dir)
+
+
+def check_writers(configs: Iterable[RunConfig]) -> None:
+    """Fail before the first run when a femnist run's LEAF folder is there but has too few eligible writers
+    (e.g. Table III's N=100 on a 24-writer folder): the DataError gives the count and the LEAF command. A
+    missing folder is left to the runs, which record it as their failure."""
+    from prodigy_core.data import default_femnist_dir, eligible_writers, leaf_writer_counts, too_few_writers
+
+    seen = set()
+    for c in configs:
+        need = (c.data_dir, c.n_clients, c.femnist_min_writer_samples)
+        if c.dataset != "femnist" or need in seen:
+            continue
+        seen.add(need)
+        k = c.femnist_min_writer_samples
+        leaf = Path(c.data_dir) if c.data_dir else default_femnist_dir(c.n_clients, k)
+        if leaf is None or not (leaf / "train").is_dir() or not (leaf / "test").is_dir():
+            continue
+        counts = leaf_writer_counts(leaf)
+        if len(eligible_writers(counts, k)) < c.n_clients:
+            raise too_few_writers(leaf, counts, c.n_clients, k)
 
 
 def _inline_outcomes(tasks: dict[str, Task], claims: store.Claims) -> Iterator[tuple[str, Outcome, float]]:
@@ -550,6 +584,7 @@ __all__ = [
     "PARAMS_DIR",
     "Experiment",
     "Task",
+    "check_writers",
     "execute",
     "experiment_from_spec",
     "load_experiment",

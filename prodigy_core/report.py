@@ -172,6 +172,9 @@ def summarize(
         )
     if df.empty:
         raise ValueError("results frame is empty: run the grid first (prodigy-fl grid ...)")
+    from prodigy_core.results import data_source_of
+
+    data_source_of(df)  # one table, one data source
     diverged = df["diverged"].fillna(False).astype(bool) if "diverged" in df.columns else False
     grouped = df.assign(_diverged=diverged).groupby(keys, sort=False, dropna=False)
     accuracy = grouped["final_accuracy"]
@@ -759,9 +762,17 @@ def variants_of(experiment: Any, df: pd.DataFrame | None = None) -> list[str]:
 
 
 def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
-    """The experiment's title, the variant(s) it ran under, and the smoke/stand-in label where it applies."""
+    """The experiment's title, the variant(s) it ran under, its data when it is real CIFAR-10 or FEMNIST
+    ("data: CIFAR-10 (JPEG copy)"), and the smoke/stand-in label where it applies."""
+    from prodigy_core.data import DIGITS_SOURCE, source_label
+    from prodigy_core.results import data_source_of
+
     title = getattr(experiment, "title", None) or experiment.name
-    title = f"{title} (variant: {', '.join(variants_of(experiment, df))})"
+    about = [f"variant: {', '.join(variants_of(experiment, df))}"]
+    source = data_source_of(df)
+    if source is not None and source != DIGITS_SOURCE:
+        about.append(f"data: {source_label(source)}")
+    title = f"{title} ({'; '.join(about)})"
     if not is_smoke(experiment, df) or "SMOKE" in title:  # smoke_profile already labels its titles
         return title
     stand_in = stand_in_of(experiment, df)

@@ -276,6 +276,22 @@ def _flatten(record: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def data_source_of(df: pd.DataFrame | None) -> str | None:
+    """The one data source of a results frame (``RunConfig.data_source``; None when not recorded).
+
+    Records from different sources (e.g. CIFAR-10's binary batches and its JPEG copy, or two different sets
+    of FEMNIST writers) never mix in one table: a frame with several is an error naming them."""
+    if df is None or "data_source" not in df.columns:
+        return None
+    sources = sorted({v for v in df["data_source"].tolist() if isinstance(v, str) and v})
+    if len(sources) > 1:
+        raise ValueError(
+            f"the results mix data sources {', '.join(sources)}; report one at a time "
+            f"(select rows with df[df['data_source'] == ...])"
+        )
+    return sources[0] if sources else None
+
+
 # ------------------------------------------------------------------------------------------- the paper
 
 
@@ -315,7 +331,8 @@ def compare_with_paper(
     setting: one of the paper's worst-case attacks is among ours; NA until every attack of the row has run).
 
     Runs on a stand-in dataset never match a paper cell. Cells we have not run have NaN in ours. The last
-    column, ``variant``, names the variant compared.
+    column, ``variant``, names the variant compared. Records from several data sources
+    (`RunConfig.data_source`) are an error: they never mix in one comparison.
     """
     present = variants_in(df)
     if variant is None:
@@ -343,6 +360,7 @@ def compare_with_paper(
     paper["_alpha"] = paper["dirichlet_alpha"].where(paper["distribution"] == "dirichlet", -1.0)
 
     ours = df
+    data_source_of(ours)
     if "stand_in" in ours.columns:
         ours = ours[ours["stand_in"].isna()]
     if "status" in ours.columns:
@@ -399,6 +417,7 @@ __all__ = [
     "RESULTS_DIR",
     "Claims",
     "compare_with_paper",
+    "data_source_of",
     "load_variants",
     "paper_agreement",
     "variants_in",

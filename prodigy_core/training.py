@@ -167,7 +167,9 @@ def run(
             fed.flip_labels(range(f))
     data_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     momentum = torch.zeros(n, sum(p.numel() for p in model.parameters()), device=device)
-    result = RunResult(config=config.to_dict(), final_accuracy=float("nan"), final_loss=None)
+    # the record names the data source used (resolved: same key as `config`)
+    recorded = config.replace(data_source=fed.source).to_dict()
+    result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
     result.environment = _environment(device, engine)
     hits = 0  # ProDiGy: zeroed clients that are Byzantine, summed over rounds
 
@@ -440,11 +442,12 @@ def diverged_accuracy(fed: Federation, variant: str) -> float:
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _load_federation(cfg: RunConfig, device: torch.device) -> Federation:
-    """The run's federation; femnist without data_dir falls back to `data.default_femnist_dir()`."""
+    """The run's federation, from the data source its key was computed with (`cfg` is resolved)."""
     return load_federation(cfg.dataset, cfg.n_clients, distribution=cfg.distribution,
                            dirichlet_alpha=cfg.dirichlet_alpha, seed=cfg.data_seed, device=device,
                            data_dir=cfg.data_dir, download=cfg.download,
-                           min_samples=cfg.femnist_min_samples)  # fmt: skip
+                           min_writer_samples=cfg.femnist_min_writer_samples,
+                           source=cfg.data_source)  # fmt: skip
 
 
 def _environment(device: torch.device, engine: str) -> dict[str, Any]:

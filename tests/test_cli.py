@@ -117,7 +117,33 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, args, message)
 
 def test_data_femnist_validates_a_leaf_directory(capsys, femnist_dir):
     assert main(["data", "femnist", str(femnist_dir)]) == 0
-    assert "valid LEAF FEMNIST directory with 10 writers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "valid LEAF FEMNIST directory with 10 writers" in out
+    assert "10 have >= 350 samples (train + test" in out  # the shared subset was made with LEAF's -k 350
+    assert "Table III (N=100) needs 100" in out and "preprocess.sh -s niid" in out
+
+
+def test_data_cifar10_offline_is_one_line_naming_the_cause_and_alternatives(tmp_path, capsys, monkeypatch):
+    from urllib.error import URLError
+
+    import torchvision.datasets.cifar as cifar
+
+    def offline(*args, **kwargs):
+        raise URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(cifar, "download_and_extract_archive", offline)
+    assert main(["data", "cifar10", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "cannot download CIFAR-10 ([Errno -3] Temporary failure in name resolution)" in err
+    assert "prodigy-fl data cifar10 --from" in err and "cifar-10-batches-py" in err and str(tmp_path) in err
+
+
+def test_data_cifar10_from_a_jpeg_copy_folder(tmp_path, capsys, jpeg_folder):
+    bad = jpeg_folder(tmp_path / "partial", 1)
+    assert main(["data", "cifar10", str(tmp_path / "data"), "--from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "train/airplane has 1 JPEG files, expected 5,000" in err and len(err.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------------------------------- grid

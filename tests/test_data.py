@@ -1,9 +1,12 @@
 """Federated datasets: real loaders (torchvision CIFAR-10 on tiny files, LEAF FEMNIST, digits), partitions,
 batch sampling, augmentation and label flipping, each checked against an independent expectation."""
 
+import hashlib
+import io
 import json
 import os
 import pickle
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +15,18 @@ import torch
 import torchvision.transforms.v2.functional as TF
 
 from prodigy_core.data import (
+    CIFAR10_CLASSES,
     CIFAR10_MEAN,
     CIFAR10_STD,
     DIGITS_MEAN,
     DIGITS_STD,
     DataError,
+    decode_cifar10_jpeg,
+    default_femnist_dir,
     dirichlet_split,
+    eligible_writers,
     iid_split,
+    leaf_writer_counts,
     load_federation,
 )
 
@@ -123,6 +131,100 @@ def test_cifar10_missing_files_say_where_and_how(tmp_path):
         load_federation("cifar10", 2, "iid", data_dir=tmp_path / "nowhere", download=False)
     message = str(info.value)
     assert "nowhere" in message and "download=True" in message and "prodigy-fl data cifar10" in message
+    assert "--from" in message  # the offline alternative: the JPEG copy
+
+
+# ------------------------------------------------------------------------------------ CIFAR-10, JPEG copy
+
+
+CLASSES = CIFAR10_CLASSES
+
+
+def pillow_decode(content: bytes) -> torch.Tensor:
+    """The reference: Pillow's own decode of one file, as (3, 32, 32) uint8."""
+    from PIL import Image
+
+    array = np.asarray(Image.open(io.BytesIO(content)).convert("RGB"))
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
+def test_cifar10_jpeg_folder_decodes_with_labels_in_class_order(tmp_path, jpeg_folder):
+    source = jpeg_folder(tmp_path / "jpeg", per_class=2)
+    path = decode_cifar10_jpeg(source, tmp_path / "data", per_class=2, progress=False)
+    assert path == tmp_path / "data" / "cifar10-jpeg" / "cifar10-jpeg-uint8.pt"
+    assert not [p for p in path.parent.iterdir() if p != path]  # atomic write: no temporary file left
+    fed = load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data")
+    assert fed.source == "cifar10-jpeg" and fed.train_images.dtype == torch.uint8
+    assert fed.train_labels.tolist() == [c for c in range(10) for _ in range(2)]
+    for split, images in (("train", fed.train_images), ("test", fed.test_images)):
+        for row, (cls, i) in enumerate((c, i) for c in CLASSES for i in range(2)):
+            expected = pillow_decode((source / split / cls / f"{i:04d}.jpg").read_bytes())
+            assert torch.equal(images[row], expected), (split, cls, i)
+
+
+def test_cifar10_jpeg_wrong_counts_classes_or_sizes_are_clear_errors(tmp_path, jpeg_folder):
+    source = jpeg_folder(tmp_path / "small", per_class=1)
+    with pytest.raises(DataError, match=r"train/airplane has 1 JPEG files, expected 5,000"):
+        decode_cifar10_jpeg(source, tmp_path / "data", progress=False)
+    nine = jpeg_folder(tmp_path / "nine", per_class=1, classes=CLASSES[:9])
+    with pytest.raises(DataError, match="expected the 10 CIFAR-10 class folders"):
+        decode_cifar10_jpeg(nine, tmp_path / "data", per_class=1, progress=False)
+    big = jpeg_folder(tmp_path / "big", per_class=1, size=40)
+    with pytest.raises(DataError, match=r"train/airplane/0000.jpg is \(40, 40\), not 32x32"):
+        decode_cifar10_jpeg(big, tmp_path / "data", per_class=1, progress=False)
+    with pytest.raises(DataError, match="does not exist"):
+        decode_cifar10_jpeg(tmp_path / "nowhere.tar.gz", tmp_path / "data", progress=False)
+    assert not (tmp_path / "data" / "cifar10-jpeg" / "cifar10-jpeg-uint8.pt").exists()
+
+
+def test_cifar10_binary_batches_come_before_the_jpeg_copy(cifar_root, jpeg_folder):
+    root, batches = cifar_root
+    decode_cifar10_jpeg(jpeg_folder(root / "jpeg", per_class=1), root, per_class=1, progress=False)
+    fed = load_federation("cifar10", 2, "iid", data_dir=root)
+    assert fed.source == "cifar10-binary" and len(fed.train_labels) == 5 * CIFAR_PER_BATCH
+    fed = load_federation("cifar10", 2, "iid", data_dir=root, source="cifar10-jpeg")
+    assert fed.source == "cifar10-jpeg" and len(fed.train_labels) == 10
+    from prodigy_core.config import RunConfig
+
+    binary = RunConfig(dataset="cifar10", data_dir=str(root))
+    jpeg = binary.replace(data_source="cifar10-jpeg")
+    assert binary.resolved().data_source == "cifar10-binary"
+    assert binary.key() == binary.replace(data_source="cifar10-binary").key() != jpeg.key()
+
+
+@pytest.mark.slow  # reads the whole 60,000-file archive
+def test_cifar10_jpeg_archive_subset_matches_pillow(cifar10_jpeg_archive, tmp_path):
+    path = decode_cifar10_jpeg(cifar10_jpeg_archive, tmp_path, per_class=3, progress=False)
+    arrays = torch.load(path, weights_only=True)
+    assert arrays["train_images"].shape == arrays["test_images"].shape == (30, 3, 32, 32)
+    wanted = {f"{split}/{cls}/{i:04d}.jpg" for split in ("train", "test") for cls in ("bird", "truck")
+              for i in range(3)}  # fmt: skip
+    with tarfile.open(cifar10_jpeg_archive) as tar:
+        members = {"/".join(m.name.split("/")[-3:]): m for m in tar if m.isfile()}
+        found = {name: tar.extractfile(members[name]).read() for name in wanted if name in members}
+    assert len(found) == len(wanted)
+    for name, content in found.items():
+        split, cls, file = name.split("/")
+        row = CLASSES.index(cls) * 3 + int(file[:4])
+        assert torch.equal(arrays[f"{split}_images"][row], pillow_decode(content)), name
+        assert arrays[f"{split}_labels"][row] == CLASSES.index(cls)
+
+
+@pytest.mark.slow
+def test_cifar10_jpeg_archive_decodes_whole_through_the_cli(cifar10_jpeg_archive, tmp_path, capsys):
+    from prodigy_core.cli import main
+
+    assert main(["data", "cifar10", str(tmp_path), "--from", str(cifar10_jpeg_archive)]) == 0
+    assert "50,000 train and 10,000 test images" in capsys.readouterr().out
+    fed = load_federation("cifar10", 10, "dirichlet", data_dir=tmp_path)
+    assert fed.source == "cifar10-jpeg"
+    assert fed.train_images.shape == (50000, 3, 32, 32) and fed.test_images.shape == (10000, 3, 32, 32)
+    assert fed.train_labels.bincount().tolist() == [5000] * 10
+    assert fed.test_labels.bincount().tolist() == [1000] * 10
+    # the archive README's pixel statistics of the decoded training images
+    x = fed.train_images.float().div(255)
+    torch.testing.assert_close(x.mean((0, 2, 3)), torch.tensor([0.4913, 0.4821, 0.4465]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(x.std((0, 2, 3)), torch.tensor([0.2452, 0.2428, 0.2606]), atol=1e-4, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------- FEMNIST
@@ -142,11 +244,83 @@ def test_femnist_real_leaf_subset(femnist_dir):
     torch.testing.assert_close(images, (fed.test_images - 0.5) / 0.5)
 
 
-def test_femnist_min_samples_and_too_few_writers(femnist_dir):
-    leaf = femnist_dir
-    assert load_federation("femnist", 3, "natural", data_dir=leaf, min_samples=340).n_clients == 3
-    with pytest.raises(DataError, match=r"found \d writers with >= 340 training samples, need n_clients=10"):
-        load_federation("femnist", 10, "natural", data_dir=leaf, min_samples=340)
+def read_leaf_counts(leaf: Path) -> dict[str, list[int]]:
+    """The reference: {writer: [train, test]} counted from the samples of every JSON file."""
+    counts: dict[str, list[int]] = {}
+    for i, split in enumerate(("train", "test")):
+        for path in sorted((leaf / split).glob("*.json")):
+            for w, d in json.loads(path.read_text())["user_data"].items():
+                counts.setdefault(w, [0, 0])[i] += len(d["y"])
+    return counts
+
+
+@pytest.mark.slow  # parses the 10-writer folder twice
+def test_femnist_eligibility_counts_train_plus_test(femnist_dir):
+    totals = {w: tr + te for w, (tr, te) in read_leaf_counts(femnist_dir).items()}
+    k = sorted(totals.values())[5]  # about half of the 10 writers have fewer
+    eligible = sorted(w for w, n in totals.items() if n >= k)
+    assert 3 <= len(eligible) < 10
+    assert eligible_writers(leaf_writer_counts(femnist_dir), k) == eligible
+    fed = load_federation("femnist", 3, "natural", data_dir=femnist_dir, min_writer_samples=k)
+    counts = read_leaf_counts(femnist_dir)
+    assert [len(ix) for ix in fed.client_indices] == [counts[w][0] for w in eligible[:3]]
+    with pytest.raises(DataError) as info:
+        load_federation("femnist", 10, "natural", data_dir=femnist_dir, min_writer_samples=k)
+    message = str(info.value)
+    assert f"{len(eligible)} of its 10 writers have >= {k} samples (train + test), need n_clients=10" in (
+        message
+    )
+    assert "preprocess.sh -s niid --sf 1.0 -k 350 -t sample" in message
+
+
+def test_femnist_synthetic_eligibility_is_before_the_split(tmp_path):
+    # w_a: 3 + 1 = 4 samples, w_b: 2 + 2 = 4, w_c: 3 + 0 = 3, w_d: 0 train (never a client)
+    leaf = write_leaf(
+        tmp_path, {"w_a": [1, 2, 3], "w_b": [4, 5], "w_c": [6, 7, 8], "w_d": []},
+        {"w_a": [9], "w_b": [1, 2], "w_c": [], "w_d": [3, 4, 5, 6]},
+    )  # fmt: skip
+    counts = leaf_writer_counts(leaf)
+    assert counts == {"w_a": (3, 1), "w_b": (2, 2), "w_c": (3, 0), "w_d": (0, 4)}
+    assert eligible_writers(counts, 4) == ["w_a", "w_b"]
+    assert eligible_writers(counts, 0) == ["w_a", "w_b", "w_c"]
+    fed = load_federation("femnist", 2, "natural", data_dir=leaf, min_writer_samples=4)
+    assert fed.train_labels.tolist() == [1, 2, 3, 4, 5] and fed.test_labels.tolist() == [9, 1, 2]
+
+
+@pytest.mark.slow
+def test_femnist_24_writer_folder_exact_counts(femnist24_dir):
+    counts = read_leaf_counts(femnist24_dir)
+    assert len(counts) == 24
+    assert sum(tr for tr, _ in counts.values()) == 8165 and sum(te for _, te in counts.values()) == 920
+    assert min(tr for tr, _ in counts.values()) == 315 and max(tr for tr, _ in counts.values()) == 369
+    assert all(tr + te >= 350 for tr, te in counts.values())  # LEAF's -k 350
+    assert {w: list(c) for w, c in leaf_writer_counts(femnist24_dir).items()} == counts
+    fed = load_federation("femnist", 20, "natural", data_dir=femnist24_dir, min_writer_samples=350)
+    first = sorted(counts)[:20]  # the authors' loader: the first N writers in sorted order
+    assert [len(ix) for ix in fed.client_indices] == [counts[w][0] for w in first]
+    assert len(fed.test_labels) == sum(counts[w][1] for w in first)
+    blob = json.dumps([[w, *counts[w]] for w in first], separators=(",", ":"))
+    assert fed.source == "femnist-leaf-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def test_femnist_folder_preference_and_writer_keys(tmp_path, monkeypatch):
+    two = write_leaf(tmp_path / "two", {"w_a": [1], "w_b": [2]}, {"w_a": [3], "w_b": [4]})
+    four = write_leaf(tmp_path / "four", {f"w_{c}": [1] for c in "cdef"}, {f"w_{c}": [2] for c in "cdef"})
+    monkeypatch.setattr("prodigy_core.data.SHARED_DATA_DIR", tmp_path / "no-shared")
+    monkeypatch.setenv("PRODIGY_FEMNIST_DIR", os.pathsep.join([str(two), str(four)]))
+    assert default_femnist_dir() == two and default_femnist_dir(2) == two
+    assert default_femnist_dir(3) == four and default_femnist_dir(9) == four  # the most writers
+    assert load_federation("femnist", 3, "natural").n_clients == 3  # found in `four`
+
+    from prodigy_core.config import RunConfig
+
+    on_two = RunConfig(dataset="femnist", distribution="natural", n_clients=2, n_byzantine=0, defense="none")
+    on_four = on_two.replace(data_dir=str(four))
+    assert on_two.resolved().data_source != on_four.resolved().data_source  # other writers, other key
+    assert on_two.key() != on_four.key()
+    assert on_two.key() == on_two.replace(data_dir=str(two)).key()  # the folder itself is not in the key
+    with pytest.raises(DataError, match="not the run's data_source"):
+        load_federation("femnist", 2, "natural", data_dir=four, source=on_two.resolved().data_source)
 
 
 def test_femnist_synthetic_leaf_takes_first_writers_in_sorted_order(tmp_path):
@@ -169,7 +343,7 @@ def test_femnist_malformed_leaf_directories(tmp_path):
     with pytest.raises(DataError, match="differ.*train and test writers differ"):
         load_federation("femnist", 1, "natural", data_dir=leaf)
     leaf = write_leaf(tmp_path / "small", {"w_a": [1]}, {"w_a": [2]})
-    with pytest.raises(DataError, match="small: found 1 writers .* need n_clients=2"):
+    with pytest.raises(DataError, match=r"small: 1 of its 1 writers have >= 1 samples .* need n_clients=2"):
         load_federation("femnist", 2, "natural", data_dir=leaf)
 
 

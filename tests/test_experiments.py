@@ -166,16 +166,20 @@ def test_same_config_same_key_and_any_result_field_changes_it():
         "attack": "sf", "lr": 0.1,
         "lr_decay_at": 7, "lr_decay_factor": 0.5, "weight_decay": 0.1, "batch_size": 32, "eval_every": 5,
         "seed": 1, "data_seed": 1, "record_distances_at": [3], "variant": "authors",
-        "femnist_min_samples": 5,  # only matters for femnist: checked below
+        "femnist_min_writer_samples": 5,  # only matters for femnist: checked below
+        "data_source": "cifar10-jpeg",  # a source of cifar10 only: checked below
     }  # fmt: skip
     non_result = set(RunConfig.NON_RESULT_FIELDS)
     assert set(changed) | non_result == set(field_names())
     for name, value in changed.items():
-        other = base.replace(**{name: value})
-        if name == "femnist_min_samples":
+        if name == "femnist_min_writer_samples":
             femnist = base.replace(dataset="femnist", distribution="natural")
-            assert femnist.replace(femnist_min_samples=value).key() != femnist.key()
+            assert femnist.replace(femnist_min_writer_samples=value).key() != femnist.key()
+        elif name == "data_source":
+            binary = base.replace(dataset="cifar10", data_source="cifar10-binary")
+            assert binary.replace(data_source=value).key() != binary.key()
         else:
+            other = base.replace(**{name: value})
             assert other.key() != base.key(), name
     for name, value in {"checkpoint_every": 7, "device": "cpu", "engine": "sequential", "data_dir": "/x",
                         "download": True}.items():  # fmt: skip
@@ -289,10 +293,42 @@ def test_smoke_femnist_uses_the_leaf_subset_with_f_scaled(femnist_dir):
 
 
 def test_smoke_femnist_without_the_subset_falls_back_to_digits(monkeypatch):
-    monkeypatch.setattr("prodigy_core.data.default_femnist_dir", lambda: None)
+    monkeypatch.setattr("prodigy_core.data.default_femnist_dir", lambda *args: None)
     smoke = load_experiment("table2_femnist_n20", smoke=True)
     assert {c.dataset for c in smoke.configs} == {"digits"}
     assert smoke.stand_in == "digits (offline stand-in for femnist)"
+
+
+def test_smoke_cifar10_runs_on_real_cifar10_when_this_machine_has_it(tmp_path, monkeypatch, jpeg_folder):
+    from prodigy_core.data import decode_cifar10_jpeg
+
+    monkeypatch.setenv("PRODIGY_DATA_DIR", str(tmp_path / "data"))
+    decode_cifar10_jpeg(jpeg_folder(tmp_path / "jpeg", 1), per_class=1, progress=False)
+    smoke = load_experiment("table1_cifar10", smoke=True)
+    assert {c.dataset for c in smoke.configs} == {"cifar10"} and smoke.stand_in is None
+    assert {c.resolved().data_source for c in smoke.configs} == {"cifar10-jpeg"}
+    on_digits = load_experiment("table1_cifar10", smoke=True, fields={"data_dir": str(tmp_path / "none")})
+    assert {c.dataset for c in on_digits.configs} == {"digits"}  # no CIFAR-10 there: the stand-in
+
+
+def test_smoke_femnist_prefers_the_24_writer_folder(femnist24_dir, monkeypatch):
+    monkeypatch.delenv("PRODIGY_FEMNIST_DIR", raising=False)
+    smoke = load_experiment("table2_femnist_n20", smoke=True)
+    assert {(c.dataset, c.data_dir, c.femnist_min_writer_samples) for c in smoke.configs} == {
+        ("femnist", str(femnist24_dir), 350)
+    }
+
+
+def test_a_grid_needing_more_writers_than_the_folder_has_fails_before_any_run(femnist24_dir, tmp_path):
+    experiment = load_experiment("table3_femnist_n100", fields={"data_dir": str(femnist24_dir)})
+    with pytest.raises(ValueError) as info:
+        run_grid(experiment, results_dir=tmp_path, progress=False)
+    message = str(info.value)
+    assert "24 of its 24 writers have >= 350 samples (train + test), need n_clients=100" in message
+    assert "preprocess.sh -s niid --sf 1.0 -k 350 -t sample" in message
+    assert not (tmp_path / "table3_femnist_n100").exists() or not list(
+        (tmp_path / "table3_femnist_n100").glob("*.json")
+    )
 
 
 # ------------------------------------------------------------------------------------------- executor + store

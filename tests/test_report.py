@@ -384,3 +384,18 @@ def test_provenance_names_the_runs_and_the_code(tmp_path):
     assert report.read_provenance(md) == report.provenance(exp)
     other = report.provenance(types.SimpleNamespace(configs=[report.RunConfig(seed=0)]))
     assert other != report.provenance(exp) and other.endswith(f"code {report.code_hash()}")
+
+
+def test_titles_name_the_data_source_and_sources_never_mix(tmp_path):
+    df = fabricated(seeds=(0,), momenta=(0.0,)).assign(data_source="cifar10-jpeg")
+    paths = report.write_report(experiment(layout=HEATMAP_ONLY), df, tmp_path)
+    header = (tmp_path / "fab.md").read_text().splitlines()[0]
+    assert header == "# Fabricated table (variant: paper; data: CIFAR-10 (JPEG copy))"
+    assert tmp_path / "fab.md" in paths
+    mixed = pd.concat([df, df.assign(data_source="cifar10-binary")])
+    with pytest.raises(ValueError, match="mix data sources cifar10-binary, cifar10-jpeg"):
+        report.write_report(experiment(layout=HEATMAP_ONLY), mixed, tmp_path)
+    from prodigy_core.results import compare_with_paper
+
+    with pytest.raises(ValueError, match="mix data sources"):
+        compare_with_paper(mixed.assign(dataset="cifar10"), "bigtable")

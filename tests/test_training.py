@@ -237,8 +237,10 @@ def test_result_round_trips_through_json_with_distance_matrices():
     assert torch.equal(d.diagonal(), torch.zeros(6)) and torch.allclose(d, d.T) and (d >= 0).all()
     text = json.dumps(result.to_dict(), allow_nan=False)
     assert RunResult.from_dict(json.loads(text)) == result
-    assert RunConfig.from_dict(json.loads(text)["config"]) == tiny(rounds=3, eval_every=3,
-                                                                   record_distances_at=(1, 3))  # fmt: skip
+    config = tiny(rounds=3, eval_every=3, record_distances_at=(1, 3))
+    stored = RunConfig.from_dict(json.loads(text)["config"])
+    assert stored == config.replace(data_source="digits")  # the record names the data source it used
+    assert stored.key() == config.key()
 
 
 # ---------------------------------------------------------------------------------------- config errors
