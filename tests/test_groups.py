@@ -1,0 +1,107 @@
+"""Runs trained as one batched group (`prodigy_core.groups`) against the same runs alone: float64 digits
+runs on a CPU, a few rounds each."""
+
+import pytest
+import torch
+
+from prodigy_core import groups, training
+from prodigy_core.config import RunConfig
+from prodigy_core.data import Federation
+
+# Dirichlet(0.1) digits: clients smaller than the batch, so the stacked step also runs width groups.
+BASE = dict(dataset="digits", distribution="dirichlet", n_clients=6, n_byzantine=2, rounds=4, local_steps=2,
+            batch_size=32, eval_every=2, checkpoint_every=1, device="cpu", engine="batched")  # fmt: skip
+CONFIGS = [  # different defenses (CClip's state), attacks (ALIE's search, LF's labels), momentum, seeds, lr
+    RunConfig(**BASE, defense="cclip", attack="alie", local_momentum=0.9, seed=0),
+    RunConfig(**BASE, defense="prodigy", attack="lf", local_momentum=0.0, seed=1),
+    RunConfig(**BASE, defense="nnm+trimmed_mean", attack="sf", local_momentum=0.9, seed=1, lr=0.1),
+    RunConfig(**BASE, defense="average", attack="none", local_momentum=0.0, seed=0),
+]
+STOP = 3  # rounds after which the states are compared (from the checkpoints both paths leave)
+
+
+@pytest.fixture(autouse=True)
+def float64(monkeypatch):
+    """Models, data and momentum in float64, so that 1e-10 separates a wrong random number from rounding."""
+    normalise = Federation.normalise
+    monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _solo_states(configs, folder):
+    for config in configs:
+        training.run(config, progress=False, checkpoint_dir=folder, _stop_after=STOP)
+    return {c.key(): torch.load(folder / f"{c.key()}.pt", weights_only=False) for c in configs}
+
+
+def _group_states(configs, folder):
+    assert list(groups.iter_group(configs, checkpoint_dir=folder, _stop_after=STOP)) == []
+    return {c.key(): torch.load(folder / f"{c.key()}.pt", weights_only=False) for c in configs}
+
+
+def _assert_same_run(a, b, tol=1e-10):
+    assert a["round"] == b["round"] == STOP
+    for name, value in a["model"].items():
+        torch.testing.assert_close(value, b["model"][name], rtol=0, atol=tol, msg=name)
+    torch.testing.assert_close(a["momentum"], b["momentum"], rtol=0, atol=tol)
+    ra, rb = a["result"], b["result"]
+    for field in ("accuracy_curve", "zeroed_clients", "rounds_completed", "diverged"):
+        assert ra[field] == rb[field], field
+    assert ra["final_loss"] == pytest.approx(rb["final_loss"], abs=tol)
+    assert ra["attack_params"] == pytest.approx(rb["attack_params"], abs=tol)
+
+
+def test_group_equals_each_run_alone(tmp_path):
+    solo = _solo_states(CONFIGS, tmp_path / "solo")
+    group = _group_states(CONFIGS, tmp_path / "group")
+    for config in CONFIGS:
+        _assert_same_run(group[config.key()], solo[config.key()])
+        assert group[config.key()]["result"]["environment"]["group_size"] == len(CONFIGS)
+
+
+def test_group_composition_and_order_change_no_result(tmp_path):
+    whole = _group_states(CONFIGS, tmp_path / "whole")
+    other = _group_states([CONFIGS[3], CONFIGS[0]], tmp_path / "other")  # other company, other order
+    for config in (CONFIGS[0], CONFIGS[3]):
+        _assert_same_run(other[config.key()], whole[config.key()])
+
+
+def test_killed_group_resumes_to_the_uninterrupted_records(tmp_path):
+    configs = CONFIGS[:3]
+    reference = groups.run_group(configs)
+    partial = list(groups.iter_group(configs, checkpoint_dir=tmp_path, _stop_after=2))  # "killed"
+    assert partial == [] and all((tmp_path / f"{c.key()}.pt").exists() for c in configs)
+    resumed = groups.run_group(configs, checkpoint_dir=tmp_path)
+    for a, b in zip(resumed, reference, strict=True):
+        for field in ("final_accuracy", "final_loss", "accuracy_curve", "attack_params", "zeroed_clients",
+                      "rounds_completed", "detection_precision"):  # fmt: skip
+            assert getattr(a, field) == getattr(b, field), field
+        assert len(a.round_times) == a.rounds_completed == 4
+    assert not any(tmp_path.iterdir())  # every checkpoint removed once its run completed
+
+
+@pytest.mark.filterwarnings("ignore:.*non-finite:RuntimeWarning")
+def test_diverging_member_is_frozen_and_the_others_match_their_solo_runs(tmp_path):
+    blowup = CONFIGS[3].replace(lr=1e300)  # float64 weights overflow within a round or two
+    configs = [CONFIGS[0], blowup, CONFIGS[1]]
+    order = [i for i, _ in groups.iter_group(configs, checkpoint_dir=tmp_path / "group", _stop_after=STOP)]
+    assert order == [1]  # the diverged run is reported at once; the others are still training
+    diverged = groups.run_group([blowup])[0]
+    assert diverged.diverged and diverged.final_accuracy == pytest.approx(10.0) and diverged.final_loss is None
+    solo = _solo_states([CONFIGS[0], CONFIGS[1]], tmp_path / "solo")
+    for config in (CONFIGS[0], CONFIGS[1]):
+        group = torch.load(tmp_path / "group" / f"{config.key()}.pt", weights_only=False)
+        _assert_same_run(group, solo[config.key()])
+
+
+def test_make_groups_stacks_only_compatible_runs():
+    other_split = CONFIGS[0].replace(data_seed=1)
+    alone = CONFIGS[0].replace(engine="sequential")
+    made = groups.make_groups([CONFIGS[0], other_split, CONFIGS[1], alone, CONFIGS[2]], size=2)
+    assert made == [[CONFIGS[0], CONFIGS[1]], [other_split], [alone], [CONFIGS[2]]]
+    assert groups.make_groups(CONFIGS, size=1) == [[c] for c in CONFIGS]
+    with pytest.raises(ValueError, match="cannot share a group"):
+        groups.run_group([CONFIGS[0], other_split])
