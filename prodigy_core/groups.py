@@ -1,4 +1,4 @@
-"""Many runs as one batched computation: the clients of R runs stacked (R x N models) in one vmapped local step.
+"""Many runs as one batched computation: R runs' clients stacked (R x N models) in one vmapped local step.
 
 Runs of one grid block share the dataset, the model, N, E and b and differ in defense, attack, seed, momentum
 and schedule; on a GPU one run's step (N=10 clients) is far too small for the card, on a CPU it is
@@ -54,22 +54,29 @@ CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 def group_key(config: RunConfig) -> tuple | None:
     """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`)."""
     cfg = config.resolved()
-    if training.pick_engine(cfg.engine, resolve_device(cfg.device), cfg.dataset) != "batched":
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError:  # the run alone reports it
+        return None
+    if training.pick_engine(cfg.engine, device, cfg.dataset) != "batched":
         return None
     return tuple(getattr(cfg, name) for name in GROUP_FIELDS)
 
 
-def make_groups(configs: Sequence[RunConfig], size: int) -> list[list[RunConfig]]:
+def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[list[RunConfig]]:
     """The configs in groups of at most `size` compatible runs, in grid order (runs that cannot be stacked
-    form groups of one)."""
-    if size < 1:
-        raise ValueError(f"batch_runs={size} must be >= 1 (1 trains one run at a time)")
+    form groups of one). size="auto": `batch_size_for` the first run of each kind."""
+    if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"batch_runs={size!r} must be 'auto' or an integer >= 1 (1: one run at a time)")
     groups: list[list[RunConfig]] = []
     open_groups: dict[tuple, list[RunConfig]] = {}
+    limits: dict[tuple, int] = {}
     for config in configs:
-        key = group_key(config) if size > 1 else None
+        key = group_key(config) if size != 1 else None
+        if key is not None and key not in limits:
+            limits[key] = batch_size_for(config) if size == "auto" else int(size)
         group = open_groups.get(key) if key is not None else None
-        if group is None or len(group) >= size:
+        if group is None or len(group) >= limits[key]:
             group = []
             groups.append(group)
             if key is not None:

@@ -9,15 +9,15 @@ from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 
 # Dirichlet(0.1) digits: clients smaller than the batch, so the stacked step also runs width groups.
-BASE = dict(dataset="digits", distribution="dirichlet", n_clients=6, n_byzantine=2, rounds=4, local_steps=2,
-            batch_size=32, eval_every=2, checkpoint_every=1, device="cpu", engine="batched")  # fmt: skip
+BASE = dict(dataset="digits", distribution="dirichlet", n_clients=6, n_byzantine=2, rounds=3, local_steps=2,
+            batch_size=16, eval_every=2, checkpoint_every=1, device="cpu", engine="batched")  # fmt: skip
 CONFIGS = [  # different defenses (CClip's state), attacks (ALIE's search, LF's labels), momentum, seeds, lr
     RunConfig(**BASE, defense="cclip", attack="alie", local_momentum=0.9, seed=0),
     RunConfig(**BASE, defense="prodigy", attack="lf", local_momentum=0.0, seed=1),
     RunConfig(**BASE, defense="nnm+trimmed_mean", attack="sf", local_momentum=0.9, seed=1, lr=0.1),
     RunConfig(**BASE, defense="average", attack="none", local_momentum=0.0, seed=0),
 ]
-STOP = 3  # rounds after which the states are compared (from the checkpoints both paths leave)
+STOP = 2  # rounds after which the states are compared (from the checkpoints both paths leave)
 
 
 @pytest.fixture(autouse=True)
@@ -72,14 +72,14 @@ def test_group_composition_and_order_change_no_result(tmp_path):
 def test_killed_group_resumes_to_the_uninterrupted_records(tmp_path):
     configs = CONFIGS[:3]
     reference = groups.run_group(configs)
-    partial = list(groups.iter_group(configs, checkpoint_dir=tmp_path, _stop_after=2))  # "killed"
+    partial = list(groups.iter_group(configs, checkpoint_dir=tmp_path, _stop_after=1))  # "killed"
     assert partial == [] and all((tmp_path / f"{c.key()}.pt").exists() for c in configs)
     resumed = groups.run_group(configs, checkpoint_dir=tmp_path)
     for a, b in zip(resumed, reference, strict=True):
         for field in ("final_accuracy", "final_loss", "accuracy_curve", "attack_params", "zeroed_clients",
                       "rounds_completed", "detection_precision"):  # fmt: skip
             assert getattr(a, field) == getattr(b, field), field
-        assert len(a.round_times) == a.rounds_completed == 4
+        assert len(a.round_times) == a.rounds_completed == 3
     assert not any(tmp_path.iterdir())  # every checkpoint removed once its run completed
 
 
@@ -90,7 +90,8 @@ def test_diverging_member_is_frozen_and_the_others_match_their_solo_runs(tmp_pat
     order = [i for i, _ in groups.iter_group(configs, checkpoint_dir=tmp_path / "group", _stop_after=STOP)]
     assert order == [1]  # the diverged run is reported at once; the others are still training
     diverged = groups.run_group([blowup])[0]
-    assert diverged.diverged and diverged.final_accuracy == pytest.approx(10.0) and diverged.final_loss is None
+    assert diverged.diverged and diverged.final_loss is None
+    assert diverged.final_accuracy == pytest.approx(10.0)  # chance level
     solo = _solo_states([CONFIGS[0], CONFIGS[1]], tmp_path / "solo")
     for config in (CONFIGS[0], CONFIGS[1]):
         group = torch.load(tmp_path / "group" / f"{config.key()}.pt", weights_only=False)
