@@ -46,8 +46,10 @@ from prodigy_core.seeding import resolve_device
 # Fields that must be equal for runs to share one stacked local step.
 GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed", "femnist_min_samples",
                 "data_dir", "local_steps", "batch_size", "weight_decay", "device")  # fmt: skip
-# batch_runs="auto" on a CPU: the largest group per dataset (1: never stacked), see batch_size_for.
-AUTO_CPU_BATCH_RUNS = {"digits": 16, "femnist": 1, "cifar10": 1}
+# batch_runs="auto" on a CPU: the largest group per dataset (1: never stacked), see batch_size_for. Digits,
+# quickstart runs, 5 rounds, 1 thread, on the 2-core dev machine while other jobs loaded it (noisy): groups of
+# 4 and 8 took 0.88x and 0.94x the time of the same runs one at a time (benchmarks/grid.py; rerun it idle).
+AUTO_CPU_BATCH_RUNS = {"digits": 8, "femnist": 1, "cifar10": 1}
 CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 

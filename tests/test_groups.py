@@ -106,3 +106,16 @@ def test_make_groups_stacks_only_compatible_runs():
     assert groups.make_groups(CONFIGS, size=1) == [[c] for c in CONFIGS]
     with pytest.raises(ValueError, match="cannot share a group"):
         groups.run_group([CONFIGS[0], other_split])
+
+
+def test_grid_records_are_the_same_batched_or_one_at_a_time(tmp_path):
+    from prodigy_core.experiments import experiment_from_spec, run_grid
+
+    base = {k: v for k, v in BASE.items() if k != "engine"} | {"rounds": 2, "eval_every": 1}
+    spec = {"experiment": "g", "base": base, "grid": {"defense": ["cclip", "prodigy"], "attack": ["alie", "lf"]}}
+    experiment = experiment_from_spec(spec)
+    one = run_grid(experiment, results_dir=tmp_path / "one", progress=False, batch_runs=1)
+    batched = run_grid(experiment, results_dir=tmp_path / "batched", progress=False, batch_runs=3)
+    assert list(one["key"]) == list(batched["key"]) and len(one) == 4
+    assert list(one["final_accuracy"]) == list(batched["final_accuracy"])
+    assert list(one["final_loss"]) == pytest.approx(list(batched["final_loss"]), abs=1e-10)
