@@ -231,4 +231,3 @@ def _elapsed(tic: float, device: torch.device) -> float:
 
 __all__ = ["GROUP_FIELDS", "group_key", "make_groups", "batch_size_for", "memory_per_run", "iter_group",
            "run_group"]  # fmt: skip
-

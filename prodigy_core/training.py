@@ -26,14 +26,16 @@ buffers and evaluates in training mode; we evaluate in eval mode under `no_grad`
 
 Engines (same semantics, same batches drawn from the same generator):
 - ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters and
-  BatchNorm buffers (`randomness="different"`: independent dropout masks per client), elementwise SGD on the
-  stacked tensors. Clients smaller than batch_size are vmapped in groups of equal batch width, so every
-  client's loss and BatchNorm batch statistics use exactly its own b_k samples.
+  BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn before the
+  step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout), and passed in
+  (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this way. Clients
+  smaller than batch_size are vmapped in groups of equal batch width, so every client's loss and BatchNorm
+  batch statistics use exactly its own b_k samples.
 - ``sequential``: the reference, one model copy trained client after client on exactly its valid entries.
 - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per run
   (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
-  Dropout masks come from the compiler's random stream, so with dropout the numbers differ from `batched`
-  as two seeds would; without dropout the two agree to float32 rounding (tested). Opt-in: `auto` never
+  It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
+  dropout). Opt-in: `auto` never
   picks it (see the README's benchmark notes for where it pays).
 - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
   (`AUTO_CPU_ENGINE`).

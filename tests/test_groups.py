@@ -112,8 +112,8 @@ def test_grid_records_are_the_same_batched_or_one_at_a_time(tmp_path):
     from prodigy_core.experiments import experiment_from_spec, run_grid
 
     base = {k: v for k, v in BASE.items() if k != "engine"} | {"rounds": 2, "eval_every": 1}
-    spec = {"experiment": "g", "base": base, "grid": {"defense": ["cclip", "prodigy"], "attack": ["alie", "lf"]}}
-    experiment = experiment_from_spec(spec)
+    grid = {"defense": ["cclip", "prodigy"], "attack": ["alie", "lf"]}
+    experiment = experiment_from_spec({"experiment": "g", "base": base, "grid": grid})
     one = run_grid(experiment, results_dir=tmp_path / "one", progress=False, batch_runs=1)
     batched = run_grid(experiment, results_dir=tmp_path / "batched", progress=False, batch_runs=3)
     assert list(one["key"]) == list(batched["key"]) and len(one) == 4
