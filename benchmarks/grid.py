@@ -32,6 +32,8 @@ def cpu_quickstart(rounds: int | None, runs: int | None, batch_runs: int | str) 
     made = groups.make_groups(configs, batch_runs)
     print(f"CPU quickstart: {len(configs)} runs x {configs[0].rounds} rounds, {torch.get_num_threads()} "
           f"threads; groups of {[len(g) for g in made]} (--batch-runs {batch_runs})")  # fmt: skip
+    training.run(configs[0].replace(rounds=1), progress=False)  # warm-up (data, imports), not timed
+    list(groups.iter_group(configs[:2]))
     tic = time.perf_counter()
     batched = {}
     for group in made:
