@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from prodigy_core.config import did_you_mean
+from prodigy_core.config import VARIANTS, did_you_mean
 
 BASE_NAMES = (
     "average", "none", "median", "trimmed_mean", "geomed", "krum", "cclip", "prodigy", "multikrum", "bulyan",
@@ -64,6 +64,12 @@ def _check_input(G: Tensor, rule: str) -> None:
         raise ValueError(f"{rule}: needs at least 2 client vectors, got N={G.shape[0]}")
     if G.shape[1] == 0:
         raise ValueError(f"{rule}: the client vectors are empty (d=0)")
+
+
+def _check_variant(rule: str, variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"{rule}: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
+    return variant
 
 
 def _check_f(rule: str, f: int, minimum: int = 0) -> int:
@@ -239,6 +245,13 @@ def _coordinate_median(values: Tensor) -> Tensor:
     return 0.5 * lower + 0.5 * upper  # not (a + b) / 2: no overflow near the float range
 
 
+def _mean_closest_to_median(values: Tensor, k: int) -> Tensor:
+    """Per coordinate, the mean of the k values of (N, d) ``values`` (no NaN) closest to the coordinate-wise
+    median (`_coordinate_median`)."""
+    closest = (values - _coordinate_median(values)).abs().topk(k, dim=0, largest=False).indices
+    return values.gather(0, closest).mean(dim=0)
+
+
 # ------------------------------------------------------------------------------------------------- rules
 
 
@@ -297,6 +310,10 @@ class Rule:
 
     def commit(self, out: Tensor, record: Any) -> None:
         """Keep what a call (not a ``peek``) keeps: CClip its output as its next start, ProDiGy its scores."""
+
+    def new_round(self, model: Tensor) -> None:
+        """Told the current model parameters theta_t (d,) before a round's aggregation and attack search (the
+        training loop calls it; only CClip under the ``authors`` variant uses them)."""
 
     def check_n(self, n: int) -> None:
         """Raise a ValueError when the rule cannot run on n vectors."""
@@ -358,14 +375,19 @@ class Median(Rule):
 
 
 class TrimmedMean(Rule):
-    """Coordinate-wise trimmed mean: drop the f largest and f smallest values, average the N-2f others.
+    """Coordinate-wise trimmed mean (Yin et al., 2018): drop the f largest and f smallest values, average the
+    N-2f others (``variant="paper"``, the paper's text).
 
     With lo/hi the f-th smallest/largest value per coordinate, the kept sum is
     sum_i clamp(g_i, lo, hi) - f (lo + hi), exact with ties and free of cancellation from huge values.
-    NaN counts as +inf (a sort handles infinities)."""
+    NaN counts as +inf (a sort handles infinities).
 
-    def __init__(self, f: int):
+    ``variant="authors"`` (the authors' code): per coordinate, the mean of the N-2f values closest to the
+    coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step."""
+
+    def __init__(self, f: int, variant: str = "paper"):
         self.f = _check_f("TrimmedMean", f)
+        self.variant = _check_variant("TrimmedMean", variant)
 
     def check_n(self, n: int) -> None:
         self._need(n > 2 * self.f, n, f"N > 2f = {2 * self.f}")
@@ -374,6 +396,8 @@ class TrimmedMean(Rule):
         N, f = G.shape[0], self.f
         if f == 0:
             return G.mean(dim=0)
+        if self.variant == "authors":
+            return _mean_closest_to_median(_nan_to_inf(G), N - 2 * f)
         if not torch.isfinite(G).all():  # one wait for the device on the finite path
             return _nan_to_inf(G).sort(dim=0).values[f : N - f].mean(dim=0)
         hi = G.topk(f, dim=0).values[-1]
@@ -482,30 +506,49 @@ class Bulyan(Rule):
             selected.append(remaining[j])
             remaining = torch.cat([remaining[:j], remaining[j + 1 :]])
         S = G[torch.stack(selected).to(G.device)]  # bad vectors have infinite scores and are never selected
-        closest = (S - _coordinate_median(S)).abs().topk(N - 4 * f, dim=0, largest=False).indices
-        return S.gather(0, closest).mean(dim=0)
+        return _mean_closest_to_median(S, N - 4 * f)
 
 
 class CClip(Rule):
-    """Centred clipping (Karimireddy et al., 2021): v_0 = previous committed aggregate (0 at the start),
-    v_{l+1} = v_l + (1/N) sum_i clip_tau(g_i - v_l), clip_tau(x) = x min(1, tau/||x||), L iterations.
-    Stateful: ``__call__`` commits v_L as the next start, ``peek`` does not, ``reset`` returns to 0.
+    """Centred clipping (Karimireddy et al., 2021): v_{l+1} = v_l + (1/N) sum_i clip_tau(g_i - v_l),
+    clip_tau(x) = x min(1, tau/||x||), L iterations, from v_0 =
+
+    - ``variant="paper"``: the previous committed aggregate (0 at the start). Stateful: ``__call__`` commits
+      v_L as the next start, ``peek`` does not, ``reset`` returns to 0;
+    - ``variant="authors"``: the current model parameters theta_t, as the authors' code passes the weights
+      (given by ``new_round(theta_t)``, which the training loop calls before each round's aggregation and
+      attack search; calling the rule before any ``new_round`` is an error).
+
     A bad vector contributes 0 (it is infinitely far: its clipped direction is undefined). Runs on the Gram
     matrix of [G; v_0]: every iterate is an affine combination of these points."""
 
     by_weights = True
 
-    def __init__(self, f: int = 0, tau: float = 10.0, L: int = 3):
+    def __init__(self, f: int = 0, tau: float = 10.0, L: int = 3, variant: str = "paper"):
         self.f = _check_f("CClip", f)
         if not tau > 0 or L < 1:
             raise ValueError(f"CClip: needs tau > 0 and L >= 1, got tau={tau}, L={L}")
         self.tau, self.L = tau, L
+        self.variant = _check_variant("CClip", variant)
         self.prev: Tensor | None = None
+        self.model: Tensor | None = None
+
+    def new_round(self, model: Tensor) -> None:
+        self.model = model.detach().clone() if self.variant == "authors" else None
 
     def reference(self, G: Tensor) -> Tensor:
-        """v_0 for the client vectors G: the committed aggregate, or 0 before the first call."""
+        """v_0 for the client vectors G: the committed aggregate, or 0 before the first call (``paper``);
+        the model parameters of the last ``new_round`` (``authors``)."""
         d = G.shape[1]
-        prev = G.new_zeros(d) if self.prev is None else self.prev.to(G.device, G.dtype)
+        if self.variant == "authors":
+            if self.model is None:
+                raise ValueError(
+                    f"{self!r} starts from the model parameters theta_t: call new_round(theta_t) (or "
+                    f"pipeline.new_round(theta_t)) before aggregating"
+                )
+            prev = self.model.to(G.device, G.dtype)
+        else:
+            prev = G.new_zeros(d) if self.prev is None else self.prev.to(G.device, G.dtype)
         if prev.shape != (d,):
             raise ValueError(f"{self!r}: previous aggregate has shape {tuple(prev.shape)}, G has d={d}")
         return prev
@@ -535,7 +578,8 @@ class CClip(Rule):
         self.prev = None if state.get("prev") is None else state["prev"].clone()
 
     def __repr__(self) -> str:
-        return f"CClip(tau={self.tau}, L={self.L})"
+        variant = ", variant='authors'" if self.variant == "authors" else ""
+        return f"CClip(tau={self.tau}, L={self.L}{variant})"
 
 
 class ProDiGyScores(NamedTuple):
@@ -834,6 +878,10 @@ class Pipeline:
         c = _combine_through(self.rule, self.pre, gram, _distances(gram, bad), bad)
         return None if c is None else c.weights
 
+    def new_round(self, model: Tensor) -> None:
+        """Tell the rule the current model parameters theta_t (d,) (see `Rule.new_round`)."""
+        self.rule.new_round(model)
+
     def reset(self) -> None:
         self.rule.reset()
 
@@ -863,9 +911,14 @@ _RULES = {
 }
 
 
-def make_aggregator(name: str, f: int, n_clients: int | None = None) -> Pipeline:
+# Rules whose definition differs between the paper's text and the authors' code (`config.VARIANTS`).
+_VARIANT_RULES = ("trimmed_mean", "cclip")
+
+
+def make_aggregator(name: str, f: int, n_clients: int | None = None, variant: str = "paper") -> Pipeline:
     """Build the server pipeline for a defence name of ``AGGREGATOR_NAMES`` (``nnm+krum``, ``prodigy``, ...)
-    with f assumed Byzantine clients; with n_clients, check every N-dependent limit now."""
+    with f assumed Byzantine clients; with n_clients, check every N-dependent limit now. ``variant``:
+    ``paper`` (the text) or ``authors`` (the authors' code; it changes TrimmedMean and CClip)."""
     key = str(name).strip().lower()
     if key not in AGGREGATOR_NAMES:
         hint = did_you_mean(key, AGGREGATOR_NAMES)
@@ -873,9 +926,11 @@ def make_aggregator(name: str, f: int, n_clients: int | None = None) -> Pipeline
             hint += f"; valid: {', '.join(AGGREGATOR_NAMES)}"
         raise ValueError(f"unknown aggregator {name!r}{hint}")
     _check_f(key, f)
+    _check_variant(key, variant)
     prefix, base = key.split("+") if "+" in key else ("", key)
     pre = {"": [], "nnm": [NNM(f)], "bucketing": [Bucketing()]}[prefix]
-    pipeline = Pipeline(key, _RULES[base](f), pre)
+    rule = _RULES[base](f, variant=variant) if base in _VARIANT_RULES else _RULES[base](f)
+    pipeline = Pipeline(key, rule, pre)
     if n_clients is not None:
         pipeline.check_n(n_clients)
     return pipeline

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, geometry, pairwise_sq_distances
+from prodigy_core.config import VARIANTS
 
 # ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
 ALIE_Z_STEP = 0.25
@@ -85,6 +86,9 @@ class Attack:
 
     name: str = "attack"
     flips_labels: bool = False
+    # True: what the Byzantine clients send becomes their local momentum buffer (the training loop writes it
+    # back, see `training.server_input`): SF under the authors' code.
+    sent_is_momentum: bool = False
 
     def __init__(self) -> None:
         self.last_param: float | None = None
@@ -116,14 +120,27 @@ class NoAttack(Attack):
 
 
 class SignFlip(Attack):
-    """Sign flip: each Byzantine client sends -g, the negation of the update it would honestly send.
+    """Sign flip: each Byzantine client sends -m, the negation of the update it would honestly send.
+    Reference: Allen-Zhu et al., "Byzantine-Resilient Non-Convex Stochastic Gradient Descent", ICLR 2021;
+    ProDiGy's SF.
 
-    It keeps honest local momentum and negates only what it sends (the authors' code negates the momentum
-    buffer in place, which makes the sign oscillate from round to round). Reference: Allen-Zhu et al.,
-    "Byzantine-Resilient Non-Convex Stochastic Gradient Descent", ICLR 2021; ProDiGy's SF.
+    ``variant="paper"`` (the text): the client keeps honest local momentum m_t = beta m_{t-1} + (1-beta) g_t
+    and negates only what it sends, s_t = -m_t.
+
+    ``variant="authors"`` (the authors' code): the client negates its momentum buffer in place, so the buffer
+    holds what it sent (``sent_is_momentum``) and s_t = -(beta s_{t-1} + (1 - beta) g_t). At beta = 0 the two
+    agree; at beta = 0.9 and a steady g, s_t tends to the fixed point -(1 - beta)/(1 + beta) g = -0.053 g,
+    a flip about 19 times weaker than the text's -g (it converges, it does not oscillate).
     """
 
     name = "sf"
+
+    def __init__(self, variant: str = "paper") -> None:
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"sf: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
+        self.variant = variant
+        self.sent_is_momentum = variant == "authors"
 
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         return -own
@@ -456,12 +473,17 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
 }
 
 
-def make_attack(name: str, **params: Any) -> Attack:
-    """Build the attack called ``name`` (a key of `ATTACKS`) with keyword ``params`` (e.g. ``generator``)."""
+def make_attack(name: str, variant: str = "paper", **params: Any) -> Attack:
+    """Build the attack called ``name`` (a key of `ATTACKS`) with keyword ``params`` (e.g. ``generator``).
+    ``variant``: ``paper`` (the text) or ``authors`` (the authors' code; it changes SF only)."""
     if name not in ATTACKS:
         raise ValueError(f"unknown attack {name!r}; valid: {', '.join(ATTACKS)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"attack {name!r}: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
     factory = ATTACKS[name]
     valid = list(inspect.signature(factory).parameters)
+    if "variant" in valid:
+        params = {**params, "variant": variant}
     unknown = sorted(set(params) - set(valid))
     if unknown:
         raise ValueError(

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="tables and figures from the stored results of a params file")
     p.add_argument("params", help="params file or name")
+    p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
+                   help="pin a run field as the grid did, e.g. --set variant=authors")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="report the smoke results")
     p.add_argument("--out-dir", type=Path, help="where figures go (default: figures/)")
     results_dir(p)
@@ -197,14 +199,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     from prodigy_core import results
     from prodigy_core.experiments import load_experiment
 
-    experiment = load_experiment(args.params, smoke=args.smoke)
+    experiment = load_experiment(args.params, smoke=args.smoke, fields=parse_fields(args.fields))
     df = results.load(experiment, args.results_dir)
     if df.empty:
         smoke = " --smoke" if args.smoke else ""
         raise ValueError(
             f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{smoke}`"
         )
-    for path in _write_report(experiment, df, args.out_dir):
+    for path in _write_report(experiment, df, args.out_dir, args.results_dir):
         print(path)
     return 0
 
@@ -214,7 +216,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
     experiment = load_experiment("quickstart_digits", smoke=args.smoke)
     df = run_grid(experiment, jobs=args.jobs, results_dir=args.results_dir)
-    paths = _write_report(experiment, df, args.out_dir)
+    paths = _write_report(experiment, df, args.out_dir, args.results_dir)
     for path in paths:
         if path.suffix == ".md":
             print(path.read_text())
@@ -222,10 +224,14 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_report(experiment: Any, df: Any, out_dir: Path | None) -> list[Path]:
+def _write_report(
+    experiment: Any, df: Any, out_dir: Path | None, results_dir: Path | None = None
+) -> list[Path]:
     from prodigy_core.report import write_report
 
-    return list(write_report(experiment, df) if out_dir is None else write_report(experiment, df, out_dir))
+    if out_dir is None:
+        return list(write_report(experiment, df, results_dir=results_dir))
+    return list(write_report(experiment, df, out_dir, results_dir=results_dir))
 
 
 def cmd_data(args: argparse.Namespace) -> int:

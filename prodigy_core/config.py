@@ -19,6 +19,8 @@ from typing import Any
 DATASETS = ("digits", "femnist", "cifar10")
 DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
 ENGINES = ("auto", "batched", "sequential", "compiled")  # compiled: batched under torch.compile
+# paper: the paper's text; authors: the authors' public code (README, "Semantics: the two variants").
+VARIANTS = ("paper", "authors")
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 
@@ -40,15 +42,16 @@ class RunConfig:
     defense: str = "prodigy"
     attack: str = "none"
     lr: float = 0.05
-    lr_decay_at: int | None = None  # None: round(2 * rounds / 3)
+    lr_decay_at: int | None = None  # first decayed round t (0-indexed); None: see decay_round
     lr_decay_factor: float = 0.1
     weight_decay: float | None = None  # None: DEFAULT_WEIGHT_DECAY[dataset]
     batch_size: int = 64
     eval_every: int = 10
     seed: int = 0
-    data_seed: int = 0
+    data_seed: int | None = None  # seed of the data split; None: the same as seed (each seed its own split)
     femnist_min_samples: int = 0  # writers with fewer training samples are not eligible as clients
     record_distances_at: tuple[int, ...] = ()  # rounds at which the (N, N) distance matrix is stored
+    variant: str = "paper"  # one of VARIANTS
     checkpoint_every: int = 50
     device: str = "auto"
     engine: str = "auto"
@@ -93,10 +96,13 @@ class RunConfig:
         return d
 
     def resolved(self) -> RunConfig:
-        """Fill the fields whose default depends on others (lr decay round, weight decay)."""
+        """Fill the fields whose default depends on others (lr decay round, weight decay, data seed)."""
         return dataclasses.replace(
             self,
-            lr_decay_at=round(2 * self.rounds / 3) if self.lr_decay_at is None else self.lr_decay_at,
+            lr_decay_at=decay_round(self.rounds, self.variant)
+            if self.lr_decay_at is None
+            else self.lr_decay_at,
+            data_seed=self.seed if self.data_seed is None else self.data_seed,
             weight_decay=DEFAULT_WEIGHT_DECAY[self.dataset]
             if self.weight_decay is None
             else self.weight_decay,
@@ -115,7 +121,8 @@ class RunConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def lr_at(self, t: int) -> float:
-        """Server and client step size gamma_t: lr until lr_decay_at, then lr * lr_decay_factor."""
+        """Server and client step size gamma_t of round t (0-indexed: round r = t + 1 of `RunResult`): lr for
+        t < lr_decay_at, then lr * lr_decay_factor."""
         decay_at = self.resolved().lr_decay_at
         return self.lr * (self.lr_decay_factor if t >= decay_at else 1.0)
 
@@ -128,6 +135,8 @@ class RunConfig:
                 f"distribution={self.distribution!r} is not available for dataset={self.dataset!r}; "
                 f"valid: {', '.join(valid)}"
             )
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"variant={self.variant!r} is unknown; valid: {', '.join(VARIANTS)}")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown; valid: {', '.join(ENGINES)}")
         positive = {"n_clients": self.n_clients, "rounds": self.rounds, "local_steps": self.local_steps,
@@ -154,17 +163,25 @@ class RunConfig:
         from prodigy_core.attacks import make_attack
 
         try:
-            make_aggregator(self.defense, self.n_byzantine, n_clients=self.n_clients)
+            make_aggregator(self.defense, self.n_byzantine, n_clients=self.n_clients, variant=self.variant)
         except ValueError as e:
             raise ConfigError(f"defense={self.defense!r}: {e}") from None
         try:
-            make_attack(self.attack)
+            make_attack(self.attack, variant=self.variant)
         except ValueError as e:
             raise ConfigError(f"attack={self.attack!r}: {e}") from None
         if self.attack != "none" and self.n_byzantine == 0:
             raise ConfigError(
                 f"attack={self.attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'"
             )
+
+
+def decay_round(rounds: int, variant: str = "paper") -> int:
+    """The first round t (0-indexed, t = 0..T-1) whose step size is decayed, for T = ``rounds``.
+
+    ``paper``: the text's gamma_t = lr for t <= 2T/3, so the first decayed round is floor(2T/3) + 1 (667 for
+    T = 1000, 1334 for T = 2000). ``authors``: the authors' code decays at round int(2T/3) (666, 1333)."""
+    return 2 * rounds // 3 + (variant == "paper")
 
 
 def field_names() -> list[str]:
@@ -230,6 +247,8 @@ __all__ = [
     "ConfigError",
     "DATASETS",
     "DISTRIBUTIONS",
+    "VARIANTS",
+    "decay_round",
     "did_you_mean",
     "field_names",
     "parse_value",

@@ -86,6 +86,15 @@ class Experiment:
         """The stand-in label of one run (None when it runs on the dataset the params file names)."""
         return self.stand_ins.get(config.key())
 
+    def with_variant(self, variant: str) -> Experiment:
+        """The same grid with every run under `variant` (``paper`` or ``authors``: other result keys)."""
+        configs = [c.replace(variant=variant) for c in self.configs]
+        pairs = zip(self.configs, configs, strict=True)
+        stand_ins = {
+            new.key(): self.stand_ins[old.key()] for old, new in pairs if old.key() in self.stand_ins
+        }
+        return dataclasses.replace(self, configs=configs, stand_ins=stand_ins)
+
 
 # ------------------------------------------------------------------------------------------- loading
 
@@ -361,6 +370,7 @@ def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
 
 
 Outcome = dict[str, Any] | BaseException
+PROGRESS_ENV = "PRODIGY_PROGRESS"  # "text": run_grid draws a text bar even in a notebook kernel (reproduce)
 
 
 def execute_group(tasks: list[Task], threads: int | None = None) -> list[tuple[str, Outcome]]:
@@ -418,7 +428,10 @@ def run_grid(
     run's record is the one it gets alone), in this process, in a pool worker or in one Ray task; "auto"
     (default) stacks where it is faster (`groups.batch_size_for`), 1 trains one run at a time.
     """
-    from tqdm.auto import tqdm
+    if os.environ.get(PROGRESS_ENV) == "text":  # a kernel under papermill: a widget bar would go unseen
+        from tqdm.std import tqdm
+    else:  # a widget bar in JupyterLab, text in a terminal
+        from tqdm.auto import tqdm
 
     from prodigy_core import groups
 

@@ -19,8 +19,11 @@ their order; in float64 the parameters agree with a run alone to rounding (tests
 `round_times` differ: a member's round time is its share of the group's local steps plus its own server
 side; `environment.group_size` records R.
 
-Compatibility: same data split (dataset, distribution, alpha, N, data seed, data_dir), E, batch size, weight
-decay and device, and a run that would use the batched engine alone (`training.pick_engine`). Runs with
+Compatibility: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
+data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the batched
+engine alone (`training.pick_engine`). `variant` is not part of the key: it changes the server side (rules,
+SF written into the momentum, CClip from theta_t), the evaluation (train mode) and the diverged accuracy,
+all of which run per member in `server_round`, `end_round` and `finish_run`. Runs with
 different splits are not stacked (it would need per-run index tables and width groups); they go to other
 groups. A member that diverges is frozen and recorded as diverged, one whose server side raises is reported
 with its error; the others go on. Runs may be at different rounds (resumed from checkpoints of different
@@ -194,7 +197,7 @@ def iter_group(
                         ok = training.server_round(m.st, m.r, gamma, pseudo_grads, buffers)
                         if ok:
                             m.st.result.round_times.append(shared + _elapsed(tic, device))
-                            training.end_round(m.st, m.r)
+                            ok = training.end_round(m.st, m.r)
                     if not ok or m.r == m.st.cfg.rounds:
                         outcome = training.finish_run(m.st)
                 except Exception as e:  # this run fails alone; the group goes on

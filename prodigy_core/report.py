@@ -6,7 +6,8 @@ row per run, the ``RunConfig`` fields as columns plus the ``RunResult`` fields (
 gives the table's rows (``defense``), its columns (``attack``) and its column blocks (e.g. ``distribution``,
 ``local_momentum``, ``local_steps`` for Table I). Cells are mean ± std over seeds; the worst case of a row
 within a block (the lowest mean over the attacks, "no attack" excluded, ties included) is bold, as in the
-paper.
+paper. A cell where a run diverged (its model became non-finite; it counts at chance accuracy) carries a
+dagger and a footnote, a hatch on the heatmap and an end marker on its curve at the round it diverged.
 
 Figure files are deterministic: every figure is built on a plain :class:`matplotlib.figure.Figure` (no pyplot
 state, no GUI backend) under one fixed style, and saved without creation dates or version strings, so writing
@@ -16,10 +17,12 @@ the same results twice gives byte-identical files.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
+import re
 import textwrap
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,10 @@ FIGURES_DIR = Path(os.environ.get("PRODIGY_FIGURES_DIR", Path(__file__).resolve(
 SMOKE_SUBDIR = "smoke"
 SMOKE_LABEL = "SMOKE / stand-in"
 NO_ATTACK = "none"
+DIVERGED_MARK = "†"
+DIVERGED_NOTE = (
+    "the model diverged (became non-finite) in at least one seed; such a run counts at chance accuracy"
+)
 
 # Names as the paper prints them; values not listed are shown as they are.
 DISPLAY_NAMES: dict[str, dict[Any, str]] = {
@@ -83,6 +90,7 @@ FIXED_METADATA = {
     "pdf": {"CreationDate": None, "ModDate": None, "Creator": None, "Producer": None},
     "png": {"Software": None},
 }
+SUBTITLE_SIZE = 7  # points: the smoke/stand-in tag under a figure's title
 BYZANTINE_COLOUR = "#d62728"
 HONEST_COLOUR = "#1f77b4"
 
@@ -114,6 +122,18 @@ def block_label(blocks: Sequence[str], key: Any) -> str:
     return ", ".join(display_value(b, v) for b, v in zip(blocks, values, strict=True))
 
 
+def split_title(title: str) -> tuple[str, str | None]:
+    """A title's headline and its trailing "[...]" tag (smoke scale, stand-in data), which tables and
+    figures show as a subtitle: "Table I [SMOKE: 3 rounds]" -> ("Table I", "SMOKE: 3 rounds")."""
+    m = re.fullmatch(r"(.*?)\s*\[([^\[\]]*)\]", title.strip(), flags=re.S)
+    return (m[1], m[2]) if m and m[1] else (title, None)
+
+
+def join_title(headline: str, tag: str | None) -> str:
+    """Inverse of :func:`split_title`."""
+    return f"{headline} [{tag}]" if tag else headline
+
+
 # ---------------------------------------------------------------------------------------------- tables
 
 
@@ -138,6 +158,7 @@ def summarize(
     """Mean, std and number of seeds of ``final_accuracy`` per table cell, in table order.
 
     std is the population std over seeds (numpy's default, ddof=0); it is NaN where a cell has one seed.
+    ``n_diverged`` counts the cell's runs recorded as diverged (column ``diverged``; 0 without it).
     ``worst_case`` marks, within each row and block, the attacks whose mean equals the row's minimum over
     the attacks other than "no attack" (the paper's bold cells).
     """
@@ -151,8 +172,11 @@ def summarize(
         )
     if df.empty:
         raise ValueError("results frame is empty: run the grid first (prodigy-fl grid ...)")
-    grouped = df.groupby(keys, sort=False, dropna=False)["final_accuracy"]
-    out = pd.DataFrame({"mean": grouped.mean(), "std": grouped.std(ddof=0), "n_seeds": grouped.count()})
+    diverged = df["diverged"].fillna(False).astype(bool) if "diverged" in df.columns else False
+    grouped = df.assign(_diverged=diverged).groupby(keys, sort=False, dropna=False)
+    accuracy = grouped["final_accuracy"]
+    out = pd.DataFrame({"mean": accuracy.mean(), "std": accuracy.std(ddof=0), "n_seeds": accuracy.count(),
+                        "n_diverged": grouped["_diverged"].sum()})  # fmt: skip
     out.loc[out["n_seeds"] < 2, "std"] = np.nan
     out = out.reset_index()
     order = dict(order or {})
@@ -175,7 +199,8 @@ def accuracy_table(
     stat: str = "mean",
     order: Mapping[str, Sequence[Any]] | None = None,
 ) -> pd.DataFrame:
-    """Wide table of one statistic (``mean``, ``std``, ``n_seeds`` or ``worst_case``): index = row values,
+    """Wide table of one statistic (``mean``, ``std``, ``n_seeds``, ``n_diverged`` or ``worst_case``): index =
+    row values,
     columns = (block values..., column value) as a MultiIndex when the layout has blocks, else column
     values."""
     rows, columns, blocks = _layout(layout)
@@ -214,7 +239,23 @@ def _cell(mean: float, std: float, digits: int = 2) -> str:
 
 
 def _tables(df: pd.DataFrame, layout: Mapping[str, Any], order: Mapping[str, Sequence[Any]] | None):
-    return tuple(accuracy_table(df, layout, stat, order) for stat in ("mean", "std", "worst_case"))
+    """Wide mean, std, worst-case and diverged (bool) tables, and the caption's seeds phrase."""
+    mean, std, worst, n_seeds, n_diverged = (
+        accuracy_table(df, layout, stat, order)
+        for stat in ("mean", "std", "worst_case", "n_seeds", "n_diverged")
+    )
+    counts = n_seeds.to_numpy(dtype=float).ravel()
+    return mean, std, worst, n_diverged.fillna(0) > 0, seeds_phrase(counts[~np.isnan(counts)].tolist())
+
+
+def seeds_phrase(n_seeds: Sequence[float]) -> str:
+    """What a cell holds, from the cells' numbers of seeds: "mean ± std over 3 seeds" ("over 2-3 seeds" where
+    cells differ), or "one seed" when no cell has more (then there is no std)."""
+    counts = [int(n) for n in n_seeds if n > 0] or [1]
+    lo, hi = min(counts), max(counts)
+    if hi == 1:
+        return "one seed"
+    return f"mean ± std over {hi if lo == hi else f'{lo}-{hi}'} seeds"
 
 
 def to_markdown(
@@ -224,13 +265,18 @@ def to_markdown(
     order: Mapping[str, Sequence[Any]] | None = None,
     note: str | None = None,
 ) -> str:
-    """The table as Markdown: one pipe table per column block, worst case per row in bold."""
+    """The table as Markdown: one pipe table per column block, worst case per row in bold, diverged cells
+    marked with a dagger and a footnote. A trailing "[...]" tag of the title (smoke, stand-in) becomes an
+    italic subtitle line."""
     rows, columns, blocks = _layout(layout)
-    mean, std, worst = _tables(df, layout, order)
-    lines = [f"# {title}", ""]
+    mean, std, worst, diverged, seeds = _tables(df, layout, order)
+    headline, tag = split_title(title)
+    lines = [f"# {headline}", ""]
+    if tag:
+        lines += [f"*{tag}*", ""]
     if note:
         lines += [note, ""]
-    lines += [f"Final test accuracy (%), mean ± std over seeds; **bold**: worst case per {rows}.", ""]
+    lines += [f"Final test accuracy (%), {seeds}; **bold**: worst case per {rows}.", ""]
     for key, cols in _block_groups(mean.columns).items():
         if blocks:
             lines += [f"## {block_label(blocks, key)}", ""]
@@ -240,16 +286,19 @@ def to_markdown(
         for r in mean.index:
             cells = []
             for c in cols:
-                text = _cell(mean.at[r, c], std.at[r, c])
+                text = _cell(mean.at[r, c], std.at[r, c]) + (DIVERGED_MARK if diverged.at[r, c] else "")
                 cells.append(f"**{text}**" if worst.at[r, c] else text)
             lines.append("| " + " | ".join([display_value(rows, r)] + cells) + " |")
         lines.append("")
+    if diverged.to_numpy().any():
+        lines += [f"{DIVERGED_MARK} {DIVERGED_NOTE[0].upper()}{DIVERGED_NOTE[1:]}.", ""]
     return "\n".join(lines)
 
 
 _LATEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                   "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-                  "ε": r"$\varepsilon$", "β": r"$\beta$", "α": r"$\alpha$", "–": "--"}  # fmt: skip
+                  "ε": r"$\varepsilon$", "β": r"$\beta$", "α": r"$\alpha$", "–": "--", "±": r"$\pm$",
+                  "†": r"$^\dagger$"}  # fmt: skip
 
 
 def latex_escape(text: str) -> str:
@@ -264,16 +313,20 @@ def to_latex(
     label: str | None = None,
 ) -> str:
     """The table as a LaTeX ``table`` (booktabs): one header row per block level with merged cells,
-    worst case per row in bold. Needs ``\\usepackage{booktabs}``."""
+    worst case per row in bold (``\\boldmath``, so that ± and the dagger are bold too), diverged cells
+    with a dagger explained in the caption. Needs ``\\usepackage{booktabs}``."""
     rows, columns, blocks = _layout(layout)
-    mean, std, worst = _tables(df, layout, order)
+    mean, std, worst, diverged, seeds = _tables(df, layout, order)
     cols = list(mean.columns)
     keys = [c if isinstance(c, tuple) else (c,) for c in cols]
+    headline, tag = split_title(title)
+    caption = latex_escape(headline) + (f" ({latex_escape(tag)})" if tag else "")
+    footnote = rf" $^\dagger$: {latex_escape(DIVERGED_NOTE)}." if diverged.to_numpy().any() else ""
     lines = [
         r"\begin{table}[t]",
         r"\centering",
-        rf"\caption{{{latex_escape(title)}: final test accuracy (\%), mean $\pm$ std over seeds; "
-        rf"bold: worst case over attacks per {latex_escape(rows)}.}}",
+        rf"\caption{{{caption}: final test accuracy (\%), {latex_escape(seeds)}; "
+        rf"bold: worst case over attacks per {latex_escape(rows)}.{footnote}}}",
     ]
     if label:
         lines.append(rf"\label{{{label}}}")
@@ -300,7 +353,8 @@ def to_latex(
         for c in cols:
             m, s = mean.at[r, c], std.at[r, c]
             text = "--" if pd.isna(m) else (f"{m:.2f}" if pd.isna(s) else rf"{m:.2f} $\pm$ {s:.2f}")
-            cells.append(rf"\textbf{{{text}}}" if worst.at[r, c] else text)
+            text += r"$^\dagger$" if diverged.at[r, c] else ""
+            cells.append(rf"\textbf{{\boldmath {text}}}" if worst.at[r, c] else text)
         lines.append(" & ".join([latex_escape(display_value(rows, r))] + cells) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}}", r"\end{table}", ""]
     return "\n".join(lines)
@@ -344,10 +398,26 @@ def save_figure(fig: Figure, base: str | Path) -> list[Path]:
     return paths
 
 
-def wrap(title: str, fig: Figure) -> str:
+def wrap(title: str, fig: Figure, size: float = 9) -> str:
     """A title broken into lines that fit the figure's width (about 10 characters per inch at 9 pt)."""
-    width = max(24, int(fig.get_figwidth() * 10))
+    width = max(24, int(fig.get_figwidth() * 10 * 9 / size))
     return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
+
+
+def set_title(fig: Figure, title: str) -> None:
+    """The figure's title: the headline, and under it, smaller and in italics, its smoke/stand-in tag
+    (:func:`split_title`)."""
+    headline, tag = split_title(title)
+    head = wrap(headline, fig)
+    if not tag:
+        fig.suptitle(head)
+        return
+    sub = wrap(tag, fig, SUBTITLE_SIZE)
+    # the suptitle (which constrained layout makes room for) holds blank lines where the subtitle goes
+    suptitle = fig.suptitle(head + "\n" * (sub.count("\n") + 1))
+    size = suptitle.get_fontsize()
+    top = suptitle.get_position()[1] - (head.count("\n") + 1) * 1.2 * size / 72 / fig.get_figheight()
+    fig.text(0.5, top, sub, ha="center", va="top", fontsize=SUBTITLE_SIZE, fontstyle="italic")
 
 
 def _grid(n: int, max_cols: int = 4) -> tuple[int, int]:
@@ -360,13 +430,21 @@ def heatmap(
     layout: Mapping[str, Any],
     title: str = "",
     order: Mapping[str, Sequence[Any]] | None = None,
+    limits: tuple[float, float] | None = (0.0, 100.0),
 ) -> Figure:
-    """Annotated heatmap of the mean accuracy table, one panel per column block; worst cases in bold."""
+    """Annotated heatmap of the mean accuracy table, one panel per column block; worst cases in bold,
+    diverged cells hatched with a dagger. ``limits``: the colour scale (None: the data's range, for smoke
+    runs whose accuracies all lie in a few points)."""
     rows, columns, blocks = _layout(layout)
-    mean, _, worst = _tables(df, layout, order)
+    mean, _, worst, diverged, _ = _tables(df, layout, order)
     groups = _block_groups(mean.columns)
     nr, nc = _grid(len(groups))
     width = max(len(cols) for cols in groups.values())
+    if limits is None:
+        values = mean.to_numpy(dtype=float)
+        lo, hi = (np.nanmin(values), np.nanmax(values)) if np.isfinite(values).any() else (0.0, 100.0)
+        limits = (lo, hi) if hi > lo else (lo - 0.5, hi + 0.5)
+    norm = matplotlib.colors.Normalize(*limits)
     with figure_style():
         size = (nc * (0.75 * width + 0.8) + 1.6, nr * (0.32 * len(mean) + 1.4) + 0.4)
         fig = Figure(figsize=size, layout="constrained")
@@ -375,21 +453,19 @@ def heatmap(
         for i, (key, cols) in enumerate(groups.items()):
             ax = axes.flat[i]
             values = mean[cols].to_numpy(dtype=float)
-            image = ax.imshow(values, vmin=0, vmax=100, aspect="auto")
+            image = ax.imshow(values, norm=norm, aspect="auto")
             for (r, c), v in np.ndenumerate(values):
-                if not np.isnan(v):
-                    weight = "bold" if worst[cols].iat[r, c] else "normal"
-                    colour = "black" if v > 60 else "white"
-                    ax.text(
-                        c,
-                        r,
-                        f"{v:.1f}",
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color=colour,
-                        fontweight=weight,
-                    )
+                if np.isnan(v):
+                    continue
+                mark = DIVERGED_MARK if diverged[cols].iat[r, c] else ""
+                if mark:
+                    cell = matplotlib.patches.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch="xxx",
+                                                        edgecolor="0.5", lw=0)  # fmt: skip
+                    ax.add_patch(cell)
+                weight = "bold" if worst[cols].iat[r, c] else "normal"
+                colour = "black" if norm(v) > 0.6 else "white"
+                ax.text(c, r, f"{v:.1f}{mark}", ha="center", va="center", fontsize=7, color=colour,
+                        fontweight=weight)  # fmt: skip
             ax.set_xticks(range(len(cols)), [display_value(columns, c[-1] if blocks else c) for c in cols],
                           rotation=45, ha="right")  # fmt: skip
             row_labels = [display_value(rows, r) for r in mean.index] if i % nc == 0 else []
@@ -399,8 +475,12 @@ def heatmap(
         for ax in axes.flat[len(groups) :]:
             ax.set_visible(False)
         fig.colorbar(image, ax=axes, label="final test accuracy (%)", shrink=0.8)
+        if diverged.to_numpy().any():
+            label = f"{DIVERGED_MARK} diverged in at least one seed (counted at chance accuracy)"
+            hatch = matplotlib.patches.Patch(facecolor="white", edgecolor="0.5", hatch="xxx", label=label)
+            fig.legend(handles=[hatch], loc="outside lower center", frameon=False, fontsize=7)
         if title:
-            fig.suptitle(wrap(title, fig))
+            set_title(fig, title)
     return fig
 
 
@@ -415,13 +495,19 @@ def curves_frame(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records, columns=["run", "round", "accuracy"])
 
 
+PAPER_WIDTH = 7.0  # inches: the text width of a paper page (a two-column paper's figure*)
+CURVE_COLUMNS = 3  # panels per row of the accuracy curves
+
+
 def accuracy_curves(
     df: pd.DataFrame,
     layout: Mapping[str, Any],
     title: str = "",
     order: Mapping[str, Sequence[Any]] | None = None,
 ) -> Figure:
-    """Test accuracy over rounds, mean over seeds: a panel per (block, column value), a line per row value."""
+    """Test accuracy over rounds, mean over seeds: a panel per (block, column value), a line per row value,
+    panels in rows of ``CURVE_COLUMNS`` within ``PAPER_WIDTH``. A curve of one point is drawn as a point. A
+    run that diverged ends with an ✕ at the round it diverged, at the chance accuracy it is scored with."""
     rows, columns, blocks = _layout(layout)
     cells = summarize(df, layout, order)
     panels = list(dict.fromkeys(zip(*[cells[k] for k in blocks + [columns]], strict=True)))
@@ -429,35 +515,33 @@ def accuracy_curves(
     points = curves_frame(df)
     if not points.empty:
         points = points.join(df[blocks + [rows, columns]], on="run")
-    n_attacks = len(dict.fromkeys(cells[columns]))
-    nr, nc = math.ceil(len(panels) / n_attacks), n_attacks
+    ends = _diverged_ends(df)
+    last_round = max(([] if points.empty else points["round"].tolist()) + ends["round"].dropna().tolist(),
+                     default=1)  # fmt: skip
+    nr, nc = _grid(len(panels), CURVE_COLUMNS)
     colours = matplotlib.colormaps["tab10"]
     with figure_style():
-        fig = Figure(figsize=(2.3 * nc + 1.8, 1.9 * nr + 0.6), layout="constrained")
+        fig = Figure(figsize=(PAPER_WIDTH, 1.5 * nr + 1.0), layout="constrained")
         axes = fig.subplots(nr, nc, squeeze=False, sharex=True, sharey=True)
         for ax, panel in zip(axes.flat, panels, strict=False):
             *block_key, column = panel
             name = display_value(columns, column)
             ax.set_title(f"{block_label(blocks, tuple(block_key))}\n{name}" if blocks else name, fontsize=7)
-            if points.empty:
-                continue
-            here = points
-            for field, value in zip(blocks + [columns], panel, strict=True):
-                here = here[here[field] == value]
             for j, r in enumerate(row_values):
-                line = here[here[rows] == r].groupby("round")["accuracy"].mean()
-                if not line.empty:
-                    label = display_value(rows, r)
-                    ax.plot(
-                        line.index,
-                        line.to_numpy(),
-                        color=colours(j % 10),
-                        lw=1.2,
-                        marker="o",
-                        ms=3,
-                        label=label,
-                    )
+                style = dict(color=colours(j % 10))
+                where = dict(zip(blocks + [columns, rows], [*panel, r], strict=True))
+                line = _select(points, where).groupby("round")["accuracy"].mean() if not points.empty else []
+                if len(line) == 1:
+                    ax.plot(line.index, line.to_numpy(), ls="none", marker="o", ms=4, **style)
+                elif len(line):
+                    ax.plot(line.index, line.to_numpy(), lw=1.2, marker="o", ms=2.5, **style)
+                end = _select(ends, where)
+                if len(end):
+                    ax.plot(end["round"], end["accuracy"], ls="none", marker="X", ms=6, mec="black", mew=0.5,
+                            **style)  # fmt: skip
             ax.set_ylim(0, 100)
+            ax.set_xlim(0, last_round * 1.05 + 0.5)
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=4, integer=True))
             ax.grid(alpha=0.3)
         for ax in axes.flat[len(panels) :]:
             ax.set_visible(False)
@@ -465,12 +549,39 @@ def accuracy_curves(
             ax.set_xlabel("round")
         for ax in axes[:, 0]:
             ax.set_ylabel("test accuracy (%)")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
+        drawn = set(points[rows]) if not points.empty else set()
+        handles = [matplotlib.lines.Line2D([], [], color=colours(j % 10), marker="o", ms=3,
+                                           label=display_value(rows, r))
+                   for j, r in enumerate(row_values) if r in drawn or r in set(ends[rows])]  # fmt: skip
+        if len(ends):
+            handles.append(matplotlib.lines.Line2D([], [], ls="none", marker="X", color="0.5", mec="black",
+                                                   mew=0.5, label="diverged (chance accuracy)"))  # fmt: skip
         if handles:
-            fig.legend(handles, labels, loc="outside right center", title=field_title(rows))
+            fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4),
+                       title=field_title(rows), frameon=False)  # fmt: skip
         if title:
-            fig.suptitle(wrap(title, fig))
+            set_title(fig, title)
     return fig
+
+
+def _select(frame: pd.DataFrame, where: Mapping[str, Any]) -> pd.DataFrame:
+    """Rows of ``frame`` whose columns equal ``where``'s values."""
+    mask = np.ones(len(frame), dtype=bool)
+    for column, value in where.items():
+        mask &= (frame[column] == value).to_numpy()
+    return frame[mask]
+
+
+def _diverged_ends(df: pd.DataFrame) -> pd.DataFrame:
+    """The diverged runs: their config columns, the round they diverged at (``diverged_at``, else the rounds
+    they completed) and the accuracy they are scored with (chance)."""
+    if "diverged" not in df.columns:
+        return df.iloc[0:0].assign(round=[], accuracy=[])
+    runs = df[df["diverged"].fillna(False).astype(bool)]
+    at = runs["diverged_at"] if "diverged_at" in runs.columns else pd.Series(np.nan, index=runs.index)
+    if "rounds_completed" in runs.columns:
+        at = at.fillna(runs["rounds_completed"])
+    return runs.assign(round=at.astype(float), accuracy=runs["final_accuracy"].astype(float))
 
 
 def byzantine_ids(n_byzantine: int) -> list[int]:
@@ -486,9 +597,13 @@ def _as_array(x: Any) -> np.ndarray:
 
 
 def distance_heatmap(
-    D: Any, byzantine_ids: Sequence[int], title: str = "Pairwise squared distances", log: bool = False
+    D: Any, byzantine_ids: Sequence[int], title: str = "Pairwise squared distances", log: bool = True
 ) -> Figure:
-    """N x N heatmap of squared distances between client updates; Byzantine clients' labels red, "(B)"."""
+    """N x N heatmap of squared distances between client updates; Byzantine clients' labels red, "(B)".
+
+    ``log``: a logarithmic colour scale (default), so that honest pairs stay distinguishable when a
+    Byzantine update lies orders of magnitude away (FOE ε=100); zeros (the diagonal) take the floor colour.
+    """
     D = _as_array(D)
     n = D.shape[0]
     byz = set(int(i) for i in byzantine_ids)
@@ -497,9 +612,9 @@ def distance_heatmap(
         ax = fig.subplots()
         norm = None
         if log:
-            positive = D[D > 0]
+            positive = D[np.isfinite(D) & (D > 0)]
             floor = positive.min() if positive.size else 1.0
-            norm = matplotlib.colors.LogNorm(vmin=floor, vmax=max(D.max(), floor * 10))
+            norm = matplotlib.colors.LogNorm(vmin=floor, vmax=max(positive.max(initial=floor), floor * 10))
             D = np.where(D > 0, D, floor)
         image = ax.imshow(D, norm=norm, cmap="magma_r")
         labels = [f"{i}{' (B)' if i in byz else ''}" for i in range(n)]
@@ -513,7 +628,7 @@ def distance_heatmap(
         ax.set_xlabel("client")
         ax.set_ylabel("client")
         fig.colorbar(image, ax=ax, label="squared distance" + (" (log scale)" if log else ""))
-        ax.set_title(wrap(title, fig))
+        set_title(fig, title)
     return fig
 
 
@@ -522,7 +637,8 @@ SCORE_PANELS = ("proximity", "dissimilarity", "composite")
 
 def score_bars(scores: Any, byzantine_ids: Sequence[int], title: str = "ProDiGy scores per client") -> Figure:
     """Bars of ProDiGy's proximity, dissimilarity and composite scores per client (``ProDiGy(f).scores(G)``
-    or a mapping with those keys). Byzantine clients in red; clients given weight 0 (not kept) hatched."""
+    or a mapping with those keys). Byzantine clients in red; clients given weight 0 (not kept) hatched; a
+    score of exactly 0 (no bar to see) is marked by a triangle on the axis in the client's colour."""
     fields = dict(scores) if isinstance(scores, Mapping) else scores._asdict()
     weight = fields.get("weight")
     kept = _as_array(weight) > 0 if weight is not None else None
@@ -535,6 +651,10 @@ def score_bars(scores: Any, byzantine_ids: Sequence[int], title: str = "ProDiGy 
             n = len(values)
             colours = [BYZANTINE_COLOUR if i in byz else HONEST_COLOUR for i in range(n)]
             bars = ax.bar(range(n), values, color=colours)
+            zeros = [i for i in range(n) if values[i] == 0]
+            if zeros:
+                ax.scatter(zeros, [0.0] * len(zeros), marker="^", s=30, c=[colours[i] for i in zeros],
+                           edgecolors="black", linewidths=0.5, zorder=3, clip_on=False)  # fmt: skip
             if kept is not None:
                 for bar, keep in zip(bars, kept, strict=True):
                     if not keep:
@@ -552,16 +672,27 @@ def score_bars(scores: Any, byzantine_ids: Sequence[int], title: str = "ProDiGy 
             )
             handles.append(zeroed)
         fig.legend(handles=handles, loc="outside right center")
-        fig.suptitle(wrap(title, fig))
+        set_title(fig, title)
     return fig
 
 
 SEARCH_PARAMETERS = {"alie": "z", "foe_0.1": "ε", "foe_100": "ε", "alie_spread": "(z, ρ)"}
 
 
-def damage_plot(search: Sequence[tuple[float, float]], attack: str, title: str | None = None) -> Figure:
+def format_parameter(value: Any) -> str:
+    """An attack parameter for labels: 3 significant digits, element-wise for ALIE-spread's (z, ρ) pairs."""
+    if isinstance(value, list | tuple):
+        return "(" + ", ".join(format_parameter(v) for v in value) + ")"
+    return f"{value:.3g}" if isinstance(value, int | float) else str(value)
+
+
+def damage_plot(
+    search: Sequence[tuple[Any, float]], attack: str, title: str | None = None, defense: str | None = None
+) -> Figure:
     """Damage (distance of the aggregate to the honest mean) against the attack's candidate parameter,
-    from ``attack.last_search``; the chosen (most damaging) candidate is marked."""
+    from ``attack.last_search``, under ``defense``; the chosen (most damaging) candidate is marked. The axes
+    print plain numbers (no offset: a flat curve must not look steep)."""
+    symbol = SEARCH_PARAMETERS.get(attack, "parameter")
     with figure_style():
         fig = Figure(figsize=(4.2, 2.8), layout="constrained")
         ax = fig.subplots()
@@ -572,17 +703,22 @@ def damage_plot(search: Sequence[tuple[float, float]], attack: str, title: str |
             y = [d if math.isfinite(d) else np.nan for d in damage]  # an infinite damage is not drawable
             best = max(range(len(damage)), key=damage.__getitem__)  # the first maximum, as the attack picks
             ax.plot(x, y, marker="o", color=HONEST_COLOUR)
-            label = f"chosen: {params[best]:.3g}" if numeric else f"chosen: {params[best]}"
+            label = f"chosen: {symbol} = {format_parameter(params[best])}"
             ax.plot([x[best]], [y[best]], marker="*", ms=14, color=BYZANTINE_COLOUR, ls="none", label=label)
             if not numeric:
-                ax.set_xticks(x, [str(p) for p in params], rotation=90)
+                ax.set_xticks(x, [format_parameter(p) for p in params], rotation=90)
             ax.legend()
         else:
             ax.text(0.5, 0.5, f"{display_value('attack', attack)} has no parameter search", ha="center",
                     va="center", transform=ax.transAxes)  # fmt: skip
-        ax.set_xlabel(f"candidate {SEARCH_PARAMETERS.get(attack, 'parameter')}")
+        for axis in (ax.xaxis, ax.yaxis):
+            if isinstance(axis.get_major_formatter(), matplotlib.ticker.ScalarFormatter):
+                axis.set_major_formatter(matplotlib.ticker.ScalarFormatter(useOffset=False))
+        ax.set_xlabel(f"candidate {symbol}")
         ax.set_ylabel("‖aggregate − honest mean‖")
-        ax.set_title(wrap(title or f"Damage of {display_value('attack', attack)} per candidate", fig))
+        against = f" against {display_value('defense', defense)}" if defense else ""
+        title = title or f"Damage of {display_value('attack', attack)} per candidate{against}"
+        ax.set_title(wrap(title, fig))
         ax.grid(alpha=0.3)
     return fig
 
@@ -612,8 +748,20 @@ def output_dir(smoke: bool, out_dir: str | Path | None = None) -> Path:
     return base / SMOKE_SUBDIR if smoke else base
 
 
+def variants_of(experiment: Any, df: pd.DataFrame | None = None) -> list[str]:
+    """The variants (``paper``, ``authors``) of an experiment's grid, else of its runs; ["paper"] if neither
+    says."""
+    from prodigy_core.results import variants_in
+
+    configs = getattr(experiment, "configs", None) or []
+    found = list(dict.fromkeys(c.variant for c in configs if hasattr(c, "variant")))
+    return found or (variants_in(df) if df is not None else []) or ["paper"]
+
+
 def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
+    """The experiment's title, the variant(s) it ran under, and the smoke/stand-in label where it applies."""
     title = getattr(experiment, "title", None) or experiment.name
+    title = f"{title} (variant: {', '.join(variants_of(experiment, df))})"
     if not is_smoke(experiment, df) or "SMOKE" in title:  # smoke_profile already labels its titles
         return title
     stand_in = stand_in_of(experiment, df)
@@ -629,26 +777,80 @@ def grid_order(experiment: Any) -> dict[str, list[Any]]:
     return {k: list(dict.fromkeys(d[k] for d in dicts if not isinstance(d[k], list))) for k in dicts[0]}
 
 
-def paper_comparison_markdown(comparison: pd.DataFrame, title: str) -> str:
-    """``results.compare_with_paper`` as Markdown: the setting columns that vary, then ours, paper, delta and
-    the worst-case flags; headed by the mean absolute delta and the worst-case agreement over table rows."""
-    setting = list(comparison.columns[: comparison.columns.get_loc("attack")])  # ... defense: one table row
-    varying = [c for c in setting if comparison[c].nunique(dropna=False) > 1]
-    frame = comparison.drop(columns=[c for c in setting if c not in varying])
-    ran = comparison["ours"].notna()
-    summary = [f"Cells run: {int(ran.sum())} of {len(comparison)}."]
-    if ran.any():
-        summary.append(f"Mean |ours - paper|: {comparison.loc[ran, 'delta'].abs().mean():.2f} points.")
-    # worst_case_match is one flag per (setting, defense) row, repeated on each attack of the row
-    rows = comparison.groupby([comparison[c].fillna(-1) for c in setting], sort=False)[
-        "worst_case_match"
-    ].first()
-    rows = rows.dropna()
-    if len(rows):
-        agree = int(rows.astype(bool).sum())
-        summary.append(f"Worst-case attack agrees with the paper's on {agree} of {len(rows)} rows.")
-    body = frame_to_markdown(frame)
-    return "\n".join([f"# {title}", "", *summary, "", body])
+def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFrame], title: str) -> str:
+    """``results.compare_with_paper`` as Markdown, one frame or one per variant ({variant: frame}).
+
+    One variant: the setting columns that vary, then ours, paper, delta and the worst-case flags, headed by
+    the variant, the cells run, the mean absolute delta, the cells within 3 points and the worst-case
+    agreement over defense rows. Several: paper | ours (paper) | ours (authors) side by side, headed by a
+    table of those numbers per variant."""
+    from prodigy_core.results import WITHIN_POINTS, paper_agreement
+
+    comparisons = {comparison["variant"].iloc[0] if "variant" in comparison and len(comparison) else "paper":
+                   comparison} if isinstance(comparison, pd.DataFrame) else dict(comparison)  # fmt: skip
+    first = next(iter(comparisons.values()))
+    setting = list(first.columns[: first.columns.get_loc("attack")])  # ... defense: one table row
+    varying = [c for c in setting if first[c].nunique(dropna=False) > 1]
+    stats = {v: paper_agreement(c) for v, c in comparisons.items()}
+    if len(comparisons) == 1:
+        ((variant, only),) = comparisons.items()
+        a = stats[variant]
+        frame = only.drop(columns=[c for c in setting if c not in varying] + ["variant"], errors="ignore")
+        summary = [f"Variant: {variant}.", f"Cells run: {a['cells_run']} of {a['cells']}."]
+        if a["cells_run"]:
+            summary.append(f"Mean |ours - paper|: {a['mean_abs_delta']:.2f} points.")
+            summary.append(
+                f"Within {WITHIN_POINTS:g} points of the paper: {a['within']} of {a['cells_run']} cells."
+            )
+        if a["worst_case_rows"]:
+            agree, rows = a["worst_case_agree"], a["worst_case_rows"]
+            summary.append(f"Worst-case attack agrees with the paper's on {agree} of {rows} rows.")
+        return "\n".join([f"# {title}", "", *summary, "", frame_to_markdown(frame)])
+    per_variant = pd.DataFrame(
+        {"variant": list(stats),
+         "cells run": [f"{a['cells_run']} of {a['cells']}" for a in stats.values()],
+         "mean abs(ours - paper)": [a["mean_abs_delta"] for a in stats.values()],
+         f"within {WITHIN_POINTS:g} points": [f"{a['within']} of {a['cells_run']}" for a in stats.values()],
+         "worst case agrees (rows)": [f"{a['worst_case_agree']} of {a['worst_case_rows']}"
+                                      for a in stats.values()]}
+    )  # fmt: skip
+    side = first[list(dict.fromkeys([*varying, "defense", "attack", "paper"]))].copy()
+    for variant, c in comparisons.items():
+        side[f"ours ({variant})"] = c["ours"].to_numpy()
+    for variant, c in comparisons.items():
+        side[f"delta ({variant})"] = c["delta"].to_numpy()
+    body = ["Which variant matches the paper (paper: the text; authors: the authors' code):", "",
+            frame_to_markdown(per_variant), "", frame_to_markdown(side)]  # fmt: skip
+    return "\n".join([f"# {title}", "", *body])
+
+
+PROVENANCE = re.compile(r"<!-- provenance: (.*?) -->")
+
+
+def code_hash() -> str:
+    """sha256 (12 hex digits) of the package's files (prodigy_core/**, line endings normalised): which code
+    wrote a table."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def provenance(experiment: Any) -> str:
+    """What produced an experiment's report: its runs (a hash of their result keys, which hash every
+    resolved config field) and the code (:func:`code_hash`). Written into the Markdown and LaTeX tables, and
+    checked for the committed quickstart table by tests/test_report.py."""
+    keys = sorted(c.key() for c in getattr(experiment, "configs", None) or [])
+    runs = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:12]
+    return f"runs {runs} ({len(keys)}), code {code_hash()}"
+
+
+def read_provenance(text: str) -> str | None:
+    """The provenance written into a Markdown table by :func:`write_report` (None when it has none)."""
+    m = PROVENANCE.search(text)
+    return m[1] if m else None
 
 
 # What a layout's `figures` list may name; heatmap and curves by default. "distances": one distance heatmap
@@ -657,9 +859,18 @@ FIGURES = ("heatmap", "curves", "distances")
 DEFAULT_FIGURES = ("heatmap", "curves")
 
 
-def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None = None) -> list[Path]:
+def write_report(
+    experiment: Any,
+    df: pd.DataFrame,
+    out_dir: str | Path | None = None,
+    results_dir: str | os.PathLike | None = None,
+) -> list[Path]:
     """Write an experiment's table (``<name>.md``, ``.tex``), heatmap (``.pdf``, ``.png``), accuracy curves
     (``<name>_curves.pdf``/``.png``) and, at paper scale for a paper table, ``<name>_vs_paper.md``.
+
+    ``<name>_vs_paper.md`` compares each variant of ``df`` and, when ``experiment`` can (an `Experiment`),
+    the stored runs of the same grid under the other variant (from ``results_dir``): with both, paper |
+    ours (paper) | ours (authors) side by side.
 
     Smoke-scale or stand-in results go to ``<out_dir>/smoke/`` and say so in every title.
     """
@@ -677,14 +888,18 @@ def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None =
         note = f"**{SMOKE_LABEL}**: tiny scale, not comparable with the paper. " + note
 
     paths = [folder / f"{name}.md", folder / f"{name}.tex"]
-    paths[0].write_text(to_markdown(df, layout, title, order, note=note), encoding="utf-8")
-    paths[1].write_text(to_latex(df, layout, title, order, label=f"tab:{name}"), encoding="utf-8")
+    made_by = provenance(experiment)
+    markdown = to_markdown(df, layout, title, order, note=note)
+    paths[0].write_text(f"{markdown}\n<!-- provenance: {made_by} -->\n", encoding="utf-8")
+    latex = to_latex(df, layout, title, order, label=f"tab:{name}")
+    paths[1].write_text(f"% provenance: {made_by}\n{latex}", encoding="utf-8")
     figures = layout.get("figures") or DEFAULT_FIGURES
     unknown = sorted(set(figures) - set(FIGURES))
     if unknown:
         raise ValueError(f"report.figures: unknown {unknown}; valid: {', '.join(FIGURES)}")
-    if "heatmap" in figures:
-        paths += save_figure(heatmap(df, layout, title, order), folder / name)
+    if "heatmap" in figures:  # smoke accuracies lie within a few points: their colours span their range
+        limits = None if smoke else (0.0, 100.0)
+        paths += save_figure(heatmap(df, layout, title, order, limits=limits), folder / name)
     if "curves" in figures and "accuracy_curve" in df.columns:
         paths += save_figure(accuracy_curves(df, layout, title, order), folder / f"{name}_curves")
     if "distances" in figures and "distance_matrices" in df.columns:
@@ -697,18 +912,33 @@ def write_report(experiment: Any, df: pd.DataFrame, out_dir: str | Path | None =
         for i, r, D in recorded:
             run = df.loc[i]
             base = name if len(recorded) == 1 else f"{name}_{run.get('key', i)}_round{r}"
-            subtitle = f"{title}\n{display_value('defense', run['defense'])}, round {r}"
+            headline, tag = split_title(title)
+            subtitle = join_title(f"{headline}\n{display_value('defense', run['defense'])}, round {r}", tag)
             paths += save_figure(
                 distance_heatmap(D, byzantine_ids(run["n_byzantine"]), subtitle), folder / base
             )
     paper_table = getattr(experiment, "paper_table", None)
     if paper_table and not smoke:
-        from prodigy_core.results import compare_with_paper
+        from prodigy_core import results
+        from prodigy_core.config import VARIANTS
 
-        comparison = compare_with_paper(df, paper_table)
+        frames = {v: df for v in results.variants_in(df)} or {variants_of(experiment)[0]: df}
+        if hasattr(experiment, "with_variant"):
+            for v in (v for v in VARIANTS if v not in frames):
+                stored = results.load(experiment.with_variant(v), results_dir)
+                if not stored.empty:
+                    frames[v] = stored
+        comparisons = {
+            v: results.compare_with_paper(frame, paper_table, variant=v) for v, frame in frames.items()
+        }
+        comparisons = {v: comparisons[v] for v in [*VARIANTS, *comparisons] if v in comparisons}
+        base_title = getattr(experiment, "title", None) or name
         path = folder / f"{name}_vs_paper.md"
         path.write_text(
-            paper_comparison_markdown(comparison, f"{title}: ours vs the paper"), encoding="utf-8"
+            paper_comparison_markdown(
+                comparisons, f"{base_title}: ours vs the paper (variant: {', '.join(comparisons)})"
+            ),
+            encoding="utf-8",
         )
         paths.append(path)
     return paths
@@ -736,11 +966,14 @@ class Exploration:
 EXPLORE_DEFAULTS: dict[str, Any] = {"dataset": "digits", "rounds": 3, "eval_every": 3, "attack": "alie"}
 
 
-def explore(config: RunConfig | None = None, **fields: Any) -> Exploration:
+def explore(
+    config: RunConfig | None = None, on_progress: Callable[[int, int], None] | None = None, **fields: Any
+) -> Exploration:
     """Train a short run (default: digits, 3 rounds, ALIE against ProDiGy) and look at its last round: the
     distance matrix, ProDiGy's scores and kept set, and the attack's damage per candidate parameter.
 
     ``fields`` override RunConfig fields of ``config`` (default: ``EXPLORE_DEFAULTS`` over RunConfig's).
+    ``on_progress(k, T)`` is called as round k of T starts its aggregation (the explorer's "round k / T").
     """
     from prodigy_core import training
     from prodigy_core.aggregators import ProDiGy, pairwise_sq_distances
@@ -751,6 +984,8 @@ def explore(config: RunConfig | None = None, **fields: Any) -> Exploration:
     seen: dict[str, Any] = {}
 
     def on_round(r: int, updates: torch.Tensor, momentum: torch.Tensor, pipeline: Any, attack: Any) -> None:
+        if on_progress is not None:
+            on_progress(r, config.rounds)
         if r != config.rounds:
             return
         honest_mean = momentum[f:].mean(dim=0)
@@ -761,22 +996,124 @@ def explore(config: RunConfig | None = None, **fields: Any) -> Exploration:
         seen["damage"] = torch.linalg.vector_norm(pipeline.peek(updates) - honest_mean).item()
 
     result = training.run(config, progress=False, on_round=on_round)
+    if not seen:
+        raise ValueError(
+            f"the run diverged at round {result.diverged_at} of {config.rounds}, before the round to show: "
+            "choose fewer rounds, another defense or a smaller learning rate"
+        )
     scores = seen["scores"]
     kept = [] if scores is None else torch.nonzero(scores.weight > 0).flatten().tolist()
     return Exploration(config=config, round=config.rounds, byzantine=byzantine_ids(f), kept=kept,
                        accuracy=result.final_accuracy, **seen)  # fmt: skip
 
 
+def exploration_summary(ex: Exploration) -> str:
+    """One line on what the explorer ran: the defense actually used (ProDiGy's kept set only as ProDiGy's
+    view when another defense ran), the attack's chosen parameter, the damage and the accuracy."""
+    c = ex.config
+    defense, attack = display_value("defense", c.defense), display_value("attack", c.attack)
+    parts = [f"{defense} vs {attack}, round {ex.round}: Byzantine clients {ex.byzantine}"]
+    if ex.scores is not None:
+        who = "kept by ProDiGy" if c.defense == "prodigy" else "ProDiGy would keep"
+        parts.append(f"{who} {ex.kept}")
+    if ex.chosen is not None:
+        symbol = SEARCH_PARAMETERS.get(c.attack, "parameter")
+        parts.append(f"chosen {symbol} = {format_parameter(ex.chosen)}")
+    parts.append(f"damage under {defense} {ex.damage:.4g}, test accuracy {ex.accuracy:.1f}%")
+    return ", ".join(parts)
+
+
 def exploration_figures(ex: Exploration) -> dict[str, Figure]:
     """The explorer's three views: distance heatmap, ProDiGy score bars, damage per attack candidate."""
     c = ex.config
-    attack = display_value("attack", c.attack)
-    setting = f"{c.dataset}, N={c.n_clients}, f={c.n_byzantine}, {attack}, round {ex.round}"
+    attack, defense = display_value("attack", c.attack), display_value("defense", c.defense)
+    setting = f"{c.dataset}, N={c.n_clients}, f={c.n_byzantine}, {attack} vs {defense}, round {ex.round}"
     figures = {"distances": distance_heatmap(ex.distances, ex.byzantine, f"Squared distances ({setting})")}
     if ex.scores is not None:
-        figures["scores"] = score_bars(ex.scores, ex.byzantine, f"ProDiGy scores ({setting})")
-    figures["damage"] = damage_plot(ex.search, c.attack)
+        view = "" if c.defense == "prodigy" else ", ProDiGy's view"
+        figures["scores"] = score_bars(ex.scores, ex.byzantine, f"ProDiGy scores ({setting}{view})")
+    figures["damage"] = damage_plot(ex.search, c.attack, defense=c.defense)
     return figures
+
+
+EXPLORER_LABELS = {"dataset": "data set", "n_clients": "clients N", "n_byzantine": "Byzantine f",
+                   "distribution": "split", "dirichlet_alpha": "Dirichlet α", "attack": "attack",
+                   "defense": "defense", "rounds": "rounds T", "seed": "seed", "data_dir": "data folder",
+                   "download": "download CIFAR-10 if missing"}  # fmt: skip
+DATASET_LABELS = {"digits": "digits (embedded, offline)", "femnist": "FEMNIST (LEAF folder)",
+                  "cifar10": "CIFAR-10"}  # fmt: skip
+
+
+def explorer(**setting: Any) -> Any:
+    """The attack explorer for JupyterLab (needs ipywidgets, the ``lab`` extra): labelled controls starting
+    at ``setting`` (``EXPLORER_LABELS``' fields), a "Train and show" button, a "round k / T" bar while it
+    trains, then the summary and the three views in place of the previous ones (cleared as training starts).
+    Returns the widget box; its ``.train()`` runs the current setting (what the button does)."""
+    import ipywidgets as widgets
+
+    from prodigy_core.aggregators import AGGREGATOR_NAMES
+    from prodigy_core.attacks import ATTACKS
+    from prodigy_core.config import DATASETS, DISTRIBUTIONS, ConfigError
+
+    def choices(field: str, values: Sequence[str]) -> list[tuple[str, str]]:
+        return [(display_value(field, v), v) for v in values]
+
+    s = {**EXPLORE_DEFAULTS, "n_clients": 10, "n_byzantine": 3, "distribution": "dirichlet",
+         "dirichlet_alpha": 0.1, "defense": "prodigy", "seed": 0, "data_dir": None, "download": False,
+         **setting}  # fmt: skip
+    distributions = list(dict.fromkeys(d for ds in DISTRIBUTIONS.values() for d in ds))
+    controls = dict(
+        dataset=widgets.Dropdown(options=[(DATASET_LABELS[d], d) for d in DATASETS], value=s["dataset"]),
+        n_clients=widgets.IntSlider(value=s["n_clients"], min=4, max=50),
+        n_byzantine=widgets.IntSlider(value=s["n_byzantine"], min=0, max=24),
+        distribution=widgets.Dropdown(
+            options=choices("distribution", distributions), value=s["distribution"]
+        ),  # fmt: skip
+        dirichlet_alpha=widgets.FloatLogSlider(value=s["dirichlet_alpha"], base=10, min=-2, max=2),
+        attack=widgets.Dropdown(options=choices("attack", list(ATTACKS)), value=s["attack"]),
+        defense=widgets.Dropdown(options=choices("defense", AGGREGATOR_NAMES), value=s["defense"]),
+        rounds=widgets.IntSlider(value=s["rounds"], min=1, max=100),
+        seed=widgets.IntText(value=s["seed"]),
+        data_dir=widgets.Text(value=s["data_dir"] or "", placeholder="default: data/ (env PRODIGY_DATA_DIR)"),
+        download=widgets.Checkbox(value=bool(s["download"]), indent=False),
+    )
+    for field, control in controls.items():
+        control.description = EXPLORER_LABELS[field]
+        control.style = {"description_width": "10em"}
+    button = widgets.Button(description="Train and show", button_style="primary", icon="play")
+    bar = widgets.IntProgress(value=0, min=0, max=1, description="", layout={"visibility": "hidden"})
+    out = widgets.Output()
+
+    def progress(k: int, total: int) -> None:
+        bar.max, bar.value, bar.description = total, k, f"round {k} / {total}"
+
+    def train(_: Any = None) -> Exploration | None:
+        out.clear_output()  # the previous views go now, not when the new ones arrive
+        button.disabled = True
+        bar.layout.visibility = "visible"
+        progress(0, controls["rounds"].value)
+        values = {k: c.value for k, c in controls.items()}
+        values["data_dir"] = values["data_dir"].strip() or None
+        try:
+            ex = explore(on_progress=progress, eval_every=values["rounds"], **values)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            with out:
+                print(f"cannot run this setting: {e}")
+            return None
+        finally:
+            button.disabled = False
+            bar.layout.visibility = "hidden"
+        with out:
+            print(exploration_summary(ex))
+            show(*exploration_figures(ex).values())
+        return ex
+
+    button.on_click(train)
+    box = widgets.VBox([widgets.GridBox(list(controls.values()),
+                                        layout={"grid_template_columns": "repeat(2, 26em)"}),
+                        widgets.HBox([button, bar]), out])  # fmt: skip
+    box.train = train
+    return box
 
 
 def write_exploration(

@@ -4,25 +4,34 @@ Each notebook in notebooks/ has one cell tagged ``parameters`` whose defaults ar
 scale the top-level keys of its params file (params/*.yaml) are injected as parameters, with ``smoke=False``.
 Executed copies go to the git-ignored build/ folder; the tables and figures are files that the notebooks write
 through ``prodigy_core.report`` into figures/ (figures/smoke/ at smoke scale).
+
+Progress streams while a notebook runs: a ``[k/n] notebook NAME`` line, then what its cells print (the grid's
+text progress bar and one line per finished run, see ``experiments.PROGRESS_ENV``), then ``ok in ... s``.
+The kernels' own start-up log (e.g. ipykernel's "running over TCP without encryption" warning, once per
+kernel) is kept to errors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from prodigy_core.config import did_you_mean
+from prodigy_core.experiments import PROGRESS_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 BUILD_DIR = REPO_ROOT / "build"
 SCALES = ("smoke", "paper")
 KERNEL = "python3"
+KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=ERROR"]  # the kernel's start-up log: errors only
 
 # name -> (notebook in NOTEBOOKS_DIR, params file in PARAMS_DIR or None when the notebook has none)
 NOTEBOOKS: dict[str, tuple[str, str | None]] = {
@@ -84,20 +93,25 @@ def reproduce(
         )
     build_dir.mkdir(parents=True, exist_ok=True)
     failed = []
-    for name, (notebook, params_file) in notebooks.items():
-        if only and name not in only:
-            continue
+    selected = [name for name in notebooks if not only or name in only]
+    for i, name in enumerate(selected, start=1):
+        notebook, params_file = notebooks[name]
         output = build_dir / f"{name}.ipynb"
+        print(f"[{i}/{len(selected)}] notebook {name} ({notebook}, {scale} scale) ...", file=sys.stderr)
         tic = time.perf_counter()
         try:
-            papermill.execute_notebook(
-                str(notebooks_dir / notebook),
-                str(output),
-                parameters=notebook_parameters(params_file, scale, executor, jobs),
-                cwd=str(notebooks_dir),
-                kernel_name=KERNEL,
-                progress_bar=False,
-            )
+            with _environment({PROGRESS_ENV: "text"}):  # the kernel inherits it: text bars, not widgets
+                papermill.execute_notebook(
+                    str(notebooks_dir / notebook),
+                    str(output),
+                    parameters=notebook_parameters(params_file, scale, executor, jobs),
+                    cwd=str(notebooks_dir),
+                    kernel_name=KERNEL,
+                    progress_bar=False,  # cell counts say little: the cells' own output streams instead
+                    stdout_file=sys.stdout,
+                    stderr_file=sys.stderr,
+                    extra_arguments=KERNEL_ARGUMENTS,
+                )
         except PapermillExecutionError as e:
             failed.append(name)
             print(
@@ -112,3 +126,18 @@ def reproduce(
     if failed:
         print(f"reproduce: {len(failed)} notebook(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration (a kernel started inside inherits them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import pandas as pd
 
-from prodigy_core.config import field_names
+from prodigy_core.config import VARIANTS, field_names
 
 if TYPE_CHECKING:
     from prodigy_core.experiments import Experiment
@@ -39,6 +39,7 @@ NO_ATTACK = "none"
 # Columns of paper_results.csv that identify a setting (with defense and attack: one cell of a table).
 PAPER_SETTING = ["dataset", "distribution", "dirichlet_alpha", "n_clients", "n_byzantine", "local_momentum",
                  "algorithm", "local_steps", "rounds"]  # fmt: skip
+WITHIN_POINTS = 3.0  # a cell "matches" the paper when |ours - paper| <= this many accuracy points
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -284,8 +285,28 @@ def paper_results() -> pd.DataFrame:
         return pd.read_csv(fh)
 
 
-def compare_with_paper(df: pd.DataFrame, table: str, tol: float = 0.5) -> pd.DataFrame:
-    """Our numbers next to the paper's, one row per cell of paper table `table` (bigtable, femnist_n20, ...).
+def load_variants(experiment: Experiment, results_dir: str | os.PathLike | None = None) -> pd.DataFrame:
+    """The stored runs of an experiment's grid under every variant (`config.VARIANTS`), in that order; a
+    ``variant`` column tells them apart."""
+    frames = [load(experiment.with_variant(v), results_dir) for v in VARIANTS]
+    frames = [f for f in frames if not f.empty]
+    return pd.concat(frames, ignore_index=True) if frames else load(experiment, results_dir)
+
+
+def variants_in(df: pd.DataFrame) -> list[str]:
+    """The variants of a results frame's runs, in `config.VARIANTS` order (a record without the field
+    predates it and ran the paper's text)."""
+    if "variant" not in df.columns:
+        return ["paper"] if len(df) else []
+    present = set(df["variant"].fillna("paper"))
+    return [v for v in VARIANTS if v in present] + sorted(present - set(VARIANTS))
+
+
+def compare_with_paper(
+    df: pd.DataFrame, table: str, tol: float = 0.5, variant: str | None = None
+) -> pd.DataFrame:
+    """Our numbers next to the paper's, one row per cell of paper table `table` (bigtable, femnist_n20, ...),
+    for the runs of one ``variant`` (None: the frame must hold one variant only).
 
     Columns: the paper's setting columns, defense, attack, ours (mean final accuracy over seeds, %), ours_std
     (population std, NaN for one seed), n_seeds, paper, paper_std, delta = ours - paper, paper_worst (the
@@ -293,8 +314,19 @@ def compare_with_paper(df: pd.DataFrame, table: str, tol: float = 0.5) -> pd.Dat
     attacks of the same defense and setting, "no attack" excluded) and worst_case_match (per defense and
     setting: one of the paper's worst-case attacks is among ours; NA until every attack of the row has run).
 
-    Runs on a stand-in dataset never match a paper cell. Cells we have not run have NaN in ours.
+    Runs on a stand-in dataset never match a paper cell. Cells we have not run have NaN in ours. The last
+    column, ``variant``, names the variant compared.
     """
+    present = variants_in(df)
+    if variant is None:
+        if len(present) > 1:
+            raise ValueError(
+                f"the runs hold the variants {', '.join(present)}: compare one at a time with "
+                f"compare_with_paper(df, {table!r}, variant=...)"
+            )
+        variant = present[0] if present else "paper"
+    if "variant" in df.columns:
+        df = df[df["variant"].fillna("paper") == variant]
     paper = paper_results()
     paper = paper[paper["table"] == table].drop(columns="table").reset_index(drop=True)
     if paper.empty:
@@ -336,15 +368,40 @@ def compare_with_paper(df: pd.DataFrame, table: str, tol: float = 0.5) -> pd.Dat
     complete = (out["ours"].notna() | ~attacked).groupby(row).transform("all")
     hit = (out["ours_worst"] & out["paper_worst"]).groupby(row).transform("any")
     out["worst_case_match"] = hit.astype(object).where(complete, pd.NA)
+    out["variant"] = variant
     columns = PAPER_SETTING + ["defense", "attack", "ours", "ours_std", "n_seeds", "paper", "paper_std",
-                               "delta", "paper_worst", "ours_worst", "worst_case_match"]  # fmt: skip
+                               "delta", "paper_worst", "ours_worst", "worst_case_match",
+                               "variant"]  # fmt: skip
     return out[columns]
+
+
+def paper_agreement(comparison: pd.DataFrame) -> dict[str, Any]:
+    """How well one `compare_with_paper` frame matches the paper: cells (all, run), the mean absolute
+    difference over the cells run (points), the cells run within `WITHIN_POINTS`, and the defense rows
+    (setting + defense) whose worst-case attack agrees with the paper's bold cell, of the rows complete."""
+    ran = comparison["ours"].notna()
+    delta = comparison.loc[ran, "delta"].abs()
+    setting = list(comparison.columns[: comparison.columns.get_loc("attack")])  # ... defense: one table row
+    rows = comparison.groupby([comparison[c].fillna(-1) for c in setting], sort=False)["worst_case_match"]
+    rows = rows.first().dropna()
+    return {
+        "variant": comparison["variant"].iloc[0] if "variant" in comparison and len(comparison) else None,
+        "cells": len(comparison),
+        "cells_run": int(ran.sum()),
+        "mean_abs_delta": float(delta.mean()) if len(delta) else float("nan"),
+        "within": int((delta <= WITHIN_POINTS).sum()),
+        "worst_case_agree": int(rows.astype(bool).sum()),
+        "worst_case_rows": len(rows),
+    }
 
 
 __all__ = [
     "RESULTS_DIR",
     "Claims",
     "compare_with_paper",
+    "load_variants",
+    "paper_agreement",
+    "variants_in",
     "experiment_dir",
     "load",
     "paper_results",

@@ -10,8 +10,14 @@ One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and
    m_t^k = beta m_{t-1}^k + (1 - beta) g_t^k, m_{-1}^k = 0 (beta = `local_momentum`; m_t = g_t when beta = 0),
    kept for ALL clients: a sign-flipping client keeps its honest momentum, the attack negates what is sent;
 3. Byzantine clients are ids 0..f-1: the attack replaces their rows, `attack.craft(m[f:], m[:f], pipeline)`
-   (label flipping instead trains them on y' = C-1-y and sends their honest-looking momentum);
+   (label flipping instead trains them on y' = C-1-y and sends their honest-looking momentum), see
+   `server_input`; the pipeline is first told theta_t (`Pipeline.new_round`: CClip's start under the
+   ``authors`` variant, in the attack's search too);
 4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t = `config.lr_at(t)`.
+
+``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see `make_aggregator`,
+`make_attack`): evaluation runs the network in training mode (`evaluate`), a run whose test loss is not
+finite is diverged, and a diverged run's accuracy is the share of class 0 in the test set.
 
 The update vector holds the trainable parameters only (BatchNorm buffers and `num_batches_tracked` are not
 part of it).
@@ -22,7 +28,7 @@ then sets each floating-point buffer to the coordinate-wise median of the N repo
 middle values for even N). Since f < N/2, the median lies within the range of the honest reports whatever
 the Byzantine clients report (in this simulation they report the statistics of their own honest or
 label-flipped training; the attack model only crafts the update vector). The authors' code never sends the
-buffers and evaluates in training mode; we evaluate in eval mode under `no_grad`.
+buffers and evaluates in training mode; we evaluate in eval mode under `no_grad` (``variant="paper"``).
 
 Engines (same semantics, same batches drawn from the same generator):
 - ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters and
@@ -44,10 +50,13 @@ ProDiGy detection: when the rule is `ProDiGy` and its scores have one entry per 
 weight 0 are logged each round. Precision and recall against the true Byzantine ids {0..f-1} are
 micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t |Z_t & B| / (T f).
 
-A run whose aggregate or model becomes non-finite stops and is recorded as diverged, with chance-level
-accuracy 100 / num_classes and no loss. Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir`
-is given, named `<config.key()>.pt`) hold the model, the momentum, the pipeline state and every RNG state,
-so a resumed run reproduces the uninterrupted one; the checkpoint is deleted when the run completes.
+A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is not finite)
+stops with its model frozen and is recorded as diverged, with no loss and the accuracy
+`diverged_accuracy`: chance level 100 / num_classes (``paper``), or what a NaN network predicts in the
+authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set.
+Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`) hold
+the model, the momentum, the pipeline state and every RNG state, so a resumed run reproduces the uninterrupted
+one; the checkpoint is deleted when the run completes.
 """
 
 from __future__ import annotations
@@ -87,6 +96,8 @@ from prodigy_core.seeding import resolve_device, seed_everything
 # vs 7.2-7.5 (vmap turns convolutions into grouped ones, slower than plain ones on a CPU once they are large);
 # digits N=10 E=10 0.55-0.63 vs 0.51-0.72, a tie within noise: batched, so that CI exercises that path.
 AUTO_CPU_ENGINE = {"digits": "batched", "femnist": "sequential", "cifar10": "sequential"}
+# Test batch size. Under the authors' variant the BatchNorm statistics come from each test batch, so this size
+# matters there: 1000 is an assumption (not read from the authors' code).
 EVAL_BATCH_SIZE = 1000
 
 
@@ -160,7 +171,8 @@ def run(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         st.result.round_times.append(time.perf_counter() - tic)
-        end_round(st, r)
+        if not end_round(st, r):
+            break
         bar.set_postfix(lr=gamma, acc=f"{st.result.final_accuracy:.1f}", refresh=False)
         bar.update(1)
         if _stop_after == r:
@@ -205,10 +217,10 @@ def start_run(
     fed = _load_federation(cfg, device) if fed is None else fed
     seed_everything(cfg.seed)
     model = make_model(cfg.dataset).to(device).train()
-    pipeline = make_aggregator(cfg.defense, f, n_clients=n)
+    pipeline = make_aggregator(cfg.defense, f, n_clients=n, variant=cfg.variant)
     attack = None
     if f > 0 and cfg.attack != "none":
-        attack = make_attack(cfg.attack)
+        attack = make_attack(cfg.attack, variant=cfg.variant)
         if attack.flips_labels:
             fed = copy.copy(fed)  # flip_labels replaces the copy's label tensor, never the shared one
             fed.flip_labels(range(f))
@@ -244,14 +256,12 @@ def server_round(
     """Steps 2-4 of round r from the clients' pseudo-gradients (N, d) and BatchNorm reports: momentum, attack,
     aggregation, server step. Returns False when the run diverged (recorded in `st.result`)."""
     cfg, result, f, beta = st.cfg, st.result, st.cfg.n_byzantine, st.cfg.local_momentum
-    st.momentum = momentum = pseudo_grads if beta == 0 else beta * st.momentum + (1 - beta) * pseudo_grads
+    st.momentum = momentum = local_momentum(st.momentum, pseudo_grads, beta)
     if not bool(torch.isfinite(momentum[f:]).all()):  # honest training blew up: the model has diverged
         result.diverged, result.diverged_at, result.rounds_completed = True, r, r
         return False
-    updates = momentum
-    if st.attack is not None:
-        byzantine = st.attack.craft(momentum[f:], momentum[:f], st.pipeline)
-        updates = torch.cat([byzantine.to(momentum.dtype), momentum[f:]])
+    st.pipeline.new_round(parameters_to_vector(st.model.parameters()).detach())
+    updates = server_input(momentum, f, st.attack, st.pipeline)
     result.attack_params.append(None if st.attack is None else _as_float(st.attack.last_param))
     if r in cfg.record_distances_at:
         result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
@@ -272,25 +282,31 @@ def server_round(
     return True
 
 
-def end_round(st: RunState, r: int) -> None:
-    """After round r's server step: evaluate when due, save the checkpoint when due."""
+def end_round(st: RunState, r: int) -> bool:
+    """After round r's server step: evaluate when due, save the checkpoint when due. Returns False when the
+    run diverged (``authors``: a test loss that is not finite; recorded in `st.result`)."""
     cfg, result = st.cfg, st.result
     if r % cfg.eval_every == 0 or r == cfg.rounds:
-        result.final_accuracy, result.final_loss = evaluate(st.model, st.fed)
+        train_mode = cfg.variant == "authors"
+        result.final_accuracy, result.final_loss = evaluate(st.model, st.fed, train_mode=train_mode)
         result.accuracy_curve.append([r, result.final_accuracy])
+        if cfg.variant == "authors" and not math.isfinite(result.final_loss):  # the authors' divergence
+            result.diverged, result.diverged_at = True, r
+            return False
     if st.ckpt is not None and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
         state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
                  "rng": _get_rng_states(st.data_gen)}  # fmt: skip
         with atomic_write(st.ckpt, "wb") as fh:  # a kill never leaves a half-written checkpoint
             torch.save(state, fh)
+    return True
 
 
 def finish_run(st: RunState) -> RunResult:
     """The final record once the run completed or diverged; its checkpoint is deleted."""
     result, f = st.result, st.cfg.n_byzantine
     if result.diverged:
-        result.final_accuracy, result.final_loss = 100.0 / st.fed.num_classes, None
+        result.final_accuracy, result.final_loss = diverged_accuracy(st.fed, st.cfg.variant), None
     if result.zeroed_clients and f > 0:
         flagged = sum(len(z) for z in result.zeroed_clients)
         result.detection_precision = st.hits / flagged if flagged else None
@@ -305,6 +321,24 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     if engine != "auto":
         return engine
     return "batched" if device.type == "cuda" else AUTO_CPU_ENGINE[dataset]
+
+
+def local_momentum(momentum: Tensor, pseudo_grads: Tensor, beta: float) -> Tensor:
+    """Every client's local momentum m_t = beta m_{t-1} + (1 - beta) g_t, (N, d); m_t = g_t when beta = 0."""
+    return pseudo_grads if beta == 0 else beta * momentum + (1 - beta) * pseudo_grads
+
+
+def server_input(momentum: Tensor, f: int, attack: Any, pipeline: Any) -> Tensor:
+    """The (N, d) vectors the server receives: the attack's rows for clients 0..f-1 (crafted from the honest
+    clients' momentum[f:] and their own momentum[:f]), then the honest clients' momentum; ``momentum`` when
+    there is no attack. An attack with ``sent_is_momentum`` (SF under ``authors``) writes what it sent into
+    momentum[:f] in place, so that those clients' next momentum is beta s_t + (1 - beta) g_{t+1}."""
+    if attack is None:
+        return momentum
+    byzantine = attack.craft(momentum[f:], momentum[:f], pipeline).to(momentum.dtype)
+    if attack.sent_is_momentum:
+        momentum[:f] = byzantine
+    return torch.cat([byzantine, momentum[f:]])
 
 
 # ---------------------------------------------------------------------------------------------- local steps
@@ -526,17 +560,35 @@ def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(model: nn.Module, fed: Federation, batch_size: int = EVAL_BATCH_SIZE) -> tuple[float, float]:
-    """Test accuracy (percent) and mean cross-entropy, in eval mode."""
-    model.eval()
+def evaluate(
+    model: nn.Module, fed: Federation, batch_size: int = EVAL_BATCH_SIZE, train_mode: bool = False
+) -> tuple[float, float]:
+    """Test accuracy (percent) and mean cross-entropy over test batches of ``batch_size``.
+
+    Eval mode (dropout off, the server's BatchNorm running statistics), or with ``train_mode`` as the authors'
+    code evaluates: dropout active and BatchNorm normalising each test batch with that batch's own mean and
+    (biased) variance; the model's BatchNorm buffers are left as they were."""
+    saved = {name: b.clone() for name, b in model.named_buffers()} if train_mode else {}
+    model.train(train_mode)
     correct = loss = torch.zeros((), device=fed.test_labels.device)
     for x, y in fed.test_batches(batch_size):
         out = model(x)
         loss = loss + F.cross_entropy(out, y, reduction="sum")
         correct = correct + (out.argmax(dim=1) == y).sum()
+    for name, b in model.named_buffers():  # train mode updated the running statistics: undo it
+        if name in saved:
+            b.copy_(saved[name])
     model.train()
     total = len(fed.test_labels)
     return 100.0 * correct.item() / total, loss.item() / total
+
+
+def diverged_accuracy(fed: Federation, variant: str) -> float:
+    """The accuracy (percent) recorded for a diverged run: chance level 100 / num_classes (``paper``), or the
+    share of class 0 in the test set (``authors``: NaN logits, whose argmax is class 0)."""
+    if variant == "authors":
+        return 100.0 * (fed.test_labels == 0).sum().item() / len(fed.test_labels)
+    return 100.0 / fed.num_classes
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -588,4 +640,13 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-__all__ = ["RunResult", "run", "evaluate", "pick_engine", "AUTO_CPU_ENGINE"]
+__all__ = [
+    "RunResult",
+    "run",
+    "evaluate",
+    "diverged_accuracy",
+    "local_momentum",
+    "server_input",
+    "pick_engine",
+    "AUTO_CPU_ENGINE",
+]

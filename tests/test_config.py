@@ -43,15 +43,15 @@ def test_bad_values_are_rejected_with_the_field_named(changes, pattern):
 
 def test_resolved_fills_dependent_defaults():
     cfg = RunConfig(dataset="digits", rounds=30).resolved()
-    assert cfg.lr_decay_at == 20
+    assert cfg.lr_decay_at == 21  # the text: gamma_t = lr for t <= 2T/3 = 20 (0-indexed t)
     assert cfg.weight_decay == DEFAULT_WEIGHT_DECAY["digits"]
     assert RunConfig(rounds=30, lr_decay_at=5).resolved().lr_decay_at == 5
 
 
 def test_lr_schedule_steps_down_at_two_thirds():
     cfg = RunConfig(rounds=30, lr=0.05, lr_decay_factor=0.1)
-    assert cfg.lr_at(0) == cfg.lr_at(19) == 0.05
-    assert cfg.lr_at(20) == pytest.approx(0.005)
+    assert cfg.lr_at(0) == cfg.lr_at(20) == 0.05  # t <= 2T/3 = 20
+    assert cfg.lr_at(21) == pytest.approx(0.005)
 
 
 def test_key_ignores_fields_that_do_not_change_results():
@@ -59,7 +59,7 @@ def test_key_ignores_fields_that_do_not_change_results():
     assert base.key() == RunConfig().key()
     assert base.key() == base.replace(device="cpu", engine="sequential", checkpoint_every=7).key()
     # an explicit value equal to the resolved default is the same run
-    assert base.key() == base.replace(lr_decay_at=round(2 * base.rounds / 3)).key()
+    assert base.key() == base.replace(lr_decay_at=2 * base.rounds // 3 + 1).key()
     assert base.key() == base.replace(lr=0.05).key() == base.replace(lr_decay_factor=0.1).key()
     iid = base.replace(distribution="iid")
     assert iid.key() == iid.replace(dirichlet_alpha=5.0).key()
@@ -68,10 +68,19 @@ def test_key_ignores_fields_that_do_not_change_results():
 @pytest.mark.parametrize(
     "changes",
     [{"seed": 1}, {"data_seed": 1}, {"rounds": 99}, {"attack": "alie"}, {"defense": "nnm+krum"},
-     {"local_momentum": 0.9}, {"dirichlet_alpha": 0.5}, {"lr": 0.1}, {"eval_every": 5}],
+     {"local_momentum": 0.9}, {"dirichlet_alpha": 0.5}, {"lr": 0.1}, {"eval_every": 5},
+     {"variant": "authors"}],
 )  # fmt: skip
 def test_key_changes_with_every_result_field(changes):
     assert RunConfig().key() != RunConfig().replace(**changes).key()
+
+
+def test_keys_changed_with_the_per_seed_split_so_old_records_are_never_reused():
+    # keys computed by the code before `variant` and `data_seed: null` (every seed's split was data_seed=0)
+    old = {"default": "bfb2c7c14ba1e310", "seed=1, data_seed=1": "86c46ca27a7f0f12",
+           "seed=1, data_seed=0": "d86199b234ed397c"}  # fmt: skip
+    new = {RunConfig().key(), RunConfig(seed=1).key(), RunConfig(seed=1, data_seed=0).key()}
+    assert not new & set(old.values())
 
 
 def test_int_and_float_spellings_give_one_key():

@@ -165,7 +165,7 @@ def test_same_config_same_key_and_any_result_field_changes_it():
         "n_byzantine": 2, "local_momentum": 0.9, "local_steps": 10, "rounds": 99, "defense": "nnm+krum",
         "attack": "sf", "lr": 0.1,
         "lr_decay_at": 7, "lr_decay_factor": 0.5, "weight_decay": 0.1, "batch_size": 32, "eval_every": 5,
-        "seed": 1, "data_seed": 1, "record_distances_at": [3],
+        "seed": 1, "data_seed": 1, "record_distances_at": [3], "variant": "authors",
         "femnist_min_samples": 5,  # only matters for femnist: checked below
     }  # fmt: skip
     non_result = set(RunConfig.NON_RESULT_FIELDS)

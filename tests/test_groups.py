@@ -9,8 +9,10 @@ from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 
 # Dirichlet(0.1) digits: clients smaller than the batch, so the stacked step also runs width groups.
+# One data split (data_seed) for every seed, so that runs of different seeds share a group.
 BASE = dict(dataset="digits", distribution="dirichlet", n_clients=6, n_byzantine=2, rounds=3, local_steps=2,
-            batch_size=16, eval_every=2, checkpoint_every=1, device="cpu", engine="batched")  # fmt: skip
+            batch_size=16, eval_every=2, checkpoint_every=1, device="cpu", engine="batched",
+            data_seed=0)  # fmt: skip
 CONFIGS = [  # different defenses (CClip's state), attacks (ALIE's search, LF's labels), momentum, seeds, lr
     RunConfig(**BASE, defense="cclip", attack="alie", local_momentum=0.9, seed=0),
     RunConfig(**BASE, defense="prodigy", attack="lf", local_momentum=0.0, seed=1),
@@ -96,6 +98,43 @@ def test_diverging_member_is_frozen_and_the_others_match_their_solo_runs(tmp_pat
     for config in (CONFIGS[0], CONFIGS[1]):
         group = torch.load(tmp_path / "group" / f"{config.key()}.pt", weights_only=False)
         _assert_same_run(group, solo[config.key()])
+
+
+AUTHORS = [  # the authors' variant: SF written into the momentum, CClip from theta_t, train-mode evaluation
+    RunConfig(**BASE, defense="cclip", attack="sf", local_momentum=0.9, seed=0, variant="authors"),
+    RunConfig(**BASE, defense="cclip", attack="alie", local_momentum=0.9, seed=1, variant="authors"),
+    RunConfig(**BASE, defense="trimmed_mean", attack="sf", local_momentum=0.0, seed=1, variant="authors"),
+]
+
+
+def test_authors_variant_members_equal_their_solo_runs(tmp_path):
+    configs = [*AUTHORS, CONFIGS[2]]  # variants share a group: they differ on the server side only
+    assert len({groups.group_key(c) for c in configs}) == 1
+    solo = _solo_states(configs, tmp_path / "solo")
+    group = _group_states(configs, tmp_path / "group")
+    for config in configs:
+        _assert_same_run(group[config.key()], solo[config.key()])
+    # the in-place SF changed the Byzantine rows of the momentum: they are no longer honest momentum
+    paper = AUTHORS[0].replace(variant="paper")
+    honest = _solo_states([paper], tmp_path / "paper")[paper.key()]["momentum"]
+    assert not torch.allclose(group[AUTHORS[0].key()]["momentum"][:2], honest[:2])
+
+
+@pytest.mark.filterwarnings("ignore:.*non-finite:RuntimeWarning")
+def test_diverged_authors_member_records_the_class_0_share():
+    blowup = AUTHORS[2].replace(lr=1e300)
+    grouped = groups.run_group([AUTHORS[0], blowup])[1]
+    alone = training.run(blowup, progress=False)
+    assert grouped.diverged and alone.diverged and grouped.final_loss is None
+    fed = training._load_federation(blowup.resolved(), torch.device("cpu"))
+    share = 100.0 * (fed.test_labels == 0).sum().item() / len(fed.test_labels)
+    assert grouped.final_accuracy == alone.final_accuracy == pytest.approx(share)
+
+
+def test_group_key_compares_the_resolved_data_seed():
+    implicit = CONFIGS[0].replace(data_seed=None, seed=1)  # data_seed None: the split of seed 1
+    assert groups.group_key(implicit) == groups.group_key(CONFIGS[0].replace(data_seed=1))
+    assert groups.group_key(implicit) != groups.group_key(implicit.replace(seed=0))
 
 
 def test_make_groups_stacks_only_compatible_runs():

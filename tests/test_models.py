@@ -76,3 +76,23 @@ def test_every_dataset_has_a_model_and_unknown_names_are_rejected():
     assert all(make_model(name) is not None for name in DATASETS)
     with pytest.raises(ValueError, match="valid: cifar10, femnist, digits"):
         make_model("mnist")
+
+
+def test_cifar10_cnn_calls_its_layers_in_the_authors_order():
+    # the authors' CIFAR10Net: conv -> ReLU -> BN (x2), pool, dropout, conv -> ReLU -> BN (x2), pool, dropout,
+    # fc, ReLU, dropout, fc
+    model = Cifar10CNN().train()
+    kinds = (torch.nn.Conv2d, torch.nn.ReLU, torch.nn.BatchNorm2d, torch.nn.MaxPool2d, torch.nn.Dropout,
+             torch.nn.Linear)  # fmt: skip
+    calls, bn_input_minima = [], []
+    for module in model.modules():
+        if isinstance(module, kinds):
+            module.register_forward_hook(lambda m, inputs, out: calls.append(type(m).__name__))
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.register_forward_pre_hook(lambda m, inputs: bn_input_minima.append(inputs[0].min().item()))
+    model(torch.randn(4, 3, 32, 32))
+    block = ["Conv2d", "ReLU", "BatchNorm2d"]
+    assert calls == [*block, *block, "MaxPool2d", "Dropout", *block, *block, "MaxPool2d", "Dropout",
+                     "Linear", "ReLU", "Dropout", "Linear"]  # fmt: skip
+    assert all(m.p == 0.25 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    assert len(bn_input_minima) == 4 and min(bn_input_minima) >= 0.0  # every BN input follows a ReLU

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import tempfile
+from pathlib import Path
 
 import nbformat
 import papermill
@@ -90,3 +94,46 @@ def test_paper_scale_injects_the_params_file():
     assert parameters == {**spec, "smoke": False, "executor": "ray", "jobs": 4}
     assert reproduce.notebook_parameters("table4_fraction_byzantine.yaml", "smoke") == {
         "smoke": True, "executor": "local", "jobs": 1}  # fmt: skip
+
+
+def test_reproduce_streams_progress_and_keeps_the_kernel_log_quiet(tmp_path, capfd):
+    write_notebook(
+        tmp_path / "talk.ipynb",
+        "smoke = False",
+        "import os, sys\nprint('run 1 of 2 done')\nprint('bar 50%', file=sys.stderr)",
+        "assert os.environ['PRODIGY_PROGRESS'] == 'text'  # run_grid draws a text bar, not a widget",
+    )
+    rc = reproduce.reproduce(
+        "smoke", notebooks={"talk": ("talk.ipynb", None)}, notebooks_dir=tmp_path, build_dir=tmp_path / "b"
+    )
+    out, err = capfd.readouterr()  # file descriptors: the kernel process writes there directly
+    assert rc == 0, err
+    assert "[1/1] notebook talk (talk.ipynb, smoke scale)" in err
+    assert "run 1 of 2 done" in out and "bar 50%" in err  # streamed while the notebook ran
+    assert "without encryption" not in err
+    assert "PRODIGY_PROGRESS" not in os.environ  # restored after the run
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, p) in reproduce.NOTEBOOKS.items() if p))
+def test_papermill_hints_work_from_the_repository_root(name):
+    notebook, params_file = reproduce.NOTEBOOKS[name]
+    source = "\n".join(c.source for c in read(notebook).cells)
+    hints = re.findall(r"papermill (\S+\.ipynb) (\S+\.ipynb)[\s\\#]*-f (\S+\.yaml)", source)
+    assert hints, f"{notebook} gives no papermill command"
+    root = reproduce.REPO_ROOT
+    for notebook_path, output, params_path in hints:
+        assert (root / notebook_path).resolve() == (reproduce.NOTEBOOKS_DIR / notebook).resolve()
+        assert (root / params_path).resolve() == (PARAMS_DIR / params_file).resolve()
+        assert output.startswith("build/")  # the git-ignored folder, made by the hint's `mkdir -p build`
+    assert "../params" not in source
+
+
+def test_tests_and_notebooks_use_a_temporary_results_and_figures_folder():
+    # set by the repository's root conftest.py before prodigy_core is imported or a kernel started
+    from prodigy_core import report, results
+
+    for name in ("PRODIGY_RESULTS_DIR", "PRODIGY_FIGURES_DIR"):
+        folder = Path(os.environ[name])
+        assert Path(tempfile.gettempdir()).resolve() in folder.resolve().parents, (name, folder)
+    assert results.resolve_results_dir() == Path(os.environ["PRODIGY_RESULTS_DIR"])
+    assert report.output_dir(False) == Path(os.environ["PRODIGY_FIGURES_DIR"])

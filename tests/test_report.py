@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import statistics
 import types
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -129,15 +131,16 @@ def test_smoke_and_stand_in_outputs_go_to_smoke_folder_and_say_so(tmp_path):
     df = fabricated(seeds=(0,), momenta=(0.0,))
     paths = report.write_report(experiment(smoke=True, layout=HEATMAP_ONLY), df, tmp_path)
     assert {p.parent for p in paths} == {tmp_path / "smoke"}
-    assert report.SMOKE_LABEL in (tmp_path / "smoke" / "fab.md").read_text().splitlines()[0]
+    headline, subtitle = (tmp_path / "smoke" / "fab.md").read_text().splitlines()[0:3:2]
+    assert headline == "# Fabricated table" and report.SMOKE_LABEL in subtitle  # the tag is a subtitle
     # a run on stand-in data is labelled even when the experiment itself is not smoke
     df_stand_in = df.assign(stand_in="digits (offline stand-in for cifar10)")
     paths = report.write_report(
         experiment("s", paper_table="bigtable", layout=HEATMAP_ONLY), df_stand_in, tmp_path
     )
     assert {p.parent for p in paths} == {tmp_path / "smoke"}
-    header = (tmp_path / "smoke" / "s.md").read_text().splitlines()[0]
-    assert report.SMOKE_LABEL in header and "digits (offline stand-in" in header
+    subtitle = (tmp_path / "smoke" / "s.md").read_text().splitlines()[2]
+    assert report.SMOKE_LABEL in subtitle and "digits (offline stand-in" in subtitle
     assert not any("vs_paper" in p.name for p in paths)  # no paper comparison for stand-in numbers
 
 
@@ -148,7 +151,8 @@ def test_paper_comparison_written_at_paper_scale(tmp_path, monkeypatch):
                                "delta": [-2.0, 2.0, -1.0, np.nan],
                                "worst_case_match": [True, True, pd.NA, pd.NA]})  # fmt: skip
     seen = []
-    monkeypatch.setattr("prodigy_core.results.compare_with_paper", lambda df, t: seen.append(t) or comparison)
+    fake = lambda df, t, **kw: seen.append(t) or comparison  # noqa: E731
+    monkeypatch.setattr("prodigy_core.results.compare_with_paper", fake)
     exp = experiment(paper_table="fraction_byzantine", layout=HEATMAP_ONLY)
     paths = report.write_report(exp, fabricated(seeds=(0,), momenta=(0.0,)), tmp_path)
     assert seen == ["fraction_byzantine"]
@@ -218,3 +222,165 @@ def test_explore_without_attack_has_no_search():
     pytest.importorskip("prodigy_core.aggregators")
     ex = report.explore(n_clients=6, n_byzantine=2, rounds=1, attack="none", defense="nnm+median")
     assert ex.search == [] and ex.chosen is None and ex.damage >= 0
+
+
+# ------------------------------------------------------------------ honest figures and tables (issue 19)
+
+
+def diverged_frame() -> pd.DataFrame:
+    """Two seeds; no defense under SF diverges in seed 1 at round 2 (chance accuracy 10, empty curve)."""
+    df = fabricated(seeds=(0, 1), momenta=(0.0,)).assign(diverged=False, diverged_at=None)
+    hit = (df["defense"] == "none") & (df["attack"] == "sf") & (df["seed"] == 1)
+    df.loc[hit, ["diverged", "diverged_at", "final_accuracy"]] = [True, 2, 10.0]
+    df.loc[hit, "accuracy_curve"] = pd.Series([[]] * int(hit.sum()), index=df.index[hit])
+    return df
+
+
+def test_diverged_cells_carry_a_dagger_and_a_footnote_in_markdown_and_latex():
+    df = diverged_frame()
+    md = report.to_markdown(df, LAYOUT, "t")
+    row = next(line for line in md.splitlines() if line.startswith("| No defense"))
+    assert row.split(" | ")[-1].rstrip(" |*").endswith(report.DIVERGED_MARK)  # the SF cell
+    assert md.count(report.DIVERGED_MARK) == 2  # the cell and its footnote
+    assert md.splitlines()[-1].startswith(f"{report.DIVERGED_MARK} The model diverged")
+    tex = report.to_latex(df, LAYOUT, "t")
+    assert tex.count(r"$^\dagger$") == 2 and "diverged" in tex  # the cell and the caption
+    # without any diverged run: no dagger, no footnote
+    clean = report.to_markdown(fabricated(seeds=(0, 1), momenta=(0.0,)), LAYOUT, "t")
+    assert report.DIVERGED_MARK not in clean and "diverged" not in clean
+
+
+def test_caption_says_mean_and_std_only_over_more_than_one_seed():
+    assert report.seeds_phrase([1, 1, 1]) == "one seed"
+    assert report.seeds_phrase([3, 3]) == "mean ± std over 3 seeds"
+    assert report.seeds_phrase([2, 3]) == "mean ± std over 2-3 seeds"
+    one = report.to_markdown(fabricated(seeds=(0,), momenta=(0.0,)), LAYOUT, "t")
+    assert "Final test accuracy (%), one seed;" in one and "std" not in one
+    tex = report.to_latex(fabricated(seeds=(0, 1, 2), momenta=(0.0,)), LAYOUT, "t")
+    assert r"mean $\pm$ std over 3 seeds" in tex
+
+
+def test_bold_latex_cells_set_their_math_in_bold_too():
+    tex = report.to_latex(fabricated(), LAYOUT, "t")
+    bold = re.findall(r"\\textbf\{([^}]*)\}", tex)
+    assert bold and all(cell.startswith(r"\boldmath ") for cell in bold)
+
+
+def test_titles_keep_their_smoke_tag_as_a_subtitle():
+    assert report.split_title("Table I [SMOKE: 3 rounds; digits]") == ("Table I", "SMOKE: 3 rounds; digits")
+    assert report.split_title("Table I") == ("Table I", None)
+    assert report.join_title(*report.split_title("A [b]")) == "A [b]"
+    fig = report.heatmap(fabricated(seeds=(0,), momenta=(0.0,)), LAYOUT, "Short [SMOKE]")
+    texts = [t.get_text() for t in fig.texts]
+    assert fig._suptitle.get_text().strip() == "Short" and "SMOKE" in texts
+
+
+def test_heatmap_hatches_diverged_cells_and_smoke_scale_follows_the_data():
+    df = diverged_frame()
+    fig = report.heatmap(df, {"rows": "defense", "columns": "attack"}, limits=None)
+    ax = fig.axes[0]
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_xy() == (2 - 0.5, 0 - 0.5)  # no defense (row 0), SF (col 2)
+    assert any(t.get_text().endswith(report.DIVERGED_MARK) for t in ax.texts)
+    means = report.accuracy_table(df, {"rows": "defense", "columns": "attack"}).to_numpy(dtype=float)
+    image = ax.get_images()[0]
+    assert image.norm.vmin == pytest.approx(means.min()) and image.norm.vmax == pytest.approx(means.max())
+    full = report.heatmap(df, {"rows": "defense", "columns": "attack"}).axes[0].get_images()[0].norm
+    assert (full.vmin, full.vmax) == (0, 100)
+
+
+def test_curves_end_a_diverged_run_at_its_round_and_draw_single_points_as_points():
+    df = diverged_frame()
+    layout = {"rows": "defense", "columns": "attack"}
+    fig = report.accuracy_curves(df, layout)
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible() and ax.get_title()}
+    ends = [line for line in panels["SF"].get_lines() if line.get_marker() == "X"]
+    assert len(ends) == 1 and list(ends[0].get_xdata()) == [2] and list(ends[0].get_ydata()) == [10.0]
+    assert fig.get_figwidth() == report.PAPER_WIDTH
+    one = fabricated(seeds=(0,), momenta=(0.0,)).assign(
+        accuracy_curve=lambda x: [[[3, a]] for a in x["final_accuracy"]]
+    )
+    lines = [line for ax in report.accuracy_curves(one, layout).axes for line in ax.get_lines()]
+    assert lines and all(line.get_linestyle() == "None" and len(line.get_xdata()) == 1 for line in lines)
+
+
+def test_distance_heatmap_uses_a_log_colour_scale():
+    import matplotlib.colors
+
+    D = np.array([[0.0, 1.0, 1e6], [1.0, 0.0, 1e6], [1e6, 1e6, 0.0]])
+    norm = report.distance_heatmap(D, [2]).axes[0].get_images()[0].norm
+    assert isinstance(norm, matplotlib.colors.LogNorm) and (norm.vmin, norm.vmax) == (1.0, 1e6)
+
+
+def test_score_bars_mark_clients_whose_score_is_zero():
+    scores = {"proximity": [0.0, 0.0, 3.0, 4.0], "dissimilarity": [1.0, 1.0, 1.0, 1.0],
+              "composite": [0.0, 0.0, 3.0, 4.0], "weight": [0.0, 0.0, 3.0, 4.0]}  # fmt: skip
+    fig = report.score_bars(scores, byzantine_ids=[0, 1])
+    for ax, name in zip(fig.axes, report.SCORE_PANELS, strict=False):
+        marked = [tuple(xy) for c in ax.collections for xy in c.get_offsets()]
+        expected = [(float(i), 0.0) for i, v in enumerate(scores[name]) if v == 0]
+        assert marked == expected, name
+
+
+def test_damage_plot_has_no_offset_notation_and_formats_the_chosen_parameter():
+    search = [(0.123456, 4.29401), (0.2, 4.29405), (0.3, 4.29403)]  # a flat curve: offset notation would show
+    fig = report.damage_plot(search, "alie", defense="nnm+median")
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert (
+        ax.yaxis.get_major_formatter().get_offset() == ""
+        and ax.xaxis.get_major_formatter().get_offset() == ""
+    )
+    assert ax.get_legend().get_texts()[0].get_text() == "chosen: z = 0.2"
+    assert "NNM+Median" in ax.get_title()
+    assert report.format_parameter((1.23456, 0.5)) == "(1.23, 0.5)"
+
+
+def test_exploration_summary_names_the_defense_that_ran():
+    ex = report.Exploration(config=report.RunConfig(defense="nnm+median", attack="alie"), round=3,
+                            byzantine=[0, 1, 2], distances=torch.zeros(3, 3), scores=object(), kept=[3, 4],
+                            search=[], chosen=1.5, damage=0.25, accuracy=50.0)  # fmt: skip
+    line = report.exploration_summary(ex)
+    assert line.startswith("NNM+Median vs ALIE, round 3") and "damage under NNM+Median" in line
+    assert "ProDiGy would keep [3, 4]" in line and "kept by ProDiGy" not in line
+    prodigy = report.exploration_summary(dataclasses.replace(ex, config=report.RunConfig(attack="alie")))
+    assert prodigy.startswith("ProDiGy vs ALIE") and "kept by ProDiGy [3, 4]" in prodigy
+
+
+def test_explorer_widget_has_readable_labels_and_trains_with_round_progress():
+    pytest.importorskip("ipywidgets")
+    box = report.explorer(n_clients=6, n_byzantine=2, rounds=1, attack="alie", defense="prodigy")
+    controls = box.children[0].children
+    labels = [c.description for c in controls]
+    assert labels == list(report.EXPLORER_LABELS.values()) and not any("_" in label for label in labels)
+    button, bar = box.children[1].children
+    assert button.description == "Train and show"
+    seen = []
+    bar.observe(lambda change: seen.append(change["new"]), names="description")
+    ex = box.train()
+    assert ex is not None and ex.round == 1 and ex.config.data_dir is None
+    assert seen[-1] == "round 1 / 1" and not button.disabled
+
+
+def test_committed_quickstart_table_was_made_by_the_current_params_and_code():
+    # The cheap half of the check that committed outputs are what the committed code produces; the full
+    # half (retrain everything, compare every cell) is scripts/check_committed_quickstart.py.
+    from prodigy_core.experiments import load_experiment
+
+    committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
+    written = report.read_provenance(committed.read_text(encoding="utf-8"))
+    current = report.provenance(load_experiment("quickstart_digits"))
+    assert written == current, (
+        f"figures/quickstart_digits.* were made by other params or code ({written}; now {current}): "
+        "run `python scripts/check_committed_quickstart.py --update` and commit figures/"
+    )
+
+
+def test_provenance_names_the_runs_and_the_code(tmp_path):
+    df = fabricated(seeds=(0,), momenta=(0.0,))
+    exp = experiment(layout=HEATMAP_ONLY)
+    exp.configs = [report.RunConfig(seed=0), report.RunConfig(seed=1)]
+    md = next(p for p in report.write_report(exp, df, tmp_path) if p.suffix == ".md").read_text()
+    assert report.read_provenance(md) == report.provenance(exp)
+    other = report.provenance(types.SimpleNamespace(configs=[report.RunConfig(seed=0)]))
+    assert other != report.provenance(exp) and other.endswith(f"code {report.code_hash()}")

@@ -1,0 +1,31 @@
+"""Every pytest run (tests/ and the notebooks under nbval) reads and writes results and figures in a fresh
+temporary folder, never the user's results/ and figures/: a run already stored there would otherwise be
+loaded instead of trained, and a broken training loop would still pass.
+
+The variables are set when this file is imported, before any test module (or tests/conftest.py) imports
+prodigy_core, and before nbval starts a notebook's kernel, which inherits them.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+OUTPUT_VARIABLES = ("PRODIGY_RESULTS_DIR", "PRODIGY_FIGURES_DIR")
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="prodigy-fl-tests-"))
+_SAVED = {name: os.environ.get(name) for name in OUTPUT_VARIABLES}
+os.environ["PRODIGY_RESULTS_DIR"] = str(_SESSION_DIR / "results")
+os.environ["PRODIGY_FIGURES_DIR"] = str(_SESSION_DIR / "figures")
+
+
+def pytest_report_header(config):
+    return f"results and figures go to {_SESSION_DIR} (removed at the end)"
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+    for name, value in _SAVED.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
