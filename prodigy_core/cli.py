@@ -1,7 +1,7 @@
 """The `prodigy-fl` command line: run one config, run a params grid, report it, quickstart, data, reproduce.
 
     prodigy-fl run [PARAMS.yaml] [--set key=value ...] [--json]
-    prodigy-fl grid PARAMS.yaml [--smoke] [--executor local|ray] [--jobs N] [--force]
+    prodigy-fl grid PARAMS.yaml [--smoke] [--executor local|ray] [--jobs N] [--force] [--batch-runs K]
     prodigy-fl report PARAMS.yaml [--smoke]
     prodigy-fl quickstart
     prodigy-fl data cifar10 [DIR] [--from JPEG_COPY] | prodigy-fl data femnist [PATH]
@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-gpus", type=float, default=0, help="ray: GPUs per run, fractions allowed (0.25: 4 per GPU)"
     )
+    p.add_argument(
+        "--batch-runs", type=batch_runs, default="auto", metavar="K",
+        help="train up to K compatible runs as one batched group (auto: where faster; 1: one at a time)",
+    )  # fmt: skip
     results_dir(p)
     p.set_defaults(command=cmd_grid)
 
@@ -176,6 +180,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def batch_runs(text: str) -> int | str:
+    """--batch-runs: 'auto' or an integer >= 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use 'auto' or an integer >= 1 (1: one run at a time)")
+    return int(text)
+
+
 def cmd_grid(args: argparse.Namespace) -> int:
     from prodigy_core import results
     from prodigy_core.experiments import load_experiment, run_grid
@@ -183,7 +196,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.params, smoke=args.smoke, fields=parse_fields(args.fields))
     df = run_grid(
         experiment, executor=args.executor, jobs=args.jobs, force=args.force, results_dir=args.results_dir,
-        address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+        address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus, batch_runs=args.batch_runs,
     )  # fmt: skip
     del df
     folder = results.experiment_dir(experiment.results_name, args.results_dir)

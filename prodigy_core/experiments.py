@@ -380,6 +380,36 @@ Outcome = dict[str, Any] | BaseException
 PROGRESS_ENV = "PRODIGY_PROGRESS"  # "text": run_grid draws a text bar even in a notebook kernel (reproduce)
 
 
+def execute_group(tasks: list[Task], threads: int | None = None) -> list[tuple[str, Outcome]]:
+    """Run compatible tasks as one batched group (`prodigy_core.groups`) in this process: [(key, record or
+    error)] in the order they finished; a crash of the group itself fails every unfinished run."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return list(_group_outcomes(tasks))
+
+
+def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
+    from prodigy_core import groups
+
+    configs = [RunConfig.from_dict(t.config) for t in tasks]
+    keys = [c.key() for c in configs]
+    pending = set(keys)
+    try:
+        for i, outcome in groups.iter_group(configs, checkpoint_dir=tasks[0].checkpoint_dir):
+            pending.discard(keys[i])
+            if isinstance(outcome, BaseException):
+                yield keys[i], _with_traceback(outcome)
+            else:
+                outcome.stand_in = tasks[i].stand_in
+                yield keys[i], outcome.to_dict()
+    except Exception as e:
+        for key in keys:
+            if key in pending:
+                yield key, _with_traceback(e)
+
+
 def run_grid(
     experiment: Experiment,
     executor: str = "local",
@@ -390,6 +420,7 @@ def run_grid(
     address: str | None = None,
     num_cpus: float = 1,
     num_gpus: float = 0,
+    batch_runs: int | str = "auto",
 ) -> pd.DataFrame:
     """Run every run of the experiment that has no record yet (all of them with force) and return the
     results frame (`results.load`). Records are written by this process as runs finish; a run that raises
@@ -400,11 +431,16 @@ def run_grid(
     executor="ray": each run a Ray task with `num_cpus`/`num_gpus` (fractions allowed: 0.25 GPU runs four per
     GPU), retried once on failure; `address` joins an existing cluster (e.g. "auto" or "ray://host:10001"),
     otherwise a local Ray runtime with `jobs` CPUs is started (jobs is ignored with an address).
+    batch_runs: up to this many compatible runs train as one batched group (`prodigy_core.groups`; each
+    run's record is the one it gets alone), in this process, in a pool worker or in one Ray task; "auto"
+    (default) stacks where it is faster (`groups.batch_size_for`), 1 trains one run at a time.
     """
     if os.environ.get(PROGRESS_ENV) == "text":  # a kernel under papermill: a widget bar would go unseen
         from tqdm.std import tqdm
     else:  # a widget bar in JupyterLab, text in a terminal
         from tqdm.auto import tqdm
+
+    from prodigy_core import groups
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
@@ -422,6 +458,7 @@ def run_grid(
         )
         for c in todo
     }
+    batches = [[c.key() for c in g] for g in groups.make_groups(todo, batch_runs)]
     varying = [n for n in field_names() if len({getattr(c, n) for c in experiment.configs}) > 1]
     claims = store.Claims(folder, skip_done=not force)
     finished = failed = 0
@@ -430,11 +467,11 @@ def run_grid(
                disable=not progress, file=sys.stderr, dynamic_ncols=True)  # fmt: skip
     try:
         if executor == "ray":
-            outcomes = _ray_outcomes(tasks, claims, jobs, address, num_cpus, num_gpus)
+            outcomes = _ray_outcomes(tasks, batches, claims, jobs, address, num_cpus, num_gpus)
         elif jobs == 1:
-            outcomes = _inline_outcomes(tasks, claims)
+            outcomes = _inline_outcomes(tasks, batches, claims)
         else:
-            outcomes = _pool_outcomes(tasks, claims, jobs)
+            outcomes = _pool_outcomes(tasks, batches, claims, jobs)
         for key, outcome, seconds in outcomes:
             config = RunConfig.from_dict(tasks[key].config)
             what = " ".join(f"{n}={getattr(config, n)}" for n in varying) or config.key()
@@ -487,47 +524,66 @@ def check_writers(configs: Iterable[RunConfig]) -> None:
             raise too_few_writers(leaf, counts, c.n_clients, k)
 
 
-def _inline_outcomes(tasks: dict[str, Task], claims: store.Claims) -> Iterator[tuple[str, Outcome, float]]:
-    for key, task in tasks.items():
-        if not claims.claim(key):
-            continue
+def _inline_outcomes(
+    tasks: dict[str, Task], batches: list[list[str]], claims: store.Claims
+) -> Iterator[tuple[str, Outcome, float]]:
+    for batch in batches:
+        claimed = [tasks[key] for key in batch if claims.claim(key)]
         start = time.perf_counter()
-        try:
-            outcome: Outcome = execute(task)
-        except Exception as e:  # recorded as a failed run; the grid goes on
-            outcome = _with_traceback(e)
-        yield key, outcome, time.perf_counter() - start
+        if len(claimed) > 1:  # records stream out as the group's runs finish
+            for key, outcome in _group_outcomes(claimed):
+                yield key, outcome, time.perf_counter() - start
+            continue
+        for task in claimed:
+            key = RunConfig.from_dict(task.config).key()
+            try:
+                outcome: Outcome = execute(task)
+            except Exception as e:  # recorded as a failed run; the grid goes on
+                outcome = _with_traceback(e)
+            yield key, outcome, time.perf_counter() - start
+
+
+def _work(tasks: list[Task], threads: int | None = None) -> list[tuple[str, Outcome]]:
+    """One pool or Ray work item: a single run, or a group of runs."""
+    if len(tasks) > 1:
+        return execute_group(tasks, threads)
+    return [(RunConfig.from_dict(tasks[0].config).key(), execute(tasks[0], threads))]
 
 
 def _pool_outcomes(
-    tasks: dict[str, Task], claims: store.Claims, jobs: int
+    tasks: dict[str, Task], batches: list[list[str]], claims: store.Claims, jobs: int
 ) -> Iterator[tuple[str, Outcome, float]]:
-    """A pool of `jobs` processes; at most `jobs` runs claimed at a time (the rest stay free for others)."""
+    """A pool of `jobs` processes, each taking a run or a group; at most `jobs` claimed at a time (the rest
+    stay free for others)."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     threads = max(1, (os.cpu_count() or 1) // jobs)
     # spawn, not fork: forking a process that has started torch's thread pools can deadlock.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pending = iter(tasks.items())
-        running: dict[Any, tuple[str, float]] = {}
+        pending = iter(batches)
+        running: dict[Any, tuple[list[str], float]] = {}
 
         def fill() -> None:
             while len(running) < jobs:
-                key, task = next(pending, (None, None))
-                if key is None:
+                batch = next(pending, None)
+                if batch is None:
                     return
-                if claims.claim(key):
-                    running[pool.submit(execute, task, threads)] = (key, time.perf_counter())
+                claimed = [key for key in batch if claims.claim(key)]
+                if claimed:
+                    work = pool.submit(_work, [tasks[k] for k in claimed], threads)
+                    running[work] = (claimed, time.perf_counter())
 
         fill()
         try:
             while running:
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
-                    key, start = running.pop(future)
+                    keys, start = running.pop(future)
                     error = future.exception()
-                    yield key, error if error is not None else future.result(), time.perf_counter() - start
+                    pairs = [(k, error) for k in keys] if error is not None else future.result()
+                    for key, outcome in pairs:
+                        yield key, outcome, time.perf_counter() - start
                 fill()
         finally:
             for future in running:
@@ -536,13 +592,15 @@ def _pool_outcomes(
 
 def _ray_outcomes(
     tasks: dict[str, Task],
+    batches: list[list[str]],
     claims: store.Claims,
     jobs: int,
     address: str | None,
     num_cpus: float,
     num_gpus: float,
 ) -> Iterator[tuple[str, Outcome, float]]:
-    """Every claimed run as a Ray task; yields them as they complete (the driver writes the records)."""
+    """Every claimed run or group as a Ray task; yields them as they complete (the driver writes the
+    records)."""
     try:
         import ray
     except ImportError:
@@ -553,21 +611,23 @@ def _ray_outcomes(
             ray.init(address=address, log_to_driver=False)
         else:
             ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
-    remote = ray.remote(max_retries=1, retry_exceptions=True)(execute)
-    refs: dict[Any, tuple[str, float]] = {}
+    remote = ray.remote(max_retries=1, retry_exceptions=True)(_work)
+    refs: dict[Any, tuple[list[str], float]] = {}
     try:
-        for key, task in tasks.items():
-            if claims.claim(key):
-                ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(task)
-                refs[ref] = (key, time.perf_counter())
+        for batch in batches:
+            claimed = [key for key in batch if claims.claim(key)]
+            if claimed:
+                ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote([tasks[k] for k in claimed])
+                refs[ref] = (claimed, time.perf_counter())
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1)
-            key, start = refs.pop(done[0])
+            keys, start = refs.pop(done[0])
             try:
-                outcome: Outcome = ray.get(done[0])
+                pairs: list[tuple[str, Outcome]] = ray.get(done[0])
             except Exception as e:  # failed twice (one retry): record it, keep going
-                outcome = getattr(e, "cause", None) or e
-            yield key, outcome, time.perf_counter() - start
+                pairs = [(key, getattr(e, "cause", None) or e) for key in keys]
+            for key, outcome in pairs:
+                yield key, outcome, time.perf_counter() - start
     finally:
         for ref in refs:
             ray.cancel(ref, force=True)
@@ -586,6 +646,7 @@ __all__ = [
     "Task",
     "check_writers",
     "execute",
+    "execute_group",
     "experiment_from_spec",
     "load_experiment",
     "resolve_params",

@@ -32,14 +32,16 @@ buffers and evaluates in training mode; we evaluate in eval mode under `no_grad`
 
 Engines (same semantics, same batches drawn from the same generator):
 - ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters and
-  BatchNorm buffers (`randomness="different"`: independent dropout masks per client), elementwise SGD on the
-  stacked tensors. Clients smaller than batch_size are vmapped in groups of equal batch width, so every
-  client's loss and BatchNorm batch statistics use exactly its own b_k samples.
+  BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn before the
+  step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout), and passed in
+  (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this way. Clients
+  smaller than batch_size are vmapped in groups of equal batch width, so every client's loss and BatchNorm
+  batch statistics use exactly its own b_k samples.
 - ``sequential``: the reference, one model copy trained client after client on exactly its valid entries.
 - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per run
   (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
-  Dropout masks come from the compiler's random stream, so with dropout the numbers differ from `batched`
-  as two seeds would; without dropout the two agree to float32 rounding (tested). Opt-in: `auto` never
+  It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
+  dropout). Opt-in: `auto` never
   picks it (see the README's benchmark notes for where it pays).
 - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
   (`AUTO_CPU_ENGINE`).
@@ -59,6 +61,7 @@ one; the checkpoint is deleted when the run completes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -80,8 +83,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from tqdm.auto import tqdm
 
 import prodigy_core
-from prodigy_core.aggregators import ProDiGy, make_aggregator, pairwise_sq_distances
-from prodigy_core.attacks import make_attack
+from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
+from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
@@ -149,21 +152,77 @@ def run(
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
     cfg = config.resolved()
     device = resolve_device(cfg.device)
-    n, f, beta = cfg.n_clients, cfg.n_byzantine, cfg.local_momentum
-    fed = _load_federation(cfg, device)
-    seed_everything(cfg.seed)
-    model = make_model(cfg.dataset).to(device).train()
     engine = pick_engine(cfg.engine, device, cfg.dataset)
+    st = start_run(config, device, engine, checkpoint_dir)
     if engine == "sequential":
         local_steps = _local_steps_sequential
     else:  # one gradient function for the whole run, so that a compiled one compiles once
-        grad_fn = per_client_grad(model, compiled=engine == "compiled")
+        grad_fn = per_client_grad(st.model, compiled=engine == "compiled")
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
+
+    bar = tqdm(total=cfg.rounds, initial=st.start, disable=not progress, unit="round",
+               desc=f"{cfg.dataset} {cfg.defense}/{cfg.attack}")  # fmt: skip
+    for r in range(st.start + 1, cfg.rounds + 1):
+        tic = time.perf_counter()
+        gamma = cfg.lr_at(r - 1)
+        pseudo_grads, client_buffers = local_steps(st.model, st.fed, cfg.local_steps, gamma, cfg, st.data_gen)
+        if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
+            break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        st.result.round_times.append(time.perf_counter() - tic)
+        if not end_round(st, r):
+            break
+        bar.set_postfix(lr=gamma, acc=f"{st.result.final_accuracy:.1f}", refresh=False)
+        bar.update(1)
+        if _stop_after == r:
+            bar.close()
+            return st.result
+    bar.close()
+    return finish_run(st)
+
+
+# ------------------------------------------------------------------------------------------- one run's state
+@dataclass
+class RunState:
+    """One run between two rounds: what its rounds read and write and what its checkpoint holds. `run` keeps
+    one; `prodigy_core.groups` keeps one per run of a group and calls the same step functions."""
+
+    config: RunConfig  # as given: its key names the checkpoint and the record
+    cfg: RunConfig  # resolved
+    fed: Federation  # this run's (label-flipped clients included)
+    model: nn.Module  # the server model
+    pipeline: Pipeline
+    attack: Attack | None
+    data_gen: torch.Generator  # batches and augmentation
+    momentum: Tensor  # (N, d) local momentum of every client
+    result: RunResult
+    ckpt: Path | None
+    start: int = 0  # rounds already done (restored from the checkpoint)
+    hits: int = 0  # ProDiGy: zeroed clients that are Byzantine, summed over rounds
+
+
+def start_run(
+    config: RunConfig,
+    device: torch.device,
+    engine: str,
+    checkpoint_dir: str | Path | None = None,
+    fed: Federation | None = None,
+) -> RunState:
+    """A run's state before its first round to do: seeded model, pipeline, attack, generators, resumed from
+    its checkpoint in `checkpoint_dir` when one exists. `fed`: the run's federation when the caller already
+    loaded it (it is not modified: label flipping works on a shallow copy)."""
+    cfg = config.resolved()
+    n, f = cfg.n_clients, cfg.n_byzantine
+    fed = _load_federation(cfg, device) if fed is None else fed
+    seed_everything(cfg.seed)
+    model = make_model(cfg.dataset).to(device).train()
     pipeline = make_aggregator(cfg.defense, f, n_clients=n, variant=cfg.variant)
     attack = None
     if f > 0 and cfg.attack != "none":
         attack = make_attack(cfg.attack, variant=cfg.variant)
         if attack.flips_labels:
+            fed = copy.copy(fed)  # flip_labels replaces the copy's label tensor, never the shared one
             fed.flip_labels(range(f))
     data_gen = torch.Generator(device=device).manual_seed(cfg.seed)
     momentum = torch.zeros(n, sum(p.numel() for p in model.parameters()), device=device)
@@ -171,85 +230,91 @@ def run(
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
     result.environment = _environment(device, engine)
-    hits = 0  # ProDiGy: zeroed clients that are Byzantine, summed over rounds
-
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
-    start = 0
+    st = RunState(config, cfg, fed, model, pipeline, attack, data_gen, momentum, result, ckpt)
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=False)
         if state["key"] != config.key():
             raise ValueError(
                 f"checkpoint {ckpt} belongs to another config ({state['key']} != {config.key()})"
             )
-        start, momentum = state["round"], state["momentum"]
+        st.start, st.momentum = state["round"], state["momentum"]
         model.load_state_dict(state["model"])
         pipeline.load_state_dict(state["pipeline"])
-        result = RunResult.from_dict(state["result"])
-        hits = state["hits"]
+        st.result = RunResult.from_dict(state["result"])
+        st.hits = state["hits"]
         _set_rng_states(state["rng"], data_gen)
+    return st
 
-    bar = tqdm(total=cfg.rounds, initial=start, disable=not progress, unit="round",
-               desc=f"{cfg.dataset} {cfg.defense}/{cfg.attack}")  # fmt: skip
-    for r in range(start + 1, cfg.rounds + 1):
-        tic = time.perf_counter()
-        gamma = cfg.lr_at(r - 1)
-        pseudo_grads, client_buffers = local_steps(model, fed, cfg.local_steps, gamma, cfg, data_gen)
-        momentum = local_momentum(momentum, pseudo_grads, beta)
-        if not bool(torch.isfinite(momentum[f:]).all()):  # honest training blew up: the model has diverged
-            result.diverged, result.diverged_at, result.rounds_completed = True, r, r
-            break
-        pipeline.new_round(parameters_to_vector(model.parameters()).detach())
-        updates = server_input(momentum, f, attack, pipeline)
-        result.attack_params.append(None if attack is None else _as_float(attack.last_param))
-        if r in cfg.record_distances_at:
-            result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
-        if on_round is not None:
-            on_round(r, updates, momentum, pipeline, attack)
-        aggregate = pipeline(updates)
-        if isinstance(pipeline.rule, ProDiGy) and len(pipeline.rule.last_scores.weight) == n:
-            zeroed = torch.nonzero(pipeline.rule.last_scores.weight == 0).flatten().tolist()
-            result.zeroed_clients.append(zeroed)
-            hits += sum(k < f for k in zeroed)
-        theta = parameters_to_vector(model.parameters()) - gamma * aggregate
-        result.rounds_completed = r
-        if not bool(torch.isfinite(theta).all()):
+
+def server_round(
+    st: RunState,
+    r: int,
+    gamma: float,
+    pseudo_grads: Tensor,
+    client_buffers: dict[str, Tensor],
+    on_round: Callable[..., None] | None = None,
+) -> bool:
+    """Steps 2-4 of round r from the clients' pseudo-gradients (N, d) and BatchNorm reports: momentum, attack,
+    aggregation, server step. Returns False when the run diverged (recorded in `st.result`)."""
+    cfg, result, f, beta = st.cfg, st.result, st.cfg.n_byzantine, st.cfg.local_momentum
+    st.momentum = momentum = local_momentum(st.momentum, pseudo_grads, beta)
+    if not bool(torch.isfinite(momentum[f:]).all()):  # honest training blew up: the model has diverged
+        result.diverged, result.diverged_at, result.rounds_completed = True, r, r
+        return False
+    st.pipeline.new_round(parameters_to_vector(st.model.parameters()).detach())
+    updates = server_input(momentum, f, st.attack, st.pipeline)
+    result.attack_params.append(None if st.attack is None else _as_float(st.attack.last_param))
+    if r in cfg.record_distances_at:
+        result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
+    if on_round is not None:
+        on_round(r, updates, momentum, st.pipeline, st.attack)
+    aggregate = st.pipeline(updates)
+    if isinstance(st.pipeline.rule, ProDiGy) and len(st.pipeline.rule.last_scores.weight) == cfg.n_clients:
+        zeroed = torch.nonzero(st.pipeline.rule.last_scores.weight == 0).flatten().tolist()
+        result.zeroed_clients.append(zeroed)
+        st.hits += sum(k < f for k in zeroed)
+    theta = parameters_to_vector(st.model.parameters()) - gamma * aggregate
+    result.rounds_completed = r
+    if not bool(torch.isfinite(theta).all()):
+        result.diverged, result.diverged_at = True, r
+        return False
+    vector_to_parameters(theta, st.model.parameters())
+    _set_server_buffers(st.model, client_buffers)
+    return True
+
+
+def end_round(st: RunState, r: int) -> bool:
+    """After round r's server step: evaluate when due, save the checkpoint when due. Returns False when the
+    run diverged (``authors``: a test loss that is not finite; recorded in `st.result`)."""
+    cfg, result = st.cfg, st.result
+    if r % cfg.eval_every == 0 or r == cfg.rounds:
+        train_mode = cfg.variant == "authors"
+        result.final_accuracy, result.final_loss = evaluate(st.model, st.fed, train_mode=train_mode)
+        result.accuracy_curve.append([r, result.final_accuracy])
+        if cfg.variant == "authors" and not math.isfinite(result.final_loss):  # the authors' divergence
             result.diverged, result.diverged_at = True, r
-            break
-        vector_to_parameters(theta, model.parameters())
-        _set_server_buffers(model, client_buffers)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        result.round_times.append(time.perf_counter() - tic)
+            return False
+    if st.ckpt is not None and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
+        state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
+                 "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
+                 "rng": _get_rng_states(st.data_gen)}  # fmt: skip
+        with atomic_write(st.ckpt, "wb") as fh:  # a kill never leaves a half-written checkpoint
+            torch.save(state, fh)
+    return True
 
-        if r % cfg.eval_every == 0 or r == cfg.rounds:
-            result.final_accuracy, result.final_loss = evaluate(
-                model, fed, train_mode=cfg.variant == "authors"
-            )
-            result.accuracy_curve.append([r, result.final_accuracy])
-            if cfg.variant == "authors" and not math.isfinite(result.final_loss):  # the authors' divergence
-                result.diverged, result.diverged_at = True, r
-                break
-        bar.set_postfix(lr=gamma, acc=f"{result.final_accuracy:.1f}", refresh=False)
-        bar.update(1)
-        if ckpt is not None and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
-            state = {"key": config.key(), "round": r, "model": model.state_dict(), "momentum": momentum,
-                     "pipeline": pipeline.state_dict(), "result": result.to_dict(), "hits": hits,
-                     "rng": _get_rng_states(data_gen)}  # fmt: skip
-            with atomic_write(ckpt, "wb") as fh:  # a kill never leaves a half-written checkpoint
-                torch.save(state, fh)
-        if _stop_after == r:
-            bar.close()
-            return result
-    bar.close()
 
+def finish_run(st: RunState) -> RunResult:
+    """The final record once the run completed or diverged; its checkpoint is deleted."""
+    result, f = st.result, st.cfg.n_byzantine
     if result.diverged:
-        result.final_accuracy, result.final_loss = diverged_accuracy(fed, cfg.variant), None
+        result.final_accuracy, result.final_loss = diverged_accuracy(st.fed, st.cfg.variant), None
     if result.zeroed_clients and f > 0:
         flagged = sum(len(z) for z in result.zeroed_clients)
-        result.detection_precision = hits / flagged if flagged else None
-        result.detection_recall = hits / (len(result.zeroed_clients) * f)
-    if ckpt is not None and ckpt.exists():
-        ckpt.unlink()
+        result.detection_precision = st.hits / flagged if flagged else None
+        result.detection_recall = st.hits / (len(result.zeroed_clients) * f)
+    if st.ckpt is not None and st.ckpt.exists():
+        st.ckpt.unlink()
     return result
 
 
@@ -285,21 +350,60 @@ def _draw_batch(fed: Federation, batch_size: int, gen: torch.Generator) -> tuple
     return fed.train_batch(idx, gen), fed.train_labels[idx], mask
 
 
-def _client_loss(model: nn.Module, params: dict, buffers: dict, x: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
+class _MaskedDropout(nn.Module):
+    """nn.Dropout with its mask given from outside (`mask`, already scaled by 1 / (1 - p)): the batched
+    engine draws every client's masks before its vmapped step, so that each run draws them from its own
+    random stream (see `ClientGrad`)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p, self.mask, self.shape = p, None, None
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.shape = self.shape or tuple(x.shape[1:])  # recorded by ClientGrad's shape probe
+        return x if self.mask is None else x * self.mask
 
 
-def per_client_grad(model: nn.Module, compiled: bool = False) -> Callable[..., dict[str, Tensor]]:
+def _client_loss(model: nn.Module, params: dict, buffers: dict, masks: dict, x: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(functional_call(model, (params, buffers, masks), (x,)), y)
+
+
+class ClientGrad:
     """(params, buffers, x, y), each stacked over clients -> every client's gradient of its loss; BatchNorm
-    buffers are updated in place. Independent dropout masks per client; ``compiled``: under torch.compile."""
-    fn = vmap(grad(functools.partial(_client_loss, model)), randomness="different")
-    if not compiled:
-        return fn
-    compiled_fn = torch.compile(fn)
+    buffers are updated in place. ``compiled``: the vmapped step under torch.compile.
 
-    def step(*args: Any) -> dict[str, Tensor]:
+    Dropout: every client's mask is drawn before the vmapped step, as F.dropout draws it (bernoulli(1 - p)
+    / (1 - p)) from torch's global generator of the device, one (clients, width, ...) tensor per dropout
+    layer, and passed in. A run's masks then come from its own random stream even when its clients share
+    one vmapped step with other runs' (`prodigy_core.groups` draws each run's masks under its own RNG
+    state), and the compiled step uses the same masks as the eager one."""
+
+    def __init__(self, model: nn.Module, compiled: bool = False) -> None:
+        self.template = copy.deepcopy(model)  # its weights are never used: functional_call supplies them
+        for name, m in list(self.template.named_modules()):
+            if isinstance(m, nn.Dropout) and m.p > 0:
+                self.template.set_submodule(name, _MaskedDropout(m.p))
+        self.dropouts = {f"{name}.mask": m for name, m in self.template.named_modules()
+                         if isinstance(m, _MaskedDropout)}  # fmt: skip
+        fn = vmap(grad(functools.partial(_client_loss, self.template)), randomness="error")
+        self.fn, self.compiled = (torch.compile(fn) if compiled else fn), compiled
+
+    def masks(self, x: Tensor) -> dict[str, Tensor]:
+        """Dropout masks for a step on x (clients, width, C, H, W), drawn from the global generator."""
+        if any(m.shape is None for m in self.dropouts.values()):  # one forward to learn their input shapes
+            with torch.no_grad():
+                self.template.eval()(x[0, :1])
+                self.template.train()
+        n, width = x.shape[:2]
+        return {name: torch.empty((n, width, *m.shape), device=x.device, dtype=x.dtype)
+                .bernoulli_(1 - m.p).div_(1 - m.p) for name, m in self.dropouts.items()}  # fmt: skip
+
+    def __call__(self, params: dict, buffers: dict, x: Tensor, y: Tensor, masks: dict | None = None) -> dict:
+        masks = self.masks(x) if masks is None else masks
+        if not self.compiled:
+            return self.fn(params, buffers, masks, x, y)
         try:
-            return compiled_fn(*args)
+            return self.fn(params, buffers, masks, x, y)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             raise RuntimeError(
                 "engine='compiled': torch.compile could not build the training step (on a CPU it needs a "
@@ -307,7 +411,10 @@ def per_client_grad(model: nn.Module, compiled: bool = False) -> Callable[..., d
                 f"uncompiled. The compiler said: {str(e.inner_exception).strip().splitlines()[0]}"
             ) from e
 
-    return step
+
+def per_client_grad(model: nn.Module, compiled: bool = False) -> ClientGrad:
+    """The batched engine's gradient function for `model` (see `ClientGrad`)."""
+    return ClientGrad(model, compiled)
 
 
 def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:
@@ -325,46 +432,92 @@ def _local_steps_batched(
     lr: float,
     cfg: RunConfig,
     gen: torch.Generator,
-    grad_fn: Callable[..., dict[str, Tensor]] | None = None,
+    grad_fn: ClientGrad | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """All N clients' E local SGD steps as one vmapped computation; returns the pseudo-gradients (N, d) and
-    the clients' BatchNorm buffers {name: (N, ...)}.
-
-    Clients with fewer than batch_size samples form one vmapped group per batch width, so that every client
-    trains on exactly its b_k valid samples (padding would enter BatchNorm's batch statistics); with IID data
-    or large clients there is a single group and no indexing. ``grad_fn``: `per_client_grad(model)` built
-    once by the caller (compiled or not); None builds an eager one.
-    """
-    n = fed.n_clients
-
-    def stack(t: Tensor) -> Tensor:
-        return t.detach().unsqueeze(0).repeat(n, *([1] * t.dim()))
-
-    params = {name: stack(p) for name, p in model.named_parameters()}
-    buffers = {name: stack(b) for name, b in model.named_buffers()}
+    the clients' BatchNorm buffers {name: (N, ...)}. ``grad_fn``: `per_client_grad(model)` built once by the
+    caller (compiled or not); None builds an eager one."""
     step = grad_fn or per_client_grad(model)
-    groups = _width_groups(fed, cfg.batch_size)
+    ((pseudo_grads, buffers),) = local_steps_stacked([model], [fed], steps, [lr], cfg, [gen], step)
+    return pseudo_grads, buffers
+
+
+def local_steps_stacked(
+    models: list[nn.Module],
+    feds: list[Federation],
+    steps: int,
+    lrs: list[float],
+    cfg: RunConfig,
+    gens: list[torch.Generator],
+    grad_fn: ClientGrad,
+    own_rng: list[Callable[[], Any]] | None = None,
+) -> list[tuple[Tensor, dict[str, Tensor]]]:
+    """The E local SGD steps of R runs' N clients each (R = len(models), same architecture, same client
+    data sizes, same E, batch size and weight decay `cfg`) as one vmapped computation over R x N clients;
+    returns every run's (pseudo-gradients (N, d), BatchNorm buffers {name: (N, ...)}).
+
+    Run i draws its batches from `gens[i]` and, within `own_rng[i]()` (a context manager that makes run i's
+    RNG state the global one; None: the global state as it is), its dropout masks, in the order a run alone
+    draws them, so its numbers do not depend on the other runs. Clients with fewer than batch_size samples
+    form one vmapped group per batch width, so that every client trains on exactly its b_k valid samples
+    (padding would enter BatchNorm's batch statistics); with IID data or large clients there is a single
+    group and no indexing."""
+    runs, n = len(models), feds[0].n_clients
+    contexts = own_rng or [contextlib.nullcontext] * runs
+
+    def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
+        return torch.stack([t.detach() for t in tensors]).repeat_interleave(n, dim=0)
+
+    named = [dict(m.named_parameters()) for m in models]
+    params = {name: stack([p[name] for p in named]) for name in named[0]}
+    named = [dict(m.named_buffers()) for m in models]
+    buffers = {name: stack([b[name] for b in named]) for name in named[0]}
+    solo = _width_groups(feds[0], cfg.batch_size)
+    stacked = [None if ids is None else torch.cat([ids + i * n for i in range(runs)]) for _, ids in solo]
+    # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
+    per_run = len(set(lrs)) > 1
     for _ in range(steps):
-        x, y, _ = _draw_batch(fed, cfg.batch_size, gen)
-        for width, ids in groups:
+        parts = []  # per run, per width group: (images, labels, dropout masks)
+        for i in range(runs):
+            with contexts[i]():
+                x, y, _ = _draw_batch(feds[i], cfg.batch_size, gens[i])
+                sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
+                parts.append([(xg, yg, grad_fn.masks(xg)) for xg, yg in sub])
+        for g, ids in enumerate(stacked):
+            xs, ys, ms = _cat_runs([run[g] for run in parts])
             if ids is None:
-                p, b, xs, ys = params, buffers, x[:, :width], y[:, :width]
+                p, b = params, buffers
             else:
                 p = {name: v[ids] for name, v in params.items()}
                 b = {name: v[ids] for name, v in buffers.items()}
-                xs, ys = x[ids, :width], y[ids, :width]
-            grads, weights = list(step(p, b, xs, ys).values()), list(p.values())
-            if cfg.weight_decay:
-                torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
-            torch._foreach_add_(weights, grads, alpha=-lr)
+            grads, weights = list(grad_fn(p, b, xs, ys, ms).values()), list(p.values())
+            rows = len(weights[0]) // runs
+            for i, lr in enumerate(lrs if per_run else lrs[:1]):
+                sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
+                g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
+                if cfg.weight_decay:
+                    torch._foreach_add_(g_i, w_i, alpha=cfg.weight_decay)
+                torch._foreach_add_(w_i, g_i, alpha=-lr)
             if ids is not None:  # write the group's weights and BatchNorm buffers back
                 for name, v in p.items():
                     params[name][ids] = v
                 for name, v in b.items():
                     buffers[name][ids] = v
-    start = parameters_to_vector(model.parameters()).detach()
-    end = torch.cat([p.reshape(n, -1) for p in params.values()], dim=1)
-    return (start - end) / lr, buffers
+    end = torch.cat([p.reshape(runs * n, -1) for p in params.values()], dim=1)
+    out = []
+    for i, model in enumerate(models):
+        start = parameters_to_vector(model.parameters()).detach()
+        rows = slice(i * n, (i + 1) * n)
+        out.append(((start - end[rows]) / lrs[i], {name: v[rows] for name, v in buffers.items()}))
+    return out
+
+
+def _cat_runs(parts: list[tuple[Tensor, Tensor, dict[str, Tensor]]]) -> tuple[Tensor, Tensor, dict]:
+    """Runs' (images, labels, masks) joined along the client axis (no copy for a single run)."""
+    if len(parts) == 1:
+        return parts[0]
+    xs, ys, ms = zip(*parts, strict=True)
+    return torch.cat(xs), torch.cat(ys), {k: torch.cat([m[k] for m in ms]) for k in ms[0]}
 
 
 def _local_steps_sequential(

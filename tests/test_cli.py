@@ -34,6 +34,9 @@ def grid_file(tmp_path):
     return path
 
 
+ONE_AT_A_TIME = ("--batch-runs", "1")
+
+
 def cli(*args: str, results_dir: Path, **popen) -> subprocess.Popen:
     # one torch thread per process: several run at once, and the numbers must not depend on which ran what
     env = {**os.environ, "PRODIGY_RESULTS_DIR": str(results_dir), "OMP_NUM_THREADS": "1"}
@@ -151,9 +154,11 @@ def test_data_cifar10_from_a_jpeg_copy_folder(tmp_path, capsys, jpeg_folder):
 
 def test_grid_killed_and_resumed_equals_an_uninterrupted_grid_run_by_two_processes(tmp_path, grid_file):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
+    # one run at a time, so that the kill falls between two records (a group's runs finish together; its
+    # kill and resume are tests/test_groups.py's)
     # the reference: two processes working on the same grid at the same time
-    references = [cli("grid", str(grid_file), results_dir=whole) for _ in range(2)]
-    victim = cli("grid", str(grid_file), results_dir=broken)
+    references = [cli("grid", str(grid_file), *ONE_AT_A_TIME, results_dir=whole) for _ in range(2)]
+    victim = cli("grid", str(grid_file), *ONE_AT_A_TIME, results_dir=broken)
     folder = broken / "cli_small"
     deadline = time.monotonic() + 300
     while not snapshot(folder) and victim.poll() is None and time.monotonic() < deadline:
@@ -165,7 +170,7 @@ def test_grid_killed_and_resumed_equals_an_uninterrupted_grid_run_by_two_process
     for _, content in before.values():
         assert json.loads(content)["status"] == "done"  # every record on disk is whole
 
-    rerun = cli("grid", str(grid_file), results_dir=broken)
+    rerun = cli("grid", str(grid_file), *ONE_AT_A_TIME, results_dir=broken)
     _, err = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, err
     assert err.count("done   ") == 4 - len(before)  # no finished run redone

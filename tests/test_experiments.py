@@ -345,13 +345,27 @@ def fake_execute(task, threads=None):
             "environment": {"device": "cpu"}, "stand_in": task.stand_in}  # fmt: skip
 
 
+def fake_group(tasks):
+    """Stands in for a batched group: each run's fake record, as the group would stream them."""
+    group_sizes.append(len(tasks))
+    for task in tasks:
+        key = RunConfig.from_dict(task.config).key()
+        try:
+            yield key, fake_execute(task)
+        except RuntimeError as e:
+            yield key, e
+
+
 calls: list[str] = []
+group_sizes: list[int] = []
 
 
 @pytest.fixture
 def fake_training(monkeypatch):
     calls.clear()
+    group_sizes.clear()
     monkeypatch.setattr(experiments, "execute", fake_execute)
+    monkeypatch.setattr(experiments, "_group_outcomes", fake_group)
     return calls
 
 
@@ -370,6 +384,7 @@ def test_run_grid_stores_skips_finished_and_records_failures(tmp_path, fake_trai
     experiment = small_grid(tmp_path)
     assert len(experiment.configs) == 6  # smoke: seed 0 only
     df = run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    assert group_sizes == [6]  # digits stand-ins on a CPU: one batched group (batch_runs="auto")
     folder = tmp_path / "res" / "small-smoke"
     ok = [c for c in experiment.configs if c.attack != "lf"]
     assert sorted(calls) == sorted(c.key() for c in ok)

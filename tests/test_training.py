@@ -210,22 +210,16 @@ def test_alie_harms_average_and_prodigy_reports_detection():
     assert clean.detection_precision is None and clean.zeroed_clients == []
 
 
-def test_label_flip_flips_only_byzantine_clients(monkeypatch):
-    seen = {}
-    original = training._load_federation
-
-    def spy(cfg, device):
-        seen["fed"] = original(cfg, device)
-        seen["labels"] = seen["fed"].train_labels.clone()
-        return seen["fed"]
-
-    monkeypatch.setattr(training, "_load_federation", spy)
-    run(tiny(n_byzantine=2, attack="lf", rounds=1), progress=False)
-    fed, before = seen["fed"], seen["labels"]
+def test_label_flip_flips_only_byzantine_clients():
+    cfg = tiny(n_byzantine=2, attack="lf", rounds=1)
+    shared = training._load_federation(cfg.resolved(), torch.device("cpu"))
+    before = shared.train_labels.clone()
+    fed = training.start_run(cfg, torch.device("cpu"), "batched", fed=shared).fed
     byzantine = torch.cat(fed.client_indices[:2])
     honest = torch.cat(fed.client_indices[2:])
     assert torch.equal(fed.train_labels[byzantine], 9 - before[byzantine])
     assert torch.equal(fed.train_labels[honest], before[honest])
+    assert torch.equal(shared.train_labels, before)  # a federation shared by a group of runs is not touched
 
 
 # ----------------------------------------------------------------------------------------- result record

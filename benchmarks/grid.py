@@ -1,0 +1,106 @@
+"""Batched groups of runs (`prodigy_core.groups`) against one run at a time, measured in one process.
+
+CPU: the quickstart grid (params/quickstart_digits.yaml: 42 digits runs), trained in groups of `--batch-runs`
+(default: what `--batch-runs auto` picks) and one run at a time with `training.run`; prints both wall times,
+their ratio and whether every run's final accuracy agrees. `--rounds` and `--runs` shrink the grid.
+
+GPU (only where CUDA is available): Table I's FedAVG block shapes (CIFAR-10 CNN, N=10, E=10, b=64, 42 runs:
+7 defenses x 6 attacks) on synthetic CIFAR-10-shaped data, a group of K runs (K: as many of the 42 as
+`groups.batch_size_for` allows in free memory, or `--gpu-runs`) against one run alone; prints training
+images/s of each and the projection for all the paper's runs (every params file, full scale) at the
+batched throughput.
+
+    python benchmarks/grid.py                          # the whole quickstart on this machine's CPU (+ GPU)
+    python benchmarks/grid.py --rounds 2 --runs 4      # a check that it works, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from prodigy_core import groups, training
+from prodigy_core.experiments import PARAMS_DIR, load_experiment
+
+
+def cpu_quickstart(rounds: int | None, runs: int | None, batch_runs: int | str) -> None:
+    fields = {"device": "cpu"} | ({"rounds": rounds} if rounds else {})
+    configs = load_experiment("quickstart_digits", fields=fields).configs[:runs]
+    made = groups.make_groups(configs, batch_runs)
+    print(f"CPU quickstart: {len(configs)} runs x {configs[0].rounds} rounds, {torch.get_num_threads()} "
+          f"threads; groups of {[len(g) for g in made]} (--batch-runs {batch_runs})")  # fmt: skip
+    training.run(configs[0].replace(rounds=1), progress=False)  # warm-up (data, imports), not timed
+    list(groups.iter_group(configs[:2]))
+    tic = time.perf_counter()
+    batched = {}
+    for group in made:
+        for i, outcome in groups.iter_group(group):
+            batched[group[i].key()] = outcome
+    t_batched = time.perf_counter() - tic
+    tic = time.perf_counter()
+    alone = {c.key(): training.run(c, progress=False) for c in configs}
+    t_alone = time.perf_counter() - tic
+    same = sum(batched[k].final_accuracy == r.final_accuracy for k, r in alone.items())
+    print(f"  batched groups : {t_batched:8.1f} s")
+    print(f"  one at a time  : {t_alone:8.1f} s")
+    print(f"  speed-up       : {t_alone / t_batched:8.2f}x   (final accuracy equal in {same}/{len(configs)})")
+
+
+def gpu_table1_fedavg(rounds: int, runs: int | None) -> None:
+    import importlib
+
+    synthetic_federation = importlib.import_module("training").synthetic_federation  # benchmarks/training.py
+    device = torch.device("cuda")
+    table = load_experiment("table1_cifar10", fields={"device": "cuda", "engine": "batched"})
+    block = [c for c in table.configs if (c.local_steps, c.distribution, c.local_momentum) == (10, "iid", 0)]
+    fed = synthetic_federation("cifar10", 10, 640, device)
+    training._load_federation = lambda cfg, dev: fed  # synthetic data of the right shape for every run
+    k = runs or min(len(block), groups.batch_size_for(block[0]))
+    configs = [c.replace(rounds=rounds + 1, eval_every=rounds + 1) for c in block[:k]]
+    images_per_round = configs[0].n_clients * configs[0].local_steps * configs[0].batch_size
+    gib = groups.memory_per_run(block[0]) / 2**30
+    print(
+        f"GPU {torch.cuda.get_device_name(device)}: Table I FedAVG block (CIFAR-10 CNN, N=10, E=10, b=64), "
+        f"{len(block)} runs; group of {k} (estimated {gib:.2f} GiB per run)"
+    )
+
+    solo = training.run(configs[0], progress=False).round_times[1:]  # first round: warm-up
+    solo_ips = images_per_round / statistics.median(solo)
+    records = groups.run_group(configs)
+    steps = [sum(r.round_times[j] for r in records) for j in range(1, rounds + 1)]
+    group_ips = k * images_per_round / statistics.median(steps)
+    print(f"  one at a time  : {solo_ips:10.0f} images/s ({statistics.median(solo):.3f} s per round)")
+    print(f"  group of {k:<5} : {group_ips:10.0f} images/s ({statistics.median(steps):.3f} s per step)")
+    print(f"  speed-up       : {group_ips / solo_ips:10.2f}x")
+
+    paper = [c for p in sorted(PARAMS_DIR.glob("*.yaml")) if p.stem != "quickstart_digits"
+             for c in load_experiment(p).configs]  # fmt: skip
+    total = sum(c.rounds * c.n_clients * c.local_steps * c.batch_size for c in paper)
+    print(
+        f"  projection     : {len(paper)} paper runs, {total / 1e9:.1f} G training images: "
+        f"{total / group_ips / 3600:.1f} h batched, {total / solo_ips / 3600:.1f} h one at a time "
+        f"(CIFAR-10 throughput for every run; FEMNIST's CNN is of similar cost)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="CPU: rounds per run (default: the grid's)")
+    parser.add_argument("--runs", type=int, default=None, help="CPU: the first RUNS runs only")
+    parser.add_argument("--batch-runs", default="auto", help="CPU: group size (auto or an integer)")
+    parser.add_argument("--gpu-rounds", type=int, default=3, help="GPU: timed rounds (after one warm-up)")
+    parser.add_argument("--gpu-runs", type=int, default=None, help="GPU: group size (default: memory cap)")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
+    args = parser.parse_args()
+    batch_runs = args.batch_runs if args.batch_runs == "auto" else int(args.batch_runs)
+    if not args.no_cpu:
+        cpu_quickstart(args.rounds, args.runs, batch_runs)
+    if torch.cuda.is_available():
+        gpu_table1_fedavg(args.gpu_rounds, args.gpu_runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""Many runs as one batched computation: R runs' clients stacked (R x N models) in one vmapped local step.
+
+Runs of one grid block share the dataset, the model, N, E and b and differ in defense, attack, seed, momentum
+and schedule; on a GPU one run's step (N=10 clients) is far too small for the card, on a CPU it is
+overhead-bound. A group trains R compatible runs (`group_key`) together:
+
+- the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at its
+  own learning rate, on its own batches and dropout masks;
+- everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
+  flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
+  state, server step, BatchNorm median), `end_round` (evaluation, checkpoint) and `finish_run` (record).
+
+Independence from the group. Each run owns a full RNG state (torch's CPU and CUDA generators, python's and
+numpy's), seeded from the run alone exactly as `training.run` seeds it; whenever code of run i runs (its
+batch and dropout-mask draws, its server side, its evaluation and checkpoint) its state is made the global
+one and saved back afterwards. Run i thus consumes the same random numbers in the same order as alone, and
+its record (same key, same fields, same checkpoint file) does not depend on which runs share the group or on
+their order; in float64 the parameters agree with a run alone to rounding (tests/test_groups.py). Only
+`round_times` differ: a member's round time is its share of the group's local steps plus its own server
+side; `environment.group_size` records R.
+
+Compatibility: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
+data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the batched
+engine alone (`training.pick_engine`). `variant` is not part of the key: it changes the server side (rules,
+SF written into the momentum, CClip from theta_t), the evaluation (train mode) and the diverged accuracy,
+all of which run per member in `server_round`, `end_round` and `finish_run`. Runs with
+different splits are not stacked (it would need per-run index tables and width groups); they go to other
+groups. A member that diverges is frozen and recorded as diverged, one whose server side raises is reported
+with its error; the others go on. Runs may be at different rounds (resumed from checkpoints of different
+ages) or have different `rounds`: each member does its own next round every step of the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from prodigy_core import training
+from prodigy_core.config import RunConfig
+from prodigy_core.seeding import resolve_device
+
+# Fields that must be equal for runs to share one stacked local step.
+GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
+                "femnist_min_writer_samples", "data_dir", "data_source", "local_steps", "batch_size",
+                "weight_decay", "device")  # fmt: skip
+# batch_runs="auto" on a CPU: the largest group per dataset (1: never stacked), see batch_size_for. Digits,
+# quickstart runs, 5 rounds, 1 thread, on the 2-core dev machine while other jobs loaded it (noisy): groups of
+# 4 and 8 took 0.88x and 0.94x the time of the same runs one at a time (benchmarks/grid.py; rerun it idle).
+AUTO_CPU_BATCH_RUNS = {"digits": 8, "femnist": 1, "cifar10": 1}
+CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
+
+
+def group_key(config: RunConfig) -> tuple | None:
+    """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`)."""
+    cfg = config.resolved()
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError:  # the run alone reports it
+        return None
+    if training.pick_engine(cfg.engine, device, cfg.dataset) != "batched":
+        return None
+    return tuple(getattr(cfg, name) for name in GROUP_FIELDS)
+
+
+def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[list[RunConfig]]:
+    """The configs in groups of at most `size` compatible runs, in grid order (runs that cannot be stacked
+    form groups of one). size="auto": `batch_size_for` the first run of each kind."""
+    if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"batch_runs={size!r} must be 'auto' or an integer >= 1 (1: one run at a time)")
+    groups: list[list[RunConfig]] = []
+    open_groups: dict[tuple, list[RunConfig]] = {}
+    limits: dict[tuple, int] = {}
+    for config in configs:
+        key = group_key(config) if size != 1 else None
+        if key is not None and key not in limits:
+            limits[key] = batch_size_for(config) if size == "auto" else int(size)
+        group = open_groups.get(key) if key is not None else None
+        if group is None or len(group) >= limits[key]:
+            group = []
+            groups.append(group)
+            if key is not None:
+                open_groups[key] = group
+        group.append(config)
+    return groups
+
+
+def batch_size_for(config: RunConfig) -> int:
+    """batch_runs="auto": how many runs like `config` to stack. CPU: `AUTO_CPU_BATCH_RUNS` (benchmarks/
+    grid.py: digits gains from stacking; the CIFAR-10 and FEMNIST CNNs run the sequential engine on a CPU,
+    vmapped convolutions being slower there). CUDA: as many as `CUDA_MEMORY_FRACTION` of the free memory
+    holds, by `memory_per_run`."""
+    cfg = config.resolved()
+    device = resolve_device(cfg.device)
+    if group_key(cfg) is None:
+        return 1
+    if device.type != "cuda":
+        return AUTO_CPU_BATCH_RUNS[cfg.dataset]
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, int(CUDA_MEMORY_FRACTION * free // memory_per_run(cfg)))
+
+
+def memory_per_run(config: RunConfig) -> int:
+    """Bytes one member needs, estimated: its N clients' weights, gradients and momentum (4 copies of d
+    floats each) and the activations of N x b samples kept for the backward pass (every module's output,
+    measured by one forward pass of one sample, twice for the backward's temporaries)."""
+    from prodigy_core.data import load_federation
+    from prodigy_core.models import make_model
+
+    cfg = config.resolved()
+    model = make_model(cfg.dataset)
+    d = sum(p.numel() for p in model.parameters())
+    shape = {"cifar10": (3, 32, 32), "femnist": (1, 28, 28)}.get(cfg.dataset)
+    if shape is None:
+        shape = load_federation(cfg.dataset, 2, distribution="iid").image_shape
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel())) for m in model.modules()]
+    with torch.no_grad():
+        model.eval()(torch.zeros(1, *shape))
+    for h in hooks:
+        h.remove()
+    return 4 * (4 * cfg.n_clients * d + 2 * cfg.n_clients * cfg.batch_size * sum(sizes))
+
+
+@dataclasses.dataclass
+class _Member:
+    index: int  # position in the group's configs
+    st: training.RunState
+    rng: dict[str, Any]  # its global RNG states while other runs' code runs
+    r: int  # its next round
+
+    @contextlib.contextmanager
+    def own_rng(self) -> Iterator[None]:
+        """Run this member's code with its own RNG state as the global one."""
+        training._set_rng_states(self.rng, self.st.data_gen)
+        try:
+            yield
+        finally:
+            self.rng = training._get_rng_states(self.st.data_gen)
+
+
+Outcome = training.RunResult | Exception
+
+
+def iter_group(
+    configs: Sequence[RunConfig],
+    *,
+    checkpoint_dir: str | Path | None = None,
+    progress: bool = False,
+    _stop_after: int | None = None,
+) -> Iterator[tuple[int, Outcome]]:
+    """Train compatible runs together; yields (index in `configs`, record or the error it raised) as each
+    run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone.
+    `_stop_after` (tests only) returns after that many steps of the group, as if the process were killed."""
+    configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
+    if not configs:
+        return
+    keys = {group_key(c) for c in configs}
+    if None in keys or len(keys) > 1:
+        raise ValueError(
+            "run_group: these runs cannot share a group (they need the batched engine and the same "
+            f"{', '.join(GROUP_FIELDS)}); split them with groups.make_groups"
+        )
+    first = configs[0].resolved()
+    device = resolve_device(first.device)
+    outside = training._get_rng_states(torch.Generator())  # restored when the group is done
+    members: list[_Member] = []
+    try:
+        fed = training._load_federation(first, device)
+        for i, config in enumerate(configs):
+            st = training.start_run(config, device, "batched", checkpoint_dir, fed=fed)
+            st.result.environment["group_size"] = len(configs)
+            members.append(_Member(i, st, training._get_rng_states(st.data_gen), st.start + 1))
+        grad_fn = training.per_client_grad(members[0].st.model)
+        steps = max(m.st.cfg.rounds - m.st.start for m in members)
+        bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"group of {len(configs)}")
+        active = members
+        for step in range(1, steps + 1):
+            tic = time.perf_counter()
+            lrs = [m.st.cfg.lr_at(m.r - 1) for m in active]
+            outs = training.local_steps_stacked(
+                [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
+                [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
+            )  # fmt: skip
+            shared = _elapsed(tic, device) / len(active)
+            still = []
+            for m, gamma, (pseudo_grads, buffers) in zip(active, lrs, outs, strict=True):
+                outcome: Outcome | None = None
+                try:
+                    with m.own_rng():
+                        tic = time.perf_counter()
+                        ok = training.server_round(m.st, m.r, gamma, pseudo_grads, buffers)
+                        if ok:
+                            m.st.result.round_times.append(shared + _elapsed(tic, device))
+                            ok = training.end_round(m.st, m.r)
+                    if not ok or m.r == m.st.cfg.rounds:
+                        outcome = training.finish_run(m.st)
+                except Exception as e:  # this run fails alone; the group goes on
+                    outcome = e
+                if outcome is None:
+                    m.r += 1
+                    still.append(m)
+                else:
+                    yield m.index, outcome
+            active = still
+            bar.update(1)
+            if not active or _stop_after == step:
+                break
+        bar.close()
+    finally:
+        training._set_rng_states(outside, torch.Generator())
+
+
+def run_group(
+    configs: Sequence[RunConfig], *, checkpoint_dir: str | Path | None = None, progress: bool = False
+) -> list[Outcome]:
+    """`iter_group` collected: every run's record (or error) in the order of `configs`."""
+    outcomes: list[Outcome | None] = [None] * len(configs)
+    for i, outcome in iter_group(configs, checkpoint_dir=checkpoint_dir, progress=progress):
+        outcomes[i] = outcome
+    return outcomes  # type: ignore[return-value]
+
+
+def _elapsed(tic: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - tic
+
+
+__all__ = ["GROUP_FIELDS", "group_key", "make_groups", "batch_size_for", "memory_per_run", "iter_group",
+           "run_group"]  # fmt: skip

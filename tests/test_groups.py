@@ -1,0 +1,160 @@
+"""Runs trained as one batched group (`prodigy_core.groups`) against the same runs alone: float64 digits
+runs on a CPU, a few rounds each."""
+
+import pytest
+import torch
+
+from prodigy_core import groups, training
+from prodigy_core.config import RunConfig
+from prodigy_core.data import Federation
+
+# Dirichlet(0.1) digits: clients smaller than the batch, so the stacked step also runs width groups.
+# One data split (data_seed) for every seed, so that runs of different seeds share a group.
+BASE = dict(dataset="digits", distribution="dirichlet", n_clients=6, n_byzantine=2, rounds=3, local_steps=2,
+            batch_size=16, eval_every=2, checkpoint_every=1, device="cpu", engine="batched",
+            data_seed=0)  # fmt: skip
+CONFIGS = [  # different defenses (CClip's state), attacks (ALIE's search, LF's labels), momentum, seeds, lr
+    RunConfig(**BASE, defense="cclip", attack="alie", local_momentum=0.9, seed=0),
+    RunConfig(**BASE, defense="prodigy", attack="lf", local_momentum=0.0, seed=1),
+    RunConfig(**BASE, defense="nnm+trimmed_mean", attack="sf", local_momentum=0.9, seed=1, lr=0.1),
+    RunConfig(**BASE, defense="average", attack="none", local_momentum=0.0, seed=0),
+]
+STOP = 2  # rounds after which the states are compared (from the checkpoints both paths leave)
+
+
+@pytest.fixture(autouse=True)
+def float64(monkeypatch):
+    """Models, data and momentum in float64, so that 1e-10 separates a wrong random number from rounding."""
+    normalise = Federation.normalise
+    monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _solo_states(configs, folder):
+    for config in configs:
+        training.run(config, progress=False, checkpoint_dir=folder, _stop_after=STOP)
+    return {c.key(): torch.load(folder / f"{c.key()}.pt", weights_only=False) for c in configs}
+
+
+def _group_states(configs, folder):
+    assert list(groups.iter_group(configs, checkpoint_dir=folder, _stop_after=STOP)) == []
+    return {c.key(): torch.load(folder / f"{c.key()}.pt", weights_only=False) for c in configs}
+
+
+def _assert_same_run(a, b, tol=1e-10):
+    assert a["round"] == b["round"] == STOP
+    for name, value in a["model"].items():
+        torch.testing.assert_close(value, b["model"][name], rtol=0, atol=tol, msg=name)
+    torch.testing.assert_close(a["momentum"], b["momentum"], rtol=0, atol=tol)
+    ra, rb = a["result"], b["result"]
+    for field in ("accuracy_curve", "zeroed_clients", "rounds_completed", "diverged"):
+        assert ra[field] == rb[field], field
+    assert ra["final_loss"] == pytest.approx(rb["final_loss"], abs=tol)
+    assert ra["attack_params"] == pytest.approx(rb["attack_params"], abs=tol)
+
+
+def test_group_equals_each_run_alone(tmp_path):
+    solo = _solo_states(CONFIGS, tmp_path / "solo")
+    group = _group_states(CONFIGS, tmp_path / "group")
+    for config in CONFIGS:
+        _assert_same_run(group[config.key()], solo[config.key()])
+        assert group[config.key()]["result"]["environment"]["group_size"] == len(CONFIGS)
+
+
+def test_group_composition_and_order_change_no_result(tmp_path):
+    whole = _group_states(CONFIGS, tmp_path / "whole")
+    other = _group_states([CONFIGS[3], CONFIGS[0]], tmp_path / "other")  # other company, other order
+    for config in (CONFIGS[0], CONFIGS[3]):
+        _assert_same_run(other[config.key()], whole[config.key()])
+
+
+def test_killed_group_resumes_to_the_uninterrupted_records(tmp_path):
+    configs = CONFIGS[:3]
+    reference = groups.run_group(configs)
+    partial = list(groups.iter_group(configs, checkpoint_dir=tmp_path, _stop_after=1))  # "killed"
+    assert partial == [] and all((tmp_path / f"{c.key()}.pt").exists() for c in configs)
+    resumed = groups.run_group(configs, checkpoint_dir=tmp_path)
+    for a, b in zip(resumed, reference, strict=True):
+        for field in ("final_accuracy", "final_loss", "accuracy_curve", "attack_params", "zeroed_clients",
+                      "rounds_completed", "detection_precision"):  # fmt: skip
+            assert getattr(a, field) == getattr(b, field), field
+        assert len(a.round_times) == a.rounds_completed == 3
+    assert not any(tmp_path.iterdir())  # every checkpoint removed once its run completed
+
+
+@pytest.mark.filterwarnings("ignore:.*non-finite:RuntimeWarning")
+def test_diverging_member_is_frozen_and_the_others_match_their_solo_runs(tmp_path):
+    blowup = CONFIGS[3].replace(lr=1e300)  # float64 weights overflow within a round or two
+    configs = [CONFIGS[0], blowup, CONFIGS[1]]
+    order = [i for i, _ in groups.iter_group(configs, checkpoint_dir=tmp_path / "group", _stop_after=STOP)]
+    assert order == [1]  # the diverged run is reported at once; the others are still training
+    diverged = groups.run_group([blowup])[0]
+    assert diverged.diverged and diverged.final_loss is None
+    assert diverged.final_accuracy == pytest.approx(10.0)  # chance level
+    solo = _solo_states([CONFIGS[0], CONFIGS[1]], tmp_path / "solo")
+    for config in (CONFIGS[0], CONFIGS[1]):
+        group = torch.load(tmp_path / "group" / f"{config.key()}.pt", weights_only=False)
+        _assert_same_run(group, solo[config.key()])
+
+
+AUTHORS = [  # the authors' variant: SF written into the momentum, CClip from theta_t, train-mode evaluation
+    RunConfig(**BASE, defense="cclip", attack="sf", local_momentum=0.9, seed=0, variant="authors"),
+    RunConfig(**BASE, defense="cclip", attack="alie", local_momentum=0.9, seed=1, variant="authors"),
+    RunConfig(**BASE, defense="trimmed_mean", attack="sf", local_momentum=0.0, seed=1, variant="authors"),
+]
+
+
+def test_authors_variant_members_equal_their_solo_runs(tmp_path):
+    configs = [*AUTHORS, CONFIGS[2]]  # variants share a group: they differ on the server side only
+    assert len({groups.group_key(c) for c in configs}) == 1
+    solo = _solo_states(configs, tmp_path / "solo")
+    group = _group_states(configs, tmp_path / "group")
+    for config in configs:
+        _assert_same_run(group[config.key()], solo[config.key()])
+    # the in-place SF changed the Byzantine rows of the momentum: they are no longer honest momentum
+    paper = AUTHORS[0].replace(variant="paper")
+    honest = _solo_states([paper], tmp_path / "paper")[paper.key()]["momentum"]
+    assert not torch.allclose(group[AUTHORS[0].key()]["momentum"][:2], honest[:2])
+
+
+@pytest.mark.filterwarnings("ignore:.*non-finite:RuntimeWarning")
+def test_diverged_authors_member_records_the_class_0_share():
+    blowup = AUTHORS[2].replace(lr=1e300)
+    grouped = groups.run_group([AUTHORS[0], blowup])[1]
+    alone = training.run(blowup, progress=False)
+    assert grouped.diverged and alone.diverged and grouped.final_loss is None
+    fed = training._load_federation(blowup.resolved(), torch.device("cpu"))
+    share = 100.0 * (fed.test_labels == 0).sum().item() / len(fed.test_labels)
+    assert grouped.final_accuracy == alone.final_accuracy == pytest.approx(share)
+
+
+def test_group_key_compares_the_resolved_data_seed():
+    implicit = CONFIGS[0].replace(data_seed=None, seed=1)  # data_seed None: the split of seed 1
+    assert groups.group_key(implicit) == groups.group_key(CONFIGS[0].replace(data_seed=1))
+    assert groups.group_key(implicit) != groups.group_key(implicit.replace(seed=0))
+
+
+def test_make_groups_stacks_only_compatible_runs():
+    other_split = CONFIGS[0].replace(data_seed=1)
+    alone = CONFIGS[0].replace(engine="sequential")
+    made = groups.make_groups([CONFIGS[0], other_split, CONFIGS[1], alone, CONFIGS[2]], size=2)
+    assert made == [[CONFIGS[0], CONFIGS[1]], [other_split], [alone], [CONFIGS[2]]]
+    assert groups.make_groups(CONFIGS, size=1) == [[c] for c in CONFIGS]
+    with pytest.raises(ValueError, match="cannot share a group"):
+        groups.run_group([CONFIGS[0], other_split])
+
+
+def test_grid_records_are_the_same_batched_or_one_at_a_time(tmp_path):
+    from prodigy_core.experiments import experiment_from_spec, run_grid
+
+    base = {k: v for k, v in BASE.items() if k != "engine"} | {"rounds": 2, "eval_every": 1}
+    grid = {"defense": ["cclip", "prodigy"], "attack": ["alie", "lf"]}
+    experiment = experiment_from_spec({"experiment": "g", "base": base, "grid": grid})
+    one = run_grid(experiment, results_dir=tmp_path / "one", progress=False, batch_runs=1)
+    batched = run_grid(experiment, results_dir=tmp_path / "batched", progress=False, batch_runs=3)
+    assert list(one["key"]) == list(batched["key"]) and len(one) == 4
+    assert list(one["final_accuracy"]) == list(batched["final_accuracy"])
+    assert list(one["final_loss"]) == pytest.approx(list(batched["final_loss"]), abs=1e-10)
