@@ -157,7 +157,8 @@ def _distances(K: Tensor, bad: Tensor) -> Tensor:
     """Squared distances between the first len(bad) points of the Gram matrix K (about any common centre)."""
     n = len(bad)
     sq = K.diagonal()[:n]
-    D = (sq[:, None] + sq[None, :] - 2 * K[:n, :n]).clamp_(min=0)
+    # K[i, j] + K[j, i], not 2 K[i, j]: a float32 product G Gᵀ need not be exactly symmetric, and D must be
+    D = (sq[:, None] + sq[None, :] - (K[:n, :n] + K[:n, :n].T)).clamp_(min=0)
     if bad.any():
         D.masked_fill_(bad[:, None] | bad[None, :], math.inf)
     return D.fill_diagonal_(0)

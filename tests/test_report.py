@@ -132,7 +132,8 @@ def test_smoke_and_stand_in_outputs_go_to_smoke_folder_and_say_so(tmp_path):
     paths = report.write_report(experiment(smoke=True, layout=HEATMAP_ONLY), df, tmp_path)
     assert {p.parent for p in paths} == {tmp_path / "smoke"}
     headline, subtitle = (tmp_path / "smoke" / "fab.md").read_text().splitlines()[0:3:2]
-    assert headline == "# Fabricated table" and report.SMOKE_LABEL in subtitle  # the tag is a subtitle
+    # the smoke tag is a subtitle; the headline keeps only the title and its variant
+    assert headline == "# Fabricated table (variant: paper)" and report.SMOKE_LABEL in subtitle
     # a run on stand-in data is labelled even when the experiment itself is not smoke
     df_stand_in = df.assign(stand_in="digits (offline stand-in for cifar10)")
     paths = report.write_report(
