@@ -213,7 +213,7 @@ X = "experiment: x\n"
         (X + "base: {n_cleints: 10}", r"exp\.yaml: base\.n_cleints .*did you mean 'n_clients'"),
         (X + "grid: {atack: [alie]}", r"exp\.yaml: grid\.atack .*did you mean 'attack'"),
         (X + "grids: {attack: [alie]}", r"exp\.yaml: unknown key 'grids'.*did you mean 'grid'"),
-        (X + "base: {rounds: ten}", r"exp\.yaml: base\.rounds='ten'.*must be of type int"),
+        (X + "base: {rounds: ten}", r"exp\.yaml: base\.rounds='ten'.*must be an integer"),
         (X + "grid: {local_steps: [1, 2.5]}", r"exp\.yaml: grid\.local_steps=2\.5.*type int"),
         (X + "base: {n_clients: 10, n_byzantine: 5}", r"exp\.yaml: base\.n_byzantine=5.*N/2"),
         (X + "grid: {n_byzantine: [3, 6]}", r"exp\.yaml: grid\.n_byzantine=6.*n_clients=10"),
