@@ -602,14 +602,10 @@ def _pool_outcomes(
 ) -> Iterator[tuple[str, Outcome, float]]:
     """A pool of `jobs` processes, each taking a run or a group; at most `jobs` claimed at a time (the rest
     stay free for others)."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    # spawn, not fork: forking a process that has started torch's thread pools can deadlock. Every worker
-    # exits when this process dies (`_exit_with_parent`), leaving its run's lock stale and its checkpoint.
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:  # fmt: skip
+    with worker_pool(jobs) as pool:
         pending = iter(batches)
         running: dict[Any, tuple[list[str], float]] = {}
 
@@ -640,6 +636,17 @@ def _pool_outcomes(
 
 
 PARENT_POLL_S = 1.0  # how often a pool worker checks that its parent is alive
+
+
+def worker_pool(jobs: int) -> Any:
+    """A process pool whose workers exit when this process dies (`_exit_with_parent`), leaving their runs'
+    locks stale and their checkpoints to resume from. spawn, not fork: forking a process that has started
+    torch's thread pools can deadlock."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_exit_with_parent, initargs=(os.getpid(),))  # fmt: skip
 
 
 def _exit_with_parent(parent: int) -> None:

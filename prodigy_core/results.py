@@ -182,7 +182,7 @@ def stored_record(folder: Path, key: str) -> dict[str, Any] | None:
     path = record_path(folder, key)
     try:
         record, why = _read_json(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the folder's writability is checked before a run
         return None
     why = why or check_record(record, path)
     if why is None:
