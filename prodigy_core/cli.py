@@ -109,8 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a run field as the grid did, e.g. --set variant=authors")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="report the smoke results")
-    p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
-                   help="the --set values the grid ran with, e.g. --set rounds=2 (repeatable)")  # fmt: skip
     p.add_argument("--out-dir", type=Path, help="where figures go (default: figures/)")
     results_dir(p)
     p.set_defaults(command=cmd_report)
