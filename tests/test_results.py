@@ -124,7 +124,8 @@ def test_load_gives_config_columns_and_results_one_row_per_run(tmp_path, monkeyp
 def test_a_corrupt_record_is_named_and_left_out(tmp_path):
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "abc.json").write_text('{"config": ')
-    with pytest.warns(RuntimeWarning, match=r"abc\.json: not a valid result record, left out: not valid JSON"):
+    named = r"abc\.json: not a valid result record, left out: not valid JSON"
+    with pytest.warns(RuntimeWarning, match=named):
         assert results.load("e", tmp_path).empty
 
 
