@@ -17,10 +17,19 @@ accelerator each would be a kernel launch, and its branches and the attack searc
 wait for the device again. Its cost grows as N^3 (ProDiGy's neighbourhood products): 1.7 ms at N=100 and
 134 ms at N=1000 on 2 CPU cores, against a Gram product of N^2 d multiply-adds on the device.
 
-Hostile input. A vector with a NaN/Inf entry, or whose squared norm overflows, is *bad*: it is infinitely
-far from everything (+inf distance), never selected, and gets weight 0. Coordinate-wise rules treat NaN as
-+inf, which sorts to the extreme. With at most f bad vectors (fewer than N/2 for Median and GeoMed) every
-rule returns a finite vector; ``Average`` cannot be robust and warns when its output is non-finite.
+Scale. float32 products overflow above ~1e19 per entry and lose precision below ~1e-19 (denormal
+products), so when a finite vector's squared norm comes out non-finite, or the median squared norm is below
+`_TINY` x d, `geometry` recomputes that Gram matrix from float64 products (a float32 value squared always
+fits a float64). The check reads only the (N, N) result, so the common case pays nothing; the rules that
+work from the geometry are then scale-equivariant over the whole float32 range (GeoMed's nu and CClip's tau
+are absolute lengths, so those two are not).
+
+Hostile input. A vector with a NaN/Inf entry (for float64 input, also one whose squared norm overflows) is
+*bad*: it is infinitely far from everything (+inf distance), never selected, and gets weight 0.
+Coordinate-wise rules treat NaN as +inf, which sorts to the extreme. With at most f bad vectors (fewer than
+N/2 for Median and GeoMed; after Bucketing, counted in buckets, each of which one bad vector spoils: a
+pipeline whose rule cannot tolerate f bad buckets is rejected with the bound) every robust rule returns a
+finite vector; ``Average`` cannot be robust and warns when its output is non-finite.
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ _RECENTRE_RATIO = 10.0
 # 2.9x one Gram product with 256 MB chunks, 3.8x with 32 MB; float64 accumulation across chunks either way).
 _CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 26}
 _FLOOR = 1e-12  # relative floor for ProDiGy's divisions (see ProDiGy)
+# float64 products when the median squared norm is below _TINY * d: products under float32's smallest normal
+# (1.2e-38) flush or go denormal, about d * 1.2e-38 absolute on a sum, i.e. < 1e-7 relative above this.
+_TINY = 1e-30
 
 
 def _check_input(G: Tensor, rule: str) -> None:
@@ -111,16 +123,21 @@ def _full_float32_matmul() -> Iterator[None]:
 
 @_full_float32_matmul()
 def _gram(
-    G: Tensor, extra: Tensor | None, origin: bool, centre: Tensor | None = None, bad: Tensor | None = None
+    G: Tensor,
+    extra: Tensor | None,
+    origin: bool,
+    centre: Tensor | None = None,
+    bad: Tensor | None = None,
+    wide: bool = False,
 ) -> Tensor:
     """K = Y Y^T for the points Y = [G; extra; 0 if origin] - centre, in float32 chunks of columns summed in
-    float64 (a float32 sum over millions of terms would drift).
+    float64 (a float32 sum over millions of terms would drift); ``wide``: float64 products (`_ranged_gram`).
 
     ``centre=None``: about the origin. The chunks are multiplied where they lie (strided views, no copy),
     so the pass costs about one Gram product; bad rows come out non-finite (or huge) in their own rows and
     columns only. Otherwise each chunk is centred, with the extra points, into one reused buffer (the rows
     marked in ``bad`` zeroed): one pass over G and one product per chunk. Full float32 precision always."""
-    compute = torch.float64 if G.dtype == torch.float64 else torch.float32
+    compute = torch.float64 if wide or G.dtype == torch.float64 else torch.float32
     N, d = G.shape
     E = 0 if extra is None else len(extra)
     P = N + E + int(origin)
@@ -153,6 +170,26 @@ def _gram(
     return K
 
 
+def _ranged_gram(
+    G: Tensor, extra: Tensor | None, origin: bool, centre: Tensor | None = None, bad: Tensor | None = None
+) -> Tensor:
+    """`_gram` on the CPU, recomputed from float64 products where float32 ones lost the range: a vector with
+    finite entries whose squared norm came out non-finite (overflow), or a median squared norm below
+    `_TINY` * d (underflow). The check reads K only, plus the rows with a non-finite squared norm."""
+    K = _gram(G, extra, origin, centre, bad).cpu()
+    if G.dtype == torch.float64:
+        return K
+    N = len(G)
+    diag = K.diagonal()[: N + (0 if extra is None else len(extra))]
+    over = (~torch.isfinite(diag)).nonzero().squeeze(1).tolist()
+    overflow = any(bool(torch.isfinite(G[i] if i < N else extra[i - N]).all()) for i in over)  # type: ignore[index]
+    finite = diag[torch.isfinite(diag)]
+    underflow = len(finite) > 0 and float(finite.median()) < _TINY * G.shape[1]
+    if overflow or underflow:
+        K = _gram(G, extra, origin, centre, bad, wide=True).cpu()
+    return K
+
+
 def _distances(K: Tensor, bad: Tensor) -> Tensor:
     """Squared distances between the first len(bad) points of the Gram matrix K (about any common centre)."""
     n = len(bad)
@@ -175,22 +212,23 @@ def _clean(K: Tensor, bad: Tensor) -> Tensor:
 def geometry(G: Tensor, extra: Tensor | None = None, origin: bool = False) -> Geometry:
     """Gram matrix of the points [G; extra; 0 if origin] about a common centre, and the client distances.
 
-    First pass about the origin (one Gram product's cost). A vector is bad when its squared norm comes out
-    non-finite. If the central client (smallest median distance to the others) lies more than
-    `_RECENTRE_RATIO` squared median distances from the origin, the vectors share a component large enough
-    for float32 cancellation to matter, and a second pass centres every chunk on that client.
+    First pass about the origin (one Gram product's cost; again from float64 products when float32 ones
+    over- or underflowed, see `_ranged_gram`). A vector is bad when its squared norm comes out non-finite.
+    If the central client (smallest median distance to the others) lies more than `_RECENTRE_RATIO` squared
+    median distances from the origin, the vectors share a component large enough for float32 cancellation
+    to matter, and a second pass centres every chunk on that client.
 
     K, D and bad are on the CPU whatever G's device (see the module's docstring): moving K there is the one
     wait for the device (two when recentring)."""
     N = G.shape[0]
-    K = _gram(G, extra, origin).cpu()
+    K = _ranged_gram(G, extra, origin)
     bad = ~torch.isfinite(K.diagonal()[:N])
     K = _clean(K, bad)
     D = _distances(K, bad)
     median = D.median(dim=1).values
     r = int(torch.where(bad, math.inf, median).argmin())
     if not bad.all() and not K[r, r] <= _RECENTRE_RATIO * median[r]:
-        K = _clean(_gram(G, extra, origin, centre=G[r], bad=bad.to(G.device)).cpu(), bad)
+        K = _clean(_ranged_gram(G, extra, origin, centre=G[r], bad=bad.to(G.device)), bad)
         D = _distances(K, bad)
     return Geometry(K, D, bad)
 
@@ -366,10 +404,15 @@ class Average(Rule):
 class Median(Rule):
     """Coordinate-wise median; the mean of the two middle values when N is even (Yin et al., 2018).
 
-    NaN counts as +inf, so the output is finite while fewer than N/2 vectors are bad in each coordinate."""
+    NaN counts as +inf, so the output is finite while fewer than N/2 vectors are bad in each coordinate;
+    hence f < N/2 (checked: after Bucketing, N is the number of buckets, each of which one bad vector
+    spoils)."""
 
     def __init__(self, f: int = 0):
         self.f = _check_f("Median", f)
+
+    def check_n(self, n: int) -> None:
+        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
 
     def aggregate(self, G: Tensor) -> Tensor:
         return _coordinate_median(_nan_to_inf(G))
@@ -379,9 +422,10 @@ class TrimmedMean(Rule):
     """Coordinate-wise trimmed mean (Yin et al., 2018): drop the f largest and f smallest values, average the
     N-2f others (``variant="paper"``, the paper's text).
 
-    With lo/hi the f-th smallest/largest value per coordinate, the kept sum is
-    sum_i clamp(g_i, lo, hi) - f (lo + hi), exact with ties and free of cancellation from huge values.
-    NaN counts as +inf (a sort handles infinities).
+    With lo/hi the (f+1)-th smallest/largest value per coordinate (the ends of the kept range), the kept
+    sum is sum_i clamp(g_i, lo, hi) - f (lo + hi): exact with ties, and every term is a kept value, so the
+    dropped values never enter a sum whatever their magnitude (no cancellation). NaN counts as +inf (a sort
+    handles infinities).
 
     ``variant="authors"`` (the authors' code): per coordinate, the mean of the N-2f values closest to the
     coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step."""
@@ -401,15 +445,17 @@ class TrimmedMean(Rule):
             return _mean_closest_to_median(_nan_to_inf(G), N - 2 * f)
         if not torch.isfinite(G).all():  # one wait for the device on the finite path
             return _nan_to_inf(G).sort(dim=0).values[f : N - f].mean(dim=0)
-        hi = G.topk(f, dim=0).values[-1]
-        lo = G.topk(f, dim=0, largest=False).values[-1]
+        hi = G.topk(f + 1, dim=0).values[-1]
+        lo = G.topk(f + 1, dim=0, largest=False).values[-1]
         return (G.clamp(min=lo, max=hi).sum(dim=0) - f * (lo + hi)) / (N - 2 * f)
 
 
 class GeoMed(Rule):
     """Geometric median by the smoothed Weiszfeld algorithm of RFA (Pillutla et al., 2022):
     z_{r+1} = sum_i b_i g_i / sum_i b_i, b_i = 1 / max(nu, ||z_r - g_i||), R iterations from z_0 = 0
-    (as in the authors' code). Runs on the Gram matrix of [G; 0]; bad vectors get b_i = 0."""
+    (as in the authors' code). Runs on the Gram matrix of [G; 0]; bad vectors get b_i = 0. Needs f < N/2
+    (its breakdown point; after Bucketing, N is the number of buckets). nu is an absolute length, so the
+    rule is not scale-equivariant below it."""
 
     by_weights = True
 
@@ -418,6 +464,9 @@ class GeoMed(Rule):
         if not nu > 0 or R < 1:
             raise ValueError(f"GeoMed: needs nu > 0 and R >= 1, got nu={nu}, R={R}")
         self.nu, self.R = nu, R
+
+    def check_n(self, n: int) -> None:
+        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         N = len(bad)  # point N, the reference, is the origin z_0

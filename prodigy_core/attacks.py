@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, geometry, pairwise_sq_distances
-from prodigy_core.config import VARIANTS
+from prodigy_core.config import VARIANTS, did_you_mean
 
 # ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
 ALIE_Z_STEP = 0.25
@@ -476,8 +476,12 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
 def make_attack(name: str, variant: str = "paper", **params: Any) -> Attack:
     """Build the attack called ``name`` (a key of `ATTACKS`) with keyword ``params`` (e.g. ``generator``).
     ``variant``: ``paper`` (the text) or ``authors`` (the authors' code; it changes SF only)."""
+    given, name = name, str(name).strip().lower()  # case-insensitive, like make_aggregator
     if name not in ATTACKS:
-        raise ValueError(f"unknown attack {name!r}; valid: {', '.join(ATTACKS)}")
+        hint = did_you_mean(name, ATTACKS)
+        if not hint.startswith("; valid"):
+            hint += f"; valid: {', '.join(ATTACKS)}"
+        raise ValueError(f"unknown attack {given!r}{hint}")
     if variant not in VARIANTS:
         raise ValueError(f"attack {name!r}: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
     factory = ATTACKS[name]

@@ -2,13 +2,14 @@
 
     prodigy-fl run [PARAMS.yaml] [--set key=value ...] [--json]
     prodigy-fl grid PARAMS.yaml [--smoke] [--executor local|ray] [--jobs N] [--force] [--batch-runs K]
-    prodigy-fl report PARAMS.yaml [--smoke]
+    prodigy-fl report PARAMS.yaml [--smoke] [--set key=value ...]
     prodigy-fl quickstart
     prodigy-fl data cifar10 [DIR] [--from JPEG_COPY] | prodigy-fl data femnist [PATH]
     prodigy-fl reproduce [--scale smoke|paper] [--only NAME ...]
 
-Bad input (an unknown field, an impossible config, a missing file) ends with one line
-`prodigy-fl: error: ...` and exit status 2, never a traceback.
+Bad input (an unknown field, an impossible config, a missing file, a results folder that cannot be
+written, a full disk) ends with one line `prodigy-fl: error: ...` and exit status 2, never a traceback;
+warnings (an invalid record moved aside, an unreadable checkpoint) are one line `prodigy-fl: warning: ...`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.command(args) or 0
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            return args.command(args) or 0
     except (ConfigError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"prodigy-fl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # a full disk, a read-only or missing folder: what and where, not a traceback
+        where = f": {e.filename}" if e.filename else ""
+        print(f"prodigy-fl: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(
@@ -39,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def _warning_line(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    print(f"prodigy-fl: warning: {message}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,11 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a run field in every run, e.g. --set device=cuda (repeatable)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="the smoke profile: seconds, stand-in datasets (CI)")
-    p.add_argument("--executor", choices=("local", "ray"), default="local")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local: this machine (see --jobs, default); ray: a Ray cluster")  # fmt: skip
     p.add_argument(
         "--jobs", type=int, default=1, help="local: worker processes; ray: CPUs of a local runtime"
     )
-    p.add_argument("--force", action="store_true", help="rerun runs that already have a record")
+    p.add_argument("--force", action="store_true",
+                   help="rerun runs that have a record, from round 0 (checkpoints ignored)")  # fmt: skip
     p.add_argument("--address", help="ray: join this cluster (e.g. auto, ray://head:10001)")
     p.add_argument("--num-cpus", type=float, default=1, help="ray: CPUs per run (default 1)")
     p.add_argument(
@@ -101,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="the digits grid (all defenses x all attacks), then its report")
     p.add_argument("--smoke", action="store_true", help="a few seconds instead of a few minutes")
-    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="worker processes running the grid (default 1)")
     p.add_argument("--out-dir", type=Path, help="where figures go (default: figures/)")
     results_dir(p)
     p.set_defaults(command=cmd_quickstart)
@@ -121,9 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(command=cmd_data)
 
     p = sub.add_parser("reproduce", help="every paper table and figure, then the reports")
-    p.add_argument("--scale", choices=("smoke", "paper"), default="smoke")
-    p.add_argument("--only", nargs="+", metavar="NAME", help="only these params files")
-    p.add_argument("--executor", choices=("local", "ray"), default="local")
+    p.add_argument("--scale", choices=("smoke", "paper"), default="smoke",
+                   help="smoke: minutes, stand-in datasets (default); paper: the full grids")  # fmt: skip
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="only these notebooks, by name (e.g. table1_cifar10; see notebooks/)")  # fmt: skip
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="where the notebooks run their grids: local or ray (default local)")  # fmt: skip
     p.set_defaults(command=cmd_reproduce)
     return parser
 
@@ -160,11 +177,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = experiment.configs[0]
     folder = results.experiment_dir(experiment.results_name, args.results_dir)
     path = results.record_path(folder, config.key())
-    if path.exists() and not args.force:
-        record = json.loads(path.read_text())
+    stored = None if args.force else results.stored_record(folder, config.key())
+    if stored is not None:
+        record = stored
         print(f"stored result {path} (use --force to rerun)", file=sys.stderr)
     else:
-        result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder))
+        results.check_writable(folder)  # before training, not after
+        result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder),
+                              resume=not args.force)  # fmt: skip
         result.stand_in = experiment.stand_in_for(config)
         results.save_record(folder, config.key(), result.to_dict(), experiment.results_name)
         record = json.loads(path.read_text())
@@ -190,8 +210,7 @@ def batch_runs(text: str) -> int | str:
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
-    from prodigy_core import results
-    from prodigy_core.experiments import load_experiment, run_grid
+    from prodigy_core.experiments import load_experiment, run_grid, undone
 
     experiment = load_experiment(args.params, smoke=args.smoke, fields=parse_fields(args.fields))
     df = run_grid(
@@ -199,9 +218,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
         address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus, batch_runs=args.batch_runs,
     )  # fmt: skip
     del df
-    folder = results.experiment_dir(experiment.results_name, args.results_dir)
-    failed = [c for c in experiment.configs if results.failure_path(folder, c.key()).exists()]
-    return 1 if failed else 0
+    return 1 if undone(experiment, args.results_dir) else 0  # failed, or left to another process
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import difflib
 import functools
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -81,6 +82,8 @@ class RunConfig:
             _check_type(f.name, value, hint)
             if float in typing.get_args(hint) + (hint,) and isinstance(value, int):
                 object.__setattr__(self, f.name, float(value))  # 1 and 1.0 must give the same result key
+        for name in ("defense", "attack"):  # `Prodigy` and `prodigy` are one run, stored under one key
+            object.__setattr__(self, name, getattr(self, name).strip().lower())
         self.validate()
 
     @classmethod
@@ -168,11 +171,31 @@ class RunConfig:
         positive = {"n_clients": self.n_clients, "rounds": self.rounds, "local_steps": self.local_steps,
                     "batch_size": self.batch_size, "eval_every": self.eval_every,
                     "checkpoint_every": self.checkpoint_every, "lr": self.lr}  # fmt: skip
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                default = "null for the default" if f.default is None else f"default {f.default}"
+                raise ConfigError(f"{f.name}={value} must be a finite number ({default})")
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
         if not self.dirichlet_alpha > 0:
             raise ConfigError(f"dirichlet_alpha={self.dirichlet_alpha} must be > 0 (0.1 is the paper's)")
+        if not self.lr_decay_factor > 0:
+            raise ConfigError(
+                f"lr_decay_factor={self.lr_decay_factor} must be > 0 (the lr is multiplied by it; 0.1 is the "
+                "paper's, 1 keeps the lr constant)"
+            )
+        if self.lr_decay_at is not None and self.lr_decay_at < 0:
+            raise ConfigError(
+                f"lr_decay_at={self.lr_decay_at} must be a round >= 0, or null for round(2 * rounds / 3)"
+            )
+        outside = [r for r in self.record_distances_at if not 1 <= r <= self.rounds]
+        if outside:
+            raise ConfigError(
+                f"record_distances_at={list(self.record_distances_at)}: {outside} not in "
+                f"1..rounds={self.rounds} (rounds are numbered from 1)"
+            )
         if not 0 <= self.local_momentum < 1:
             raise ConfigError(f"local_momentum={self.local_momentum} must be in [0, 1) (paper: 0 or 0.9)")
         if self.n_clients < 2:
@@ -232,7 +255,13 @@ def parse_value(name: str, text: str) -> Any:
     value = yaml.safe_load(text)
     if value is None and text.strip().lower() not in ("null", "none", "~", ""):
         value = text
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as text; on a command line it is a number
     return value
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_WRITE = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
 
 
 @functools.cache  # evaluating the annotations costs ~1 ms, and every RunConfig needs them
@@ -251,7 +280,10 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
                 return
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[-1] if len(errors) == 1 else f"{name}={value!r} has the wrong type: {hint}")
+        if len(errors) == 1:
+            raise ConfigError(errors[-1])
+        what = " or ".join(_WRITE.get(o, str(o)) for o in options)
+        raise ConfigError(f"{name}={value!r} must be {what}{_number_hint(value)}")
     if hint is type(None):
         if value is not None:
             raise ConfigError(f"{name}={value!r} must be null")
@@ -269,7 +301,19 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         str: isinstance(value, str),
     }[hint]
     if not ok:
-        raise ConfigError(f"{name}={value!r} must be of type {hint.__name__}, got {type(value).__name__}")
+        hint_text = _number_hint(value)
+        if hint is int and isinstance(value, float) and value.is_integer():
+            hint_text = f" (write {int(value)})"
+        raise ConfigError(f"{name}={value!r} must be {_WRITE[hint]}, not {type(value).__name__}{hint_text}")
+
+
+def _number_hint(value: Any) -> str:
+    """For a string that reads as a number: YAML 1.1 takes 1e2 or 1e-3 (no dot) as text."""
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        number = float(value)
+        plain = int(number) if number.is_integer() else number
+        return f" (YAML reads {value} as text: write {plain})"
+    return ""
 
 
 __all__ = [

@@ -19,7 +19,7 @@ Smoke profile (`smoke=True`): the same grid shrunk to seconds for CI, see `smoke
 
 Running a table on a Ray cluster (every node: the same Python environment, `pip install "prodigy-fl[ray]"`,
 and the results folder and datasets on a shared filesystem, since a run's checkpoints are written by the node
-that trains it while the records are written by the driver):
+that trains it, which also writes its record):
 
     ray start --head --port=6379                      # on the head node
     ray start --address=HEAD_IP:6379                  # on every other node
@@ -31,6 +31,7 @@ that trains it while the records are written by the driver):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -127,11 +128,12 @@ def load_experiment(
     they go into `base` and the grid axis of the same name, if any, is dropped.
     """
     path = resolve_params(path_or_name)
-    with open(path) as fh:
-        try:
-            spec = yaml.safe_load(fh)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        spec = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(spec, dict):
         raise ConfigError(
             f"{path}: expected a mapping of {', '.join(TOP_LEVEL_KEYS)}, got {type(spec).__name__}"
@@ -152,16 +154,26 @@ def experiment_from_spec(
         if key not in TOP_LEVEL_KEYS:
             raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
     name = spec.get("experiment") or (Path(source).stem if isinstance(source, Path) else None)
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise ConfigError(f"{where}: experiment={name!r} must be a name of letters, digits, '_', '-' or '.'")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or ".." in name:
+        raise ConfigError(
+            f"{where}: experiment={name!r} must be a folder name: letters, digits, '_', '-' or '.', starting "
+            "with a letter or digit, no '..' (e.g. table1_cifar10)"
+        )
     title = spec.get("title") or name
     paper_table = spec.get("paper_table")
     if paper_table is not None and not isinstance(paper_table, str):
         raise ConfigError(f"{where}: paper_table={paper_table!r} must be a table name or null")
     base = _mapping(spec.get("base") or {}, f"{where}: base")
     base.update(fields or {})
-    grids = spec.get("grid") or [{}]
-    grids = [grids] if isinstance(grids, dict) else grids
+    grids = spec.get("grid")
+    if grids is not None and not grids:
+        raise ConfigError(
+            f"{where}: grid={grids!r} is empty: give field: [values] (e.g. grid: {{defense: [prodigy]}}), or "
+            "leave `grid` out to run `base` alone"
+        )
+    if isinstance(grids, list) and any(isinstance(g, dict) and not g for g in grids):
+        raise ConfigError(f"{where}: grid={grids!r} has an empty mapping; give each one field: [values]")
+    grids = [{}] if grids is None else [grids] if isinstance(grids, dict) else grids
     if not isinstance(grids, list):
         raise ConfigError(f"{where}: grid must be a mapping of field: [values] or a list of such mappings")
     grids = [_mapping(g, f"{where}: grid[{i}]") for i, g in enumerate(grids)]
@@ -359,21 +371,28 @@ class Task:
     config: dict[str, Any]
     checkpoint_dir: str
     stand_in: str | None
+    folder: str | None = None  # where the record goes: written by whoever finishes the run
+    experiment: str = ""
+    resume: bool = True  # False (--force): ignore an existing checkpoint
 
 
 def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
-    """Run one task in this process and return its record (RunResult.to_dict() with stand_in set)."""
+    """Run one task in this process, store its record in `task.folder` (when given) and return it
+    (RunResult.to_dict() with stand_in set). The worker writes the record itself, so a run finished while
+    its driver died is not lost."""
     import torch
 
     from prodigy_core import training
 
     if threads:
         torch.set_num_threads(threads)
-    result = training.run(
-        RunConfig.from_dict(task.config), progress=False, checkpoint_dir=task.checkpoint_dir
-    )
+    config = RunConfig.from_dict(task.config)
+    result = training.run(config, progress=False, checkpoint_dir=task.checkpoint_dir, resume=task.resume)
     result.stand_in = task.stand_in
-    return result.to_dict()
+    record = result.to_dict()
+    if task.folder is not None:
+        store.save_record(Path(task.folder), config.key(), record, task.experiment)
+    return record
 
 
 Outcome = dict[str, Any] | BaseException
@@ -396,6 +415,10 @@ def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
     configs = [RunConfig.from_dict(t.config) for t in tasks]
     keys = [c.key() for c in configs]
     pending = set(keys)
+    for task, key in zip(tasks, keys, strict=True):
+        if not task.resume:  # --force: the group starts from round 0, its checkpoints are replaced
+            with contextlib.suppress(FileNotFoundError):
+                (Path(task.checkpoint_dir) / f"{key}.pt").unlink()
     try:
         for i, outcome in groups.iter_group(configs, checkpoint_dir=tasks[0].checkpoint_dir):
             pending.discard(keys[i])
@@ -403,7 +426,10 @@ def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
                 yield keys[i], _with_traceback(outcome)
             else:
                 outcome.stand_in = tasks[i].stand_in
-                yield keys[i], outcome.to_dict()
+                record = outcome.to_dict()
+                if tasks[i].folder is not None:  # written by whoever finished the run
+                    store.save_record(Path(tasks[i].folder), keys[i], record, tasks[i].experiment)
+                yield keys[i], record
     except Exception as e:
         for key in keys:
             if key in pending:
@@ -423,9 +449,12 @@ def run_grid(
     batch_runs: int | str = "auto",
 ) -> pd.DataFrame:
     """Run every run of the experiment that has no record yet (all of them with force) and return the
-    results frame (`results.load`). Records are written by this process as runs finish; a run that raises
-    is recorded as failed (`<key>.failed.json`) and the grid goes on. A run interrupted earlier resumes from
-    its checkpoint (one exists only for an unfinished run: training deletes it when the run completes).
+    results frame (`results.load`). A run's record is written as it finishes, by the worker that ran it
+    (and by this process if that one could not); a record that fails `results.check_record` is moved aside
+    and its run redone. A run claimed by another live process is left to it and listed as undone in the
+    summary (`undone`). A run that raises is recorded as failed (`<key>.failed.json`) and the grid goes on.
+    A run interrupted earlier resumes from its checkpoint (one exists only for an unfinished run: training
+    deletes it when the run completes); with force, checkpoints are ignored and replaced.
 
     executor="local": in this process for jobs=1, a pool of `jobs` processes otherwise.
     executor="ray": each run a Ray task with `num_cpus`/`num_gpus` (fractions allowed: 0.25 GPU runs four per
@@ -447,14 +476,19 @@ def run_grid(
     if jobs < 1:
         raise ValueError(f"jobs={jobs} must be >= 1")
     folder = store.experiment_dir(experiment.results_name, results_dir)
-    todo = [c for c in experiment.configs if force or not store.record_path(folder, c.key()).exists()]
+    todo = [c for c in experiment.configs if force or store.stored_record(folder, c.key()) is None]
     check_writers(todo)
+    if todo:
+        store.check_writable(folder)
     # Each task gets the data source its key was computed with: a worker never loads another one.
     tasks = {
         c.key(): Task(
             c.replace(data_source=c.resolved().data_source).to_dict(),
             str(store.checkpoint_dir(folder)),
             experiment.stand_in_for(c),
+            str(folder),
+            experiment.results_name,
+            resume=not force,
         )
         for c in todo
     }
@@ -480,7 +514,8 @@ def run_grid(
                 failed += 1
                 line = f"FAILED {what}: {type(outcome).__name__}: {outcome}"
             else:
-                store.save_record(folder, key, outcome, experiment.results_name)
+                if store.stored_record(folder, key) is None:  # a worker that could not write it
+                    store.save_record(folder, key, outcome, experiment.results_name)
                 finished += 1
                 flag = " [stand-in]" if outcome.get("stand_in") else ""
                 line = f"done   {what}: {outcome['final_accuracy']:.2f}% in {seconds:.1f}s{flag}"
@@ -493,10 +528,16 @@ def run_grid(
         bar.close()
     if progress:
         skipped = len(experiment.configs) - len(todo)
-        busy = len(todo) - finished - failed
+        busy = [c for c in todo if store.stored_record(folder, c.key()) is None
+                and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
+        for c in busy:
+            what = " ".join(f"{n}={getattr(c, n)}" for n in varying) or c.key()
+            lock = folder / f"{c.key()}.lock"
+            print(f"undone {what}: claimed by another process ({lock}); rerun when it is done",
+                  file=sys.stderr)  # fmt: skip
         print(
             f"{experiment.results_name}: {finished} run, {skipped} already done, {failed} failed"
-            + (f", {busy} claimed by another process" if busy else "")
+            + (f", {len(busy)} left undone (claimed by another process)" if busy else "")
             + f"; records in {folder}",
             file=sys.stderr,
         )
@@ -522,6 +563,12 @@ def check_writers(configs: Iterable[RunConfig]) -> None:
         counts = leaf_writer_counts(leaf)
         if len(eligible_writers(counts, k)) < c.n_clients:
             raise too_few_writers(leaf, counts, c.n_clients, k)
+
+
+def undone(experiment: Experiment, results_dir: str | os.PathLike | None = None) -> list[RunConfig]:
+    """The runs of the experiment without a valid record (failed, or left to another process)."""
+    folder = store.experiment_dir(experiment.results_name, results_dir)
+    return [c for c in experiment.configs if store.stored_record(folder, c.key()) is None]
 
 
 def _inline_outcomes(
@@ -555,12 +602,10 @@ def _pool_outcomes(
 ) -> Iterator[tuple[str, Outcome, float]]:
     """A pool of `jobs` processes, each taking a run or a group; at most `jobs` claimed at a time (the rest
     stay free for others)."""
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    # spawn, not fork: forking a process that has started torch's thread pools can deadlock.
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with worker_pool(jobs) as pool:
         pending = iter(batches)
         running: dict[Any, tuple[list[str], float]] = {}
 
@@ -588,6 +633,44 @@ def _pool_outcomes(
         finally:
             for future in running:
                 future.cancel()
+
+
+PARENT_POLL_S = 1.0  # how often a pool worker checks that its parent is alive
+
+
+def worker_pool(jobs: int) -> Any:
+    """A process pool whose workers exit when this process dies (`_exit_with_parent`), leaving their runs'
+    locks stale and their checkpoints to resume from. spawn, not fork: forking a process that has started
+    torch's thread pools can deadlock."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_exit_with_parent, initargs=(os.getpid(),))  # fmt: skip
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Pool-worker initializer: exit as soon as the parent process dies (kill -9 included), instead of
+    training on for a driver that is gone. Linux: the kernel's parent-death signal; everywhere: a daemon
+    thread that polls os.getppid() (a dead parent's children are re-parented)."""
+    import threading
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _ray_outcomes(
@@ -652,4 +735,5 @@ __all__ = [
     "resolve_params",
     "run_grid",
     "smoke_profile",
+    "undone",
 ]

@@ -4,14 +4,20 @@ Layout under the results directory (default `<repo>/results`, env PRODIGY_RESULT
 
     <experiment>/<key>.json            a finished run: RunResult.to_dict() plus key, experiment, status
     <experiment>/<key>.failed.json     a run that raised: its config and the error (retried on the next grid)
-    <experiment>/<key>.lock            a run being worked on: {pid, host, started}
+    <experiment>/<key>.lock            a run being worked on: {pid, host, started}; mtime = heartbeat
     <experiment>/checkpoints/<key>.pt  the training loop's checkpoint, to resume an interrupted run
+    <name>.<why>-<time>                a record, lock or checkpoint found invalid, moved aside (`quarantine`)
 
 `key` is `RunConfig.key()`, a hash of every result-affecting field of the resolved config. Records are
 written atomically (a temporary file in the same folder, then os.replace), so a reader or a killed writer
 never sees half a record. A run is claimed with a lock file created with O_CREAT | O_EXCL, so two processes
-working on the same grid never run the same key; a lock whose process is dead (same host) is stale and taken
-over. Smoke runs live in `<experiment>-smoke/`.
+working on the same grid never run the same key. The claiming process refreshes the lock's mtime every
+LOCK_HEARTBEAT_S seconds; a lock whose process is dead (same host), or whose heartbeat is older than
+LOCK_STALE_S (any host, any content), is stale and taken over. Smoke runs live in `<experiment>-smoke/`.
+
+Records are validated when read (`check_record`: a JSON object whose key matches its file name and its
+config, status done, final_accuracy in [0, 100]); an invalid one is named in a warning and not counted, and
+the grid moves it aside and reruns that run.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
@@ -29,13 +37,15 @@ from typing import IO, TYPE_CHECKING, Any
 
 import pandas as pd
 
-from prodigy_core.config import VARIANTS, field_names
+from prodigy_core.config import VARIANTS, ConfigError, RunConfig, field_names
 
 if TYPE_CHECKING:
     from prodigy_core.experiments import Experiment
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"  # default; env PRODIGY_RESULTS_DIR wins
 NO_ATTACK = "none"
+LOCK_HEARTBEAT_S = 30.0  # a claiming process refreshes its locks' mtime this often
+LOCK_STALE_S = 600.0  # a lock not refreshed for this long is stale, whoever wrote it
 # Columns of paper_results.csv that identify a setting (with defense and attack: one cell of a table).
 PAPER_SETTING = ["dataset", "distribution", "dirichlet_alpha", "n_clients", "n_byzantine", "local_momentum",
                  "algorithm", "local_steps", "rounds"]  # fmt: skip
@@ -63,6 +73,21 @@ def record_path(folder: Path, key: str) -> Path:
 
 def failure_path(folder: Path, key: str) -> Path:
     return folder / f"{key}.failed.json"
+
+
+def check_writable(folder: Path) -> None:
+    """Create `folder` and a file in it, or raise an OSError that names the folder and the fix: called
+    before training, so that a run's result is never lost to a folder it cannot be written to."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"cannot write results into {folder} ({e.strerror}); pass --results-dir or set "
+            "PRODIGY_RESULTS_DIR to a writable folder",
+        ) from None
 
 
 def checkpoint_dir(folder: Path) -> Path:
@@ -107,6 +132,67 @@ def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str)
     return path
 
 
+def quarantine(path: Path, why: str) -> Path:
+    """Move an invalid record, lock or checkpoint aside (never delete it) to `<name>.<why>-<time>`, a name
+    that no reader of the store matches; returns the new path (`path` itself when it is already gone)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    target = path.with_name(f"{path.name}.{why}-{stamp}-{os.getpid()}")
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:  # moved by another process meanwhile
+        return path
+    return target
+
+
+def check_record(record: Any, path: Path) -> str | None:
+    """Why `record`, read from `path`, is not a valid finished run; None when it is one."""
+    if not isinstance(record, dict):
+        return f"a record is a JSON object, this is {type(record).__name__}"
+    key = path.name.removesuffix(".json")
+    if record.get("key") != key:
+        return f"its key {record.get('key')!r} is not its file name's {key!r}"
+    if record.get("status") != "done":
+        return f"status={record.get('status')!r}, not 'done'"
+    config = record.get("config")
+    if not isinstance(config, dict):
+        return "it has no config"
+    try:
+        config_key = RunConfig.from_dict(config).key()
+    except (ConfigError, TypeError) as e:
+        return f"its config is invalid ({e})"
+    if config_key != key:
+        return f"its config has the key {config_key}, not {key}"
+    accuracy = record.get("final_accuracy")
+    if isinstance(accuracy, bool) or not isinstance(accuracy, int | float) or not 0 <= accuracy <= 100:
+        return f"final_accuracy={accuracy!r} is not a percentage in [0, 100]"
+    return None
+
+
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    """(content, None), or (None, why) when the file is not UTF-8 JSON."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8")), None
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"not valid JSON ({e})"
+
+
+def stored_record(folder: Path, key: str) -> dict[str, Any] | None:
+    """The valid finished record of `key`, or None. An invalid one is moved aside with a warning naming its
+    path and why, so that the run is done again."""
+    path = record_path(folder, key)
+    try:
+        record, why = _read_json(path)
+    except (FileNotFoundError, NotADirectoryError):  # the folder's writability is checked before a run
+        return None
+    why = why or check_record(record, path)
+    if why is None:
+        return record
+    moved = quarantine(path, "invalid")
+    warnings.warn(f"{path}: not a valid result record: {why}; moved to {moved.name}, the run is redone",
+                  RuntimeWarning, stacklevel=2)  # fmt: skip
+    return None
+
+
 def save_failure(
     folder: Path, key: str, config: dict[str, Any], error: BaseException, experiment: str
 ) -> Path:
@@ -129,9 +215,11 @@ def save_failure(
 class Claims:
     """Exclusive claims on the runs of one experiment folder, one lock file per key.
 
-    claim(key) creates `<key>.lock` with O_CREAT | O_EXCL: exactly one process succeeds. A lock left by a dead
-    process on this host is stale and taken over; a lock from another host is respected (delete it by hand
-    if that host is gone). With skip_done, a key whose record appeared meanwhile is not claimed.
+    claim(key) creates `<key>.lock` with O_CREAT | O_EXCL: exactly one process succeeds. While it holds
+    locks, a daemon thread refreshes their mtime every LOCK_HEARTBEAT_S (the heartbeat). A lock is stale and
+    taken over when its process is dead (same host), when its heartbeat is older than LOCK_STALE_S (a
+    killed process on another host, a reused pid, a hand-made file), or when it is not a lock record and
+    more than a few seconds old. With skip_done, a key whose record appeared meanwhile is not claimed.
     """
 
     def __init__(self, folder: Path, skip_done: bool = True) -> None:
@@ -140,6 +228,14 @@ class Claims:
         self.host = socket.gethostname()
         self.held: set[str] = set()
         folder.mkdir(parents=True, exist_ok=True)
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(LOCK_HEARTBEAT_S):
+            for key in list(self.held):
+                with contextlib.suppress(OSError):
+                    os.utime(self.lock_path(key))
 
     def lock_path(self, key: str) -> Path:
         return self.folder / f"{key}.lock"
@@ -153,25 +249,36 @@ class Claims:
                 if not self._take_over_if_stale(path):
                     return False
                 continue
-            with os.fdopen(fd, "w") as fh:
-                json.dump({"pid": os.getpid(), "host": self.host, "started": time.time()}, fh)
-            if self.skip_done and record_path(self.folder, key).exists():  # finished by another process
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump({"pid": os.getpid(), "host": self.host, "started": time.time()}, fh)
+            except BaseException:  # e.g. a full disk: leave no empty lock behind
+                _remove(path)
+                raise
+            if self.skip_done and stored_record(self.folder, key) is not None:  # finished by another process
                 path.unlink()
                 return False
             self.held.add(key)
+            if self._beat is None:
+                self._beat = threading.Thread(target=self._heartbeat, name="lock-heartbeat", daemon=True)
+                self._beat.start()
             return True
         return False
 
     def _take_over_if_stale(self, path: Path) -> bool:
         try:
-            owner = json.loads(path.read_text())
+            owner, _ = _read_json(path)
         except FileNotFoundError:
             return True  # released meanwhile: try again
-        except (OSError, ValueError):
-            # Being written right now, or garbage from a crash between create and write: a fresh lock is
-            # younger than a few seconds.
-            return time.time() - _mtime(path) > 10 and _remove(path)
-        if owner.get("host") != self.host or _pid_alive(owner.get("pid")):
+        except OSError:
+            owner = None
+        age = time.time() - _mtime(path)
+        if not isinstance(owner, dict):
+            # Being written right now, or garbage (a crash between create and write, a hand-made file): a
+            # fresh lock is younger than a few seconds.
+            return age > 10 and _remove(path)
+        dead = owner.get("host") == self.host and not _pid_alive(owner.get("pid"))
+        if not dead and age <= LOCK_STALE_S:
             return False
         # Rename first: of several processes that found the same stale lock, only one wins the rename.
         grave = path.with_name(f"{path.name}.stale.{os.getpid()}")
@@ -191,6 +298,10 @@ class Claims:
     def release_all(self) -> None:
         for key in list(self.held):
             self.release(key)
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat, self._stop = None, threading.Event()
 
 
 def _pid_alive(pid: Any) -> bool:
@@ -229,11 +340,19 @@ def read_records(folder: Path, include_failed: bool = False) -> list[dict[str, A
         if failed and not include_failed:
             continue
         try:
-            records.append(json.loads(path.read_text()))
-        except ValueError as e:
-            raise ValueError(
-                f"{path}: not a valid result record ({e}); delete it to rerun that run"
-            ) from None
+            record, why = _read_json(path)
+        except FileNotFoundError:  # moved aside by another process meanwhile
+            continue
+        if failed:
+            ok = isinstance(record, dict) and record.get("key") == path.name.removesuffix(".failed.json")
+            why = why or (None if ok else "not a failure record of its key")
+        else:
+            why = why or check_record(record, path)
+        if why is not None:
+            warnings.warn(f"{path}: not a valid result record, left out: {why} (the grid redoes that run)",
+                          RuntimeWarning, stacklevel=2)  # fmt: skip
+            continue
+        records.append(record)
     return records
 
 
@@ -429,5 +548,9 @@ __all__ = [
     "save_failure",
     "save_record",
     "atomic_write",
+    "check_record",
+    "check_writable",
+    "quarantine",
+    "stored_record",
     "write_json_atomic",
 ]

@@ -56,7 +56,10 @@ stops with its model frozen and is recorded as diverged, with no loss and the ac
 authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set.
 Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`) hold
 the model, the momentum, the pipeline state and every RNG state, so a resumed run reproduces the uninterrupted
-one; the checkpoint is deleted when the run completes.
+one; the checkpoint is deleted when the run completes. They hold tensors and plain Python values only and
+are read with `torch.load(weights_only=True)`, so a crafted file on a shared disk cannot run code; a
+checkpoint that cannot be read or restored (garbage, truncated, crafted, another version's) is named in a
+warning, moved aside (`results.quarantine`) and the run restarts from round 0.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ import math
 import platform
 import random
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +92,7 @@ from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
-from prodigy_core.results import atomic_write
+from prodigy_core.results import atomic_write, quarantine
 from prodigy_core.seeding import resolve_device, seed_everything
 
 # engine="auto" on a CPU, per dataset, from benchmarks/training.py on 2 CPU cores (torch 2.14, b=64), batched
@@ -127,6 +131,8 @@ class RunResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunResult:
         d = dict(d)
+        if d.get("final_accuracy") is None:  # JSON-safe None: not evaluated yet (or diverged)
+            d["final_accuracy"] = float("nan")
         d["distance_matrices"] = {int(r): m for r, m in d.get("distance_matrices", {}).items()}
         return cls(**d)
 
@@ -136,15 +142,18 @@ def run(
     *,
     progress: bool = True,
     checkpoint_dir: str | Path | None = None,
+    resume: bool = True,
     on_round: Callable[..., None] | None = None,
     _stop_after: int | None = None,
 ) -> RunResult:
     """Train one federated run described by `config` and return its `RunResult`.
 
     `checkpoint_dir`: save a checkpoint every `config.checkpoint_every` rounds and resume from it when one
-    for the same `config.key()` exists. `_stop_after` (tests only) returns after that round without
-    finishing, as if the process had been killed. `on_round(r, updates, momentum, pipeline, attack)`, if
-    given, is called every round once the server's input `updates` is formed and before it is aggregated
+    for the same `config.key()` exists (`resume=False`: ignore it and start from round 0, replacing it at
+    the next checkpoint; an unreadable one is moved aside and the run starts from round 0). `_stop_after`
+    (tests only) returns after that round without finishing, as if the process had been killed.
+    `on_round(r, updates, momentum, pipeline, attack)`, if given, is called every round once the server's
+    input `updates` is formed and before it is aggregated
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
     (used by `prodigy_core.report.explore`).
     """
@@ -153,7 +162,7 @@ def run(
     cfg = config.resolved()
     device = resolve_device(cfg.device)
     engine = pick_engine(cfg.engine, device, cfg.dataset)
-    st = start_run(config, device, engine, checkpoint_dir)
+    st = start_run(config, device, engine, checkpoint_dir, resume=resume)
     if engine == "sequential":
         local_steps = _local_steps_sequential
     else:  # one gradient function for the whole run, so that a compiled one compiles once
@@ -208,13 +217,15 @@ def start_run(
     engine: str,
     checkpoint_dir: str | Path | None = None,
     fed: Federation | None = None,
+    resume: bool = True,
 ) -> RunState:
     """A run's state before its first round to do: seeded model, pipeline, attack, generators, resumed from
-    its checkpoint in `checkpoint_dir` when one exists. `fed`: the run's federation when the caller already
-    loaded it (it is not modified: label flipping works on a shallow copy)."""
+    its checkpoint in `checkpoint_dir` when one exists (not with `resume=False`; an unreadable one is moved
+    aside with a warning and the state starts at round 0). `fed`: the run's federation when the caller
+    already loaded it (it is not modified: label flipping works on a shallow copy)."""
     cfg = config.resolved()
     n, f = cfg.n_clients, cfg.n_byzantine
-    fed = _load_federation(cfg, device) if fed is None else fed
+    fed = loaded = _load_federation(cfg, device) if fed is None else fed
     seed_everything(cfg.seed)
     model = make_model(cfg.dataset).to(device).train()
     pipeline = make_aggregator(cfg.defense, f, n_clients=n, variant=cfg.variant)
@@ -232,18 +243,29 @@ def start_run(
     result.environment = _environment(device, engine)
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
     st = RunState(config, cfg, fed, model, pipeline, attack, data_gen, momentum, result, ckpt)
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, map_location=device, weights_only=False)
-        if state["key"] != config.key():
-            raise ValueError(
-                f"checkpoint {ckpt} belongs to another config ({state['key']} != {config.key()})"
+    if resume and ckpt is not None and ckpt.exists():
+        try:
+            state = torch.load(ckpt, map_location=device, weights_only=True)
+            if state["key"] != config.key():
+                raise ValueError(f"it belongs to another config ({state['key']} != {config.key()})")
+            st.start, saved = int(state["round"]), state["momentum"]
+            if not 0 < st.start < cfg.rounds or saved.shape != momentum.shape:
+                raise ValueError(f"round {st.start} or momentum shape {tuple(saved.shape)} does not fit")
+            st.momentum = saved.to(device)
+            model.load_state_dict(state["model"])
+            pipeline.load_state_dict(state["pipeline"])
+            st.result = RunResult.from_dict(state["result"])
+            st.hits = int(state["hits"])
+            _set_rng_states(state["rng"], data_gen)
+        except Exception as e:  # whatever is wrong with it, the run is still there to be done from scratch
+            moved, why = quarantine(ckpt, "unreadable"), str(e).split("\n")[0][:200]
+            warnings.warn(
+                f"checkpoint {ckpt} cannot be resumed ({type(e).__name__}: {why}); "
+                f"moved to {moved.name}, the run restarts from round 0",
+                RuntimeWarning,
+                stacklevel=3,
             )
-        st.start, st.momentum = state["round"], state["momentum"]
-        model.load_state_dict(state["model"])
-        pipeline.load_state_dict(state["pipeline"])
-        st.result = RunResult.from_dict(state["result"])
-        st.hits = state["hits"]
-        _set_rng_states(state["rng"], data_gen)
+            return start_run(config, device, engine, checkpoint_dir, loaded, resume=False)
     return st
 
 
@@ -299,8 +321,11 @@ def end_round(st: RunState, r: int) -> bool:
         state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
                  "rng": _get_rng_states(st.data_gen)}  # fmt: skip
-        with atomic_write(st.ckpt, "wb") as fh:  # a kill never leaves a half-written checkpoint
-            torch.save(state, fh)
+        try:
+            with atomic_write(st.ckpt, "wb") as fh:  # a kill never leaves a half-written checkpoint
+                torch.save(state, fh)
+        except RuntimeError as e:  # torch reports a failed write (a full disk) as a RuntimeError
+            raise OSError(f"cannot write the checkpoint {st.ckpt}: {str(e).splitlines()[0]}") from e
     return True
 
 
@@ -604,7 +629,7 @@ def _load_federation(cfg: RunConfig, device: torch.device) -> Federation:
 
 
 def _environment(device: torch.device, engine: str) -> dict[str, Any]:
-    env = {"device": str(device), "engine": engine, "torch": torch.__version__,
+    env = {"device": str(device), "engine": engine, "torch": str(torch.__version__),
            "prodigy_fl": prodigy_core.__version__, "python": platform.python_version(),
            "threads": torch.get_num_threads()}  # fmt: skip
     if device.type == "cuda":
@@ -613,8 +638,10 @@ def _environment(device: torch.device, engine: str) -> dict[str, Any]:
 
 
 def _get_rng_states(data_gen: torch.Generator) -> dict[str, Any]:
+    """Every RNG state as tensors and plain Python values (what `torch.load(weights_only=True)` reads)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     states = {"torch": torch.get_rng_state(), "data": data_gen.get_state(), "python": random.getstate(),
-              "numpy": np.random.get_state()}  # fmt: skip
+              "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}  # fmt: skip
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
@@ -623,8 +650,10 @@ def _get_rng_states(data_gen: torch.Generator) -> dict[str, Any]:
 def _set_rng_states(states: dict[str, Any], data_gen: torch.Generator) -> None:
     torch.set_rng_state(states["torch"].cpu())
     data_gen.set_state(states["data"].cpu())
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
 

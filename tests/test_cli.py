@@ -179,7 +179,8 @@ def test_grid_killed_and_resumed_equals_an_uninterrupted_grid_run_by_two_process
     assert not list(folder.glob("*.lock")) and not list((folder / "checkpoints").glob("*.pt"))
 
     errs = [p.communicate(timeout=600)[1] for p in references]
-    assert all(p.returncode == 0 for p in references), errs
+    # the first to finish may list runs the other was still training as undone, and exit 1 for them
+    assert all(p.returncode == 0 or "left undone" in e for p, e in zip(references, errs, strict=True)), errs
     assert sum(e.count("done   ") for e in errs) == 4  # each run trained once across the two processes
     assert not list((whole / "cli_small").glob("*.lock"))
     experiment = load_experiment(grid_file)

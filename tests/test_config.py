@@ -23,9 +23,9 @@ def test_error_names_the_source_file():
 @pytest.mark.parametrize(
     "changes, pattern",
     [
-        ({"rounds": "10"}, r"rounds='10' must be of type int"),
-        ({"rounds": 2.5}, r"rounds=2.5 must be of type int"),
-        ({"download": 1}, r"download=1 must be of type bool"),
+        ({"rounds": "10"}, r"rounds='10' must be an integer, not str"),
+        ({"rounds": 2.5}, r"rounds=2.5 must be an integer, not float"),
+        ({"download": 1}, r"download=1 must be true or false, not int"),
         ({"dataset": "mnist"}, r"dataset='mnist' is unknown; valid: digits, femnist, cifar10"),
         ({"dataset": "femnist", "distribution": "iid"}, r"distribution='iid' is not available"),
         ({"dirichlet_alpha": 0.0}, r"dirichlet_alpha=0.0 must be > 0"),
