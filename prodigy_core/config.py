@@ -231,6 +231,8 @@ def decay_round(rounds: int, variant: str = "paper") -> int:
     ``paper``: the text's gamma_t = lr for t <= 2T/3, so the first decayed round is floor(2T/3) + 1 (667 for
     T = 1000, 1334 for T = 2000). ``authors``: the authors' code decays at round int(2T/3) (666, 1333)."""
     return 2 * rounds // 3 + (variant == "paper")
+
+
 def _valid_source(dataset: str, source: str) -> bool:
     if dataset == "femnist":
         return re.fullmatch(r"femnist-leaf-[0-9a-f]{12}", source) is not None
