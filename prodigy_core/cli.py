@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(command=cmd_run)
 
     p = sub.add_parser("grid", help="run every config of a params file (resumable)")
-    p.add_argument("params", help="params file or name (see params/)")
+    p.add_argument("params", help="params file, or a name in the project's params/ or the package's")
     p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a run field in every run, e.g. --set device=cuda (repeatable)")  # fmt: skip
     scale(p, "the smoke profile: seconds, stand-in datasets (CI)")

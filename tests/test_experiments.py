@@ -107,6 +107,22 @@ def test_figure1_and_quickstart_settings():
     )
 
 
+def test_quickstart_is_table1_noniid_fedavg_momentum_with_rounds_past_convergence():
+    quick = load_experiment("quickstart_digits")
+    settings = {(c.local_steps, c.local_momentum, c.lr_decay_at) for c in quick.configs}
+    assert settings == {(10, 0.9, None)}  # FedAVG E=10, beta=0.9, the paper's lr drop at 2/3 of the rounds
+    # the committed convergence curve: the first round from which 3 consecutive evaluations are within 1 point
+    # of the final accuracy must come before the learning-rate drop (2/3 of the rounds)
+    with open(PAPER_CSV.parents[2] / "figures" / "quickstart_convergence.csv") as fh:
+        curve = [(int(r["round"]), float(r["test_accuracy_percent"])) for r in csv.DictReader(fh)]
+    final = curve[-1][1]
+    converged = next(
+        curve[i][0] for i in range(len(curve) - 2) if all(abs(a - final) <= 1 for _, a in curve[i : i + 3])
+    )
+    (rounds,) = {c.rounds for c in quick.configs}
+    assert converged <= quick.configs[0].resolved().lr_decay_at < rounds
+
+
 @pytest.mark.parametrize("name", ALL_FILES)
 def test_every_params_file_has_a_valid_report_layout(name):
     experiment = load_experiment(name)
