@@ -776,7 +776,8 @@ def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
     source = data_source_of(df)
     if source is not None and source != DIGITS_SOURCE:
         about.append(f"data: {source_label(source)}")
-    title = f"{title} ({'; '.join(about)})"
+    headline, tag = split_title(title)  # the scale tag stays last, where split_title finds it
+    title = join_title(f"{headline} ({'; '.join(about)})", tag)
     if not is_smoke(experiment, df) or "SMOKE" in title:  # smoke_profile already labels its titles
         return title
     stand_in = stand_in_of(experiment, df)

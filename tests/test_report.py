@@ -148,7 +148,7 @@ def test_smoke_and_stand_in_outputs_go_to_smoke_folder_and_say_so(tmp_path):
 def test_mini_outputs_go_to_mini_folder_say_so_and_compare_without_the_rounds(tmp_path, monkeypatch):
     seen = []
 
-    def compare(df, table, match_rounds=True):
+    def compare(df, table, match_rounds=True, **kw):
         seen.append((table, match_rounds))
         return pd.DataFrame({"defense": ["prodigy"], "attack": ["alie"], "ours": [50.0], "paper": [52.0],
                              "delta": [-2.0], "worst_case_match": [pd.NA]})  # fmt: skip
@@ -159,6 +159,15 @@ def test_mini_outputs_go_to_mini_folder_say_so_and_compare_without_the_rounds(tm
     assert {p.parent for p in paths} == {tmp_path / "mini"} and seen == [("bigtable", False)]
     assert report.MINI_LABEL in (tmp_path / "mini" / "fab.md").read_text()
     assert (tmp_path / "mini" / "fab_vs_paper.md").exists()
+
+
+@pytest.mark.parametrize("scale", ["smoke", "mini"])
+def test_the_scale_tag_stays_the_subtitle_after_the_variant(scale):
+    from prodigy_core.experiments import load_experiment
+
+    title = report.report_title(load_experiment("table4_fraction_byzantine", scale=scale))
+    headline, tag = report.split_title(title)
+    assert "variant: paper" in headline and tag.startswith(scale.upper())
 
 
 def test_paper_comparison_written_at_paper_scale(tmp_path, monkeypatch):
