@@ -1,11 +1,16 @@
 """The `prodigy-fl` command line: run one config, run a params grid, report it, quickstart, data, reproduce.
 
     prodigy-fl run [PARAMS.yaml] [--set key=value ...] [--json]
-    prodigy-fl grid PARAMS.yaml [--smoke] [--executor local|ray] [--jobs N] [--force] [--batch-runs K]
-    prodigy-fl report PARAMS.yaml [--smoke] [--set key=value ...]
+    prodigy-fl grid PARAMS.yaml [--smoke | --mini] [--dry-run] [--executor local|ray] [--jobs N] [--force]
+        [--batch-runs K]
+    prodigy-fl report PARAMS.yaml [--smoke | --mini] [--set key=value ...]
     prodigy-fl quickstart
     prodigy-fl data cifar10 [DIR] [--from JPEG_COPY] | prodigy-fl data femnist [PATH]
-    prodigy-fl reproduce [--scale smoke|paper] [--only NAME ...]
+    prodigy-fl reproduce [--scale smoke|mini|paper] [--only NAME ...]
+    prodigy-fl init [DIR]
+
+Outputs go to the project folder (`prodigy_core.paths`): the nearest ancestor of the working directory that
+holds params/, else the working directory; env PRODIGY_RESULTS_DIR, PRODIGY_FIGURES_DIR, PRODIGY_DATA_DIR win.
 
 Bad input (an unknown field, an impossible config, a missing file, a results folder that cannot be
 written, a full disk) ends with one line `prodigy-fl: error: ...` and exit status 2, never a traceback;
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import prodigy_core
+from prodigy_core import paths
 from prodigy_core.config import ConfigError, RunConfig, field_names, parse_value
 
 EXIT_USAGE = 2
@@ -65,8 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--results-dir",
             type=Path,
-            help="results folder (default: env PRODIGY_RESULTS_DIR, else <repo>/results)",
+            help=f"results folder (default: {paths.describe(paths.ENV_RESULTS, 'results')})",
         )
+
+    def scale(p: argparse.ArgumentParser, smoke_help: str) -> None:
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--smoke", action="store_true", help=smoke_help)
+        group.add_argument(
+            "--mini", action="store_true",
+            help="the mini scale: the paper's settings, the params file's `mini` rounds, one seed",
+        )  # fmt: skip
+
+    figures_help = f"where figures go (default: {paths.describe(paths.ENV_FIGURES, 'figures')})"
 
     p = sub.add_parser("run", help="run one config (defaults, a params file, --set overrides)")
     p.add_argument("params", nargs="?", help="params file or name; it must come down to one run after --set")
@@ -81,10 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(command=cmd_run)
 
     p = sub.add_parser("grid", help="run every config of a params file (resumable)")
-    p.add_argument("params", help="params file or name (see params/)")
+    p.add_argument("params", help="params file, or a name in the project's params/ or the package's")
     p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a run field in every run, e.g. --set device=cuda (repeatable)")  # fmt: skip
-    p.add_argument("--smoke", action="store_true", help="the smoke profile: seconds, stand-in datasets (CI)")
+    scale(p, "the smoke profile: seconds, stand-in datasets (CI)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the runs it would make and their count; run none"
+    )
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this machine (see --jobs, default); ray: a Ray cluster")  # fmt: skip
     p.add_argument(
@@ -108,15 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("params", help="params file or name")
     p.add_argument("--set", dest="fields", action="append", default=[], metavar="KEY=VALUE",
                    help="pin a run field as the grid did, e.g. --set variant=authors")  # fmt: skip
-    p.add_argument("--smoke", action="store_true", help="report the smoke results")
-    p.add_argument("--out-dir", type=Path, help="where figures go (default: figures/)")
+    scale(p, "report the smoke results")
+    p.add_argument("--out-dir", type=Path, help=figures_help)
     results_dir(p)
     p.set_defaults(command=cmd_report)
 
     p = sub.add_parser("quickstart", help="the digits grid (all defenses x all attacks), then its report")
     p.add_argument("--smoke", action="store_true", help="a few seconds instead of a few minutes")
     p.add_argument("--jobs", type=int, default=1, help="worker processes running the grid (default 1)")
-    p.add_argument("--out-dir", type=Path, help="where figures go (default: figures/)")
+    p.add_argument("--out-dir", type=Path, help=figures_help)
     results_dir(p)
     p.set_defaults(command=cmd_quickstart)
 
@@ -126,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", choices=("cifar10", "femnist"))
     p.add_argument(
         "path", nargs="?", type=Path,
-        help="cifar10: the data folder (default: env PRODIGY_DATA_DIR, else <repo>/data); femnist: the LEAF "
-        "directory (default: the folders found, env PRODIGY_FEMNIST_DIR and ../shared/data)",
+        help=f"cifar10: the data folder (default: {paths.describe(paths.ENV_DATA, 'data')}); femnist: the "
+        "LEAF directory (default: the folders found, env PRODIGY_FEMNIST_DIR and ../shared/data)",
     )  # fmt: skip
     p.add_argument("--from", dest="source", type=Path, metavar="JPEG_COPY",
                    help="cifar10: decode the JPEG copy (cifar10-jpeg.tar.gz or its unpacked folder) "
@@ -135,14 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(command=cmd_data)
 
     p = sub.add_parser("reproduce", help="every paper table and figure, then the reports")
-    p.add_argument("--scale", choices=("smoke", "paper"), default="smoke",
-                   help="smoke: minutes, stand-in datasets (default); paper: the full grids")  # fmt: skip
+    p.add_argument("--scale", choices=("smoke", "mini", "paper"), default="smoke",
+                   help="smoke: minutes, stand-in datasets (default); mini: the paper's grids with fewer "
+                   "rounds and one seed; paper: the full grids")  # fmt: skip
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help="only these notebooks, by name (e.g. table1_cifar10; see notebooks/)")  # fmt: skip
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="where the notebooks run their grids: local or ray (default local)")  # fmt: skip
     p.set_defaults(command=cmd_reproduce)
+
+    p = sub.add_parser("init", help="make a project folder: notebooks, params, empty results/ figures/ data/")
+    p.add_argument("dir", nargs="?", type=Path, default=Path("."), help="the folder (default: the current)")
+    p.set_defaults(command=cmd_init)
     return parser
+
+
+def scale_of(args: argparse.Namespace) -> str:
+    return "smoke" if getattr(args, "smoke", False) else "mini" if getattr(args, "mini", False) else "paper"
+
+
+def scale_flag(scale: str) -> str:
+    return "" if scale == "paper" else f" --{scale}"
 
 
 def parse_fields(pairs: list[str]) -> dict[str, Any]:
@@ -212,7 +244,10 @@ def batch_runs(text: str) -> int | str:
 def cmd_grid(args: argparse.Namespace) -> int:
     from prodigy_core.experiments import load_experiment, run_grid, undone
 
-    experiment = load_experiment(args.params, smoke=args.smoke, fields=parse_fields(args.fields))
+    experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
+    if args.dry_run:
+        print("\n".join(dry_run(experiment, args.results_dir)))
+        return 0
     df = run_grid(
         experiment, executor=args.executor, jobs=args.jobs, force=args.force, results_dir=args.results_dir,
         address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus, batch_runs=args.batch_runs,
@@ -221,16 +256,38 @@ def cmd_grid(args: argparse.Namespace) -> int:
     return 1 if undone(experiment, args.results_dir) else 0  # failed, or left to another process
 
 
+# What a dry run prints of each run (with its key and whether it is stored).
+DRY_RUN_FIELDS = ("dataset", "distribution", "n_clients", "n_byzantine", "local_steps", "local_momentum",
+                  "rounds", "defense", "attack", "variant", "seed")  # fmt: skip
+
+
+def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
+    """One line per run of the grid (key fields, run key, stored or not), then the count. Writes nothing."""
+    from prodigy_core import results
+
+    folder = results.experiment_dir(experiment.results_name, results_dir)
+    lines = [f"{experiment.title} ({experiment.scale} scale)"]
+    stored = 0
+    for config in experiment.configs:
+        done = results.record_path(folder, config.key()).exists()
+        stored += done
+        what = " ".join(f"{n}={getattr(config, n)}" for n in DRY_RUN_FIELDS)
+        lines.append(f"{config.key()} {what}{' [stored]' if done else ''}")
+    total = len(experiment.configs)
+    lines.append(f"{total} runs ({stored} stored, {total - stored} to run) -> {folder}")
+    return lines
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from prodigy_core import results
     from prodigy_core.experiments import load_experiment
 
-    experiment = load_experiment(args.params, smoke=args.smoke, fields=parse_fields(args.fields))
+    experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
     df = results.load(experiment, args.results_dir)
     if df.empty:
-        smoke = " --smoke" if args.smoke else ""
+        flag = scale_flag(experiment.scale)
         raise ValueError(
-            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{smoke}`"
+            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}`"
         )
     for path in _write_report(experiment, df, args.out_dir, args.results_dir):
         print(path)
@@ -312,6 +369,30 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from prodigy_core.reproduce import reproduce
 
     return reproduce(scale=args.scale, only=args.only, executor=args.executor)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Copy the package's notebooks and params files into DIR and make its empty results/ figures/ data/;
+    files already there are kept (a user's edits are never overwritten)."""
+    import shutil
+
+    root = args.dir.resolve()
+    made, kept = [], []
+    for name, pattern in (("notebooks", "*.ipynb"), ("params", "*.yaml")):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for source in sorted(paths.package_folder(name).glob(pattern)):
+            target = root / name / source.name
+            if target.exists():
+                kept.append(target)
+            else:
+                shutil.copyfile(source, target)
+                made.append(target)
+    for name in ("results", "figures", "data"):
+        (root / name).mkdir(exist_ok=True)
+    kept_note = f", {len(kept)} kept as they were" if kept else ""
+    print(f"project folder {root}: {len(made)} files copied{kept_note}")
+    print(f"next: cd {root} && prodigy-fl quickstart   (or: jupyter lab notebooks/)")
+    return 0
 
 
 if __name__ == "__main__":

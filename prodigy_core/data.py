@@ -36,12 +36,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from prodigy_core import paths
 from prodigy_core.config import DATASETS, DISTRIBUTIONS
 from prodigy_core.seeding import resolve_device
 
-# Default root for datasets (torchvision's CIFAR-10 folder and the decoded JPEG copy live under it); env
-# PRODIGY_DATA_DIR wins (read when used, see data_root).
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 # Read-only data beside the repository clone (../shared/data): CIFAR-10's JPEG copy, LEAF FEMNIST folders.
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 CIFAR10_JPEG_ARCHIVE = SHARED_DATA_DIR / "cifar10-jpeg" / "cifar10-jpeg.tar.gz"
@@ -83,9 +81,10 @@ class DataError(ValueError):
 
 
 def data_root() -> Path:
-    """Where datasets are stored: env PRODIGY_DATA_DIR (read now, so tests and notebooks can set it), else
-    DATA_DIR (`<repo>/data`)."""
-    return Path(os.environ.get("PRODIGY_DATA_DIR", DATA_DIR))
+    """Where datasets are stored (torchvision's CIFAR-10 folder and the decoded JPEG copy live under it): env
+    PRODIGY_DATA_DIR, else <project folder>/data (`paths.data_dir`, read now, so tests and notebooks can
+    change directory or environment)."""
+    return paths.data_dir()
 
 
 def source_label(source: str | None) -> str | None:
@@ -725,7 +724,6 @@ __all__ = [
     "source_label",
     "decode_cifar10_jpeg",
     "data_root",
-    "DATA_DIR",
     "LEAF_COMMAND",
     "CIFAR10_MEAN",
     "CIFAR10_STD",

@@ -10,12 +10,16 @@ A params file (params/*.yaml) has these top-level keys:
     grid: {defense: [...], ...}       # Cartesian product of the listed values; or a LIST of such mappings,
                                       # whose products are joined (use it when one field is tied to another)
     seeds: [0, 1, 2]                  # sets RunConfig.seed; every grid point runs once per seed
+    mini: {rounds: 30}                # the mini scale's rounds (an int, or {paper rounds: mini rounds})
     report: {rows: defense, columns: attack, blocks: [...], figures: [...]}
 
 Every file is validated on load: unknown keys (with a "did you mean"), wrong types and impossible runs are
 ConfigErrors that name the file, the key and the value.
 
-Smoke profile (`smoke=True`): the same grid shrunk to seconds for CI, see `smoke_profile` for the rule.
+Three scales (`scale=`, SCALES): "paper" (the file as written); "smoke" (the same grid shrunk to seconds for
+CI, see `smoke_profile`); "mini" (every run of the paper's grid with its N, f, E, beta, split, defenses and
+attacks, but the params file's `mini` rounds and one seed, see `mini_profile`). Smoke and mini runs are stored
+apart from paper-scale ones (`results/<experiment>-smoke/`, `-mini/`) and say so in every title.
 
 Running a table on a Ray cluster (every node: the same Python environment, `pip install "prodigy-fl[ray]"`,
 and the results folder and datasets on a shared filesystem, since a run's checkpoints are written by the node
@@ -47,13 +51,16 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from prodigy_core import paths
 from prodigy_core import results as store
 from prodigy_core.config import ConfigError, RunConfig, did_you_mean, field_names
 
-PARAMS_DIR = Path(__file__).resolve().parents[1] / "params"
-TOP_LEVEL_KEYS = ("experiment", "title", "paper_table", "base", "grid", "seeds", "report")
+PARAMS_DIR = paths.package_folder("params")  # the package's own; a project's params/ comes first
+TOP_LEVEL_KEYS = ("experiment", "title", "paper_table", "base", "grid", "seeds", "mini", "report")
+MINI_KEYS = ("rounds",)
 REPORT_KEYS = ("rows", "columns", "blocks", "figures")
 EXECUTORS = ("local", "ray")
+SCALES = ("smoke", "mini", "paper")
 
 # Smoke profile: the one place that says how a grid is shrunk (see smoke_profile).
 SMOKE_ROUNDS = 3
@@ -77,11 +84,18 @@ class Experiment:
     stand_in: str | None = None  # "digits (offline stand-in for cifar10)", ...; None for the real datasets
     source: Path | None = None
     stand_ins: dict[str, str] = field(default_factory=dict, repr=False)  # run key -> stand-in label
+    mini: bool = False
+    mini_spec: dict[str, Any] = field(default_factory=dict, repr=False)  # the params file's `mini` section
+
+    @property
+    def scale(self) -> str:
+        """The scale: "smoke", "mini" or "paper" (SCALES)."""
+        return "smoke" if self.smoke else "mini" if self.mini else "paper"
 
     @property
     def results_name(self) -> str:
-        """Folder under the results directory: smoke runs never mix with paper-scale ones."""
-        return f"{self.name}-smoke" if self.smoke else self.name
+        """Folder under the results directory: smoke and mini runs never mix with paper-scale ones."""
+        return self.name if self.scale == "paper" else f"{self.name}-{self.scale}"
 
     def stand_in_for(self, config: RunConfig) -> str | None:
         """The stand-in label of one run (None when it runs on the dataset the params file names)."""
@@ -101,18 +115,32 @@ class Experiment:
 
 
 def resolve_params(path_or_name: str | os.PathLike) -> Path:
-    """A params file by path, or by name in PARAMS_DIR (`table1_cifar10` or `table1_cifar10.yaml`)."""
+    """A params file by path, or by name (`table1_cifar10` or `table1_cifar10.yaml`) in the project's
+    params/, then in the package's (`paths.params_dirs`)."""
     path = Path(path_or_name)
     if path.is_file():
         return path
-    for candidate in (PARAMS_DIR / path.name, PARAMS_DIR / f"{path.name}.yaml"):
-        if candidate.is_file():
-            return candidate
-    available = sorted(p.stem for p in PARAMS_DIR.glob("*.yaml"))
+    folders = paths.params_dirs()
+    for folder in folders:
+        for candidate in (folder / path.name, folder / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    available = sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
     raise FileNotFoundError(
-        f"params file {str(path_or_name)!r} not found (as a path or in {PARAMS_DIR}); "
+        f"params file {str(path_or_name)!r} not found (as a path or in {', '.join(map(str, folders))}); "
         f"available: {', '.join(available)}"
     )
+
+
+def check_scale(scale: str | None, smoke: bool = False) -> str:
+    """The scale asked for by `scale` or by the `smoke` flag; an unknown or contradictory one is an error."""
+    if scale is None:
+        return "smoke" if smoke else "paper"
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is unknown; valid: {', '.join(SCALES)}")
+    if smoke and scale != "smoke":
+        raise ValueError(f"smoke=True and scale={scale!r}: give one of them")
+    return scale
 
 
 def load_experiment(
@@ -120,13 +148,16 @@ def load_experiment(
     smoke: bool = False,
     overrides: dict[str, Any] | None = None,
     fields: dict[str, Any] | None = None,
+    scale: str | None = None,
 ) -> Experiment:
-    """Load, validate and expand a params file.
+    """Load, validate and expand a params file at a scale ("paper" by default, "smoke" also by smoke=True,
+    "mini").
 
     overrides: top-level YAML keys to replace (base, grid, seeds, ...); keys whose value is None are ignored
     (the notebooks' papermill parameters). fields: RunConfig fields to pin in every run (`--set key=value`):
     they go into `base` and the grid axis of the same name, if any, is dropped.
     """
+    scale = check_scale(scale, smoke)
     path = resolve_params(path_or_name)
     try:
         spec = yaml.safe_load(path.read_bytes().decode("utf-8"))
@@ -139,7 +170,7 @@ def load_experiment(
             f"{path}: expected a mapping of {', '.join(TOP_LEVEL_KEYS)}, got {type(spec).__name__}"
         )
     spec.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return experiment_from_spec(spec, source=path, smoke=smoke, fields=fields)
+    return experiment_from_spec(spec, source=path, fields=fields, scale=scale)
 
 
 def experiment_from_spec(
@@ -147,8 +178,10 @@ def experiment_from_spec(
     source: Path | str = "params",
     smoke: bool = False,
     fields: dict[str, Any] | None = None,
+    scale: str | None = None,
 ) -> Experiment:
     """Validate a params mapping (as read from YAML) and expand its grid; see `load_experiment`."""
+    scale = check_scale(scale, smoke)
     where = str(source)
     for key in spec:
         if key not in TOP_LEVEL_KEYS:
@@ -188,6 +221,8 @@ def experiment_from_spec(
     if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds):
         raise ConfigError(f"{where}: seeds={seeds!r} must be a non-empty list of integers, e.g. [0, 1, 2]")
     report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
+    mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
+    _check_mini_rounds(mini.get("rounds"), f"{where}: mini.rounds")
     for key in ("rows", "columns", "blocks"):
         for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
             if value not in field_names():
@@ -222,9 +257,22 @@ def experiment_from_spec(
                 configs.setdefault(config.key(), config)  # the union of products may repeat a run
     experiment = Experiment(
         name=name, title=title, paper_table=paper_table, configs=list(configs.values()), report=report,
-        source=Path(source) if isinstance(source, Path) else None,
+        source=Path(source) if isinstance(source, Path) else None, mini_spec=mini,
     )  # fmt: skip
-    return smoke_profile(experiment) if smoke else experiment
+    return {"smoke": smoke_profile, "mini": mini_profile}.get(scale, lambda e: e)(experiment)
+
+
+def _check_mini_rounds(rounds: Any, where: str) -> None:
+    if rounds is None:
+        return
+    ok = type(rounds) is int and rounds > 0
+    if isinstance(rounds, dict):
+        ok = bool(rounds) and all(type(k) is int and type(v) is int and v > 0 for k, v in rounds.items())
+    if not ok:
+        raise ConfigError(
+            f"{where}={rounds!r} must be a positive integer (e.g. 30) or a mapping of the paper's rounds "
+            "to mini rounds (e.g. {2000: 60, 1000: 30})"
+        )
 
 
 def _mapping(value: Any, where: str, names: Iterable[str] | None = None, check_fields: bool = True) -> dict:
@@ -359,6 +407,63 @@ def _scaled_byzantine(config: RunConfig, n: int, min_byzantine: int) -> int:
     if config.n_byzantine == 0:
         return 0
     return min(max(round(config.n_byzantine * n / config.n_clients), min_byzantine), (n - 1) // 2)
+
+
+# ------------------------------------------------------------------------------------------- mini
+
+
+def mini_profile(experiment: Experiment) -> Experiment:
+    """The paper's grid at fewer rounds and one seed: a comparison with the paper that one GPU can afford.
+
+    Every run of the paper's grid keeps its dataset, split, N, f, E, beta, defense and attack; only these
+    change: seeds -> the first seed; rounds -> the params file's `mini.rounds` (one number, or one per paper
+    rounds value: {2000: 60, 1000: 30}); an explicit lr_decay_at and record_distances_at scale with the rounds
+    (an unset lr_decay_at is already 2/3 of them); eval_every <= rounds. No stand-in data: the runs need the
+    real datasets.
+    """
+    if experiment.mini:
+        return experiment
+    if experiment.smoke:
+        raise ValueError(f"{experiment.name}: a smoke experiment has no mini scale; reload its params file")
+    where = str(experiment.source or experiment.name)
+    rounds = experiment.mini_spec.get("rounds")
+    if rounds is None:
+        raise ConfigError(
+            f"{where}: no mini scale: add a `mini` section with the rounds, e.g. `mini: {{rounds: 30}}`"
+        )
+    paper_rounds = list(dict.fromkeys(c.rounds for c in experiment.configs))
+    table = rounds if isinstance(rounds, dict) else dict.fromkeys(paper_rounds, rounds)
+    missing = [r for r in paper_rounds if r not in table]
+    if missing:
+        raise ConfigError(f"{where}: mini.rounds={rounds!r} gives no mini rounds for the paper's {missing}")
+    too_many = {r: table[r] for r in paper_rounds if table[r] > r}
+    if too_many:
+        raise ConfigError(f"{where}: mini.rounds={rounds!r}: more rounds than the paper's ({too_many})")
+    seed = experiment.configs[0].seed
+    configs: dict[str, RunConfig] = {}
+    for config in experiment.configs:
+        if config.seed == seed:
+            small = _mini_config(config, table[config.rounds])
+            configs.setdefault(small.key(), small)
+    label = " / ".join(f"{table[r]} of {r}" for r in paper_rounds)
+    return dataclasses.replace(
+        experiment,
+        title=f"{experiment.title} [MINI: {label} rounds, seed {seed}]",
+        configs=list(configs.values()),
+        mini=True,
+    )
+
+
+def _mini_config(config: RunConfig, rounds: int) -> RunConfig:
+    def scaled(r: int) -> int:
+        return min(max(round(r * rounds / config.rounds), 1), rounds)
+
+    return config.replace(
+        rounds=rounds,
+        eval_every=min(config.eval_every, rounds),
+        lr_decay_at=None if config.lr_decay_at is None else scaled(config.lr_decay_at),
+        record_distances_at=sorted({scaled(r) for r in config.record_distances_at}),
+    )
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -725,6 +830,7 @@ def _with_traceback(error: BaseException) -> BaseException:
 
 __all__ = [
     "PARAMS_DIR",
+    "SCALES",
     "Experiment",
     "Task",
     "check_writers",
@@ -732,6 +838,7 @@ __all__ = [
     "execute_group",
     "experiment_from_spec",
     "load_experiment",
+    "mini_profile",
     "resolve_params",
     "run_grid",
     "smoke_profile",

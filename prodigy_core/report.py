@@ -35,9 +35,10 @@ from matplotlib.figure import Figure
 
 from prodigy_core.config import RunConfig
 
-FIGURES_DIR = Path(os.environ.get("PRODIGY_FIGURES_DIR", Path(__file__).resolve().parent.parent / "figures"))
 SMOKE_SUBDIR = "smoke"
+MINI_SUBDIR = "mini"
 SMOKE_LABEL = "SMOKE / stand-in"
+MINI_LABEL = "MINI scale"
 NO_ATTACK = "none"
 DIVERGED_MARK = "†"
 DIVERGED_NOTE = (
@@ -745,10 +746,13 @@ def is_smoke(experiment: Any, df: pd.DataFrame | None = None) -> bool:
     return bool(getattr(experiment, "smoke", False)) or stand_in_of(experiment, df) is not None
 
 
-def output_dir(smoke: bool, out_dir: str | Path | None = None) -> Path:
-    """Folder for an experiment's figures: ``out_dir`` (default FIGURES_DIR), or its smoke/ subfolder."""
-    base = Path(out_dir) if out_dir is not None else FIGURES_DIR
-    return base / SMOKE_SUBDIR if smoke else base
+def output_dir(smoke: bool, out_dir: str | Path | None = None, mini: bool = False) -> Path:
+    """Folder for an experiment's figures: ``out_dir`` (default ``paths.figures_dir()``: env
+    PRODIGY_FIGURES_DIR, else <project folder>/figures), or its smoke/ or mini/ subfolder."""
+    from prodigy_core import paths
+
+    base = Path(out_dir) if out_dir is not None else paths.figures_dir()
+    return base / SMOKE_SUBDIR if smoke else base / MINI_SUBDIR if mini else base
 
 
 def variants_of(experiment: Any, df: pd.DataFrame | None = None) -> list[str]:
@@ -772,7 +776,8 @@ def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
     source = data_source_of(df)
     if source is not None and source != DIGITS_SOURCE:
         about.append(f"data: {source_label(source)}")
-    title = f"{title} ({'; '.join(about)})"
+    headline, tag = split_title(title)  # the scale tag stays last, where split_title finds it
+    title = join_title(f"{headline} ({'; '.join(about)})", tag)
     if not is_smoke(experiment, df) or "SMOKE" in title:  # smoke_profile already labels its titles
         return title
     stand_in = stand_in_of(experiment, df)
@@ -883,10 +888,12 @@ def write_report(
     the stored runs of the same grid under the other variant (from ``results_dir``): with both, paper |
     ours (paper) | ours (authors) side by side.
 
-    Smoke-scale or stand-in results go to ``<out_dir>/smoke/`` and say so in every title.
+    Smoke-scale or stand-in results go to ``<out_dir>/smoke/``, mini-scale ones to ``<out_dir>/mini/`` (their
+    side-by-side with the paper matches cells without the rounds), and say so in every title.
     """
     smoke = is_smoke(experiment, df)
-    folder = output_dir(smoke, out_dir)
+    mini = bool(getattr(experiment, "mini", False)) and not smoke
+    folder = output_dir(smoke, out_dir, mini=mini)
     folder.mkdir(parents=True, exist_ok=True)
     layout = getattr(experiment, "report", None) or {}
     title = report_title(experiment, df)
@@ -897,6 +904,8 @@ def write_report(
     note = f"{runs}, seed{'s' * (len(seeds) != 1)} {', '.join(map(str, seeds))}." if seeds else f"{runs}."
     if smoke:
         note = f"**{SMOKE_LABEL}**: tiny scale, not comparable with the paper. " + note
+    elif mini:
+        note = f"**{MINI_LABEL}**: the paper's settings with fewer rounds and one seed. " + note
 
     paths = [folder / f"{name}.md", folder / f"{name}.tex"]
     made_by = provenance(experiment)
@@ -940,7 +949,8 @@ def write_report(
                 if not stored.empty:
                     frames[v] = stored
         comparisons = {
-            v: results.compare_with_paper(frame, paper_table, variant=v) for v, frame in frames.items()
+            v: results.compare_with_paper(frame, paper_table, variant=v, match_rounds=not mini)
+            for v, frame in frames.items()
         }
         comparisons = {v: comparisons[v] for v in [*VARIANTS, *comparisons] if v in comparisons}
         base_title = getattr(experiment, "title", None) or name

@@ -1,9 +1,11 @@
-"""Re-execute the paper's notebooks with papermill (``prodigy-fl reproduce --scale smoke|paper --only NAME``).
+"""Re-execute the paper's notebooks with papermill (``prodigy-fl reproduce --scale smoke|mini|paper``).
 
-Each notebook in notebooks/ has one cell tagged ``parameters`` whose defaults are the smoke scale. At paper
-scale the top-level keys of its params file (params/*.yaml) are injected as parameters, with ``smoke=False``.
-Executed copies go to the git-ignored build/ folder; the tables and figures are files that the notebooks write
-through ``prodigy_core.report`` into figures/ (figures/smoke/ at smoke scale).
+Each notebook in notebooks/ has one cell tagged ``parameters`` whose defaults are the smoke scale
+(``scale = "smoke"``). At mini and paper scale the top-level keys of its params file (params/*.yaml) are
+injected as parameters too. The notebooks are the project's (`prodigy-fl init`, or a clone), else the
+package's; they run with the project folder as working directory. Executed copies go to its git-ignored
+build/ folder; the tables and figures are files that the notebooks write through ``prodigy_core.report`` into
+figures/ (figures/smoke/, figures/mini/ at those scales).
 
 Progress streams while a notebook runs: a ``[k/n] notebook NAME`` line, then what its cells print (the grid's
 text progress bar and one line per finished run, see ``experiments.PROGRESS_ENV``), then ``ok in ... s``.
@@ -23,13 +25,11 @@ from typing import Any
 
 import yaml
 
+from prodigy_core import paths
 from prodigy_core.config import did_you_mean
-from prodigy_core.experiments import PROGRESS_ENV
+from prodigy_core.experiments import PROGRESS_ENV, SCALES
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-BUILD_DIR = REPO_ROOT / "build"
-SCALES = ("smoke", "paper")
+NOTEBOOKS_DIR = paths.package_folder("notebooks")  # the package's own; a project's notebooks/ comes first
 KERNEL = "python3"
 KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=ERROR"]  # the kernel's start-up log: errors only
 
@@ -49,10 +49,10 @@ NOTEBOOKS: dict[str, tuple[str, str | None]] = {
 def notebook_parameters(
     params_file: str | None, scale: str, executor: str = "local", jobs: int = 1
 ) -> dict[str, Any]:
-    """Parameters papermill injects: the run controls, plus at paper scale every top-level key of the
-    params file (which the notebook hands to ``load_experiment`` as overrides)."""
-    parameters: dict[str, Any] = {"smoke": scale == "smoke", "executor": executor, "jobs": jobs}
-    if scale == "paper" and params_file is not None:
+    """Parameters papermill injects: the run controls, plus at mini and paper scale every top-level key of
+    the params file (which the notebook hands to ``load_experiment`` as overrides)."""
+    parameters: dict[str, Any] = {"scale": scale, "executor": executor, "jobs": jobs}
+    if scale != "smoke" and params_file is not None:
         from prodigy_core.experiments import resolve_params
 
         with open(resolve_params(params_file)) as fh:
@@ -73,14 +73,18 @@ def reproduce(
     """Execute the notebooks (all, or those named in ``only``) and return 0, or 1 when any failed.
 
     A failure is reported on stderr as ``notebook <name>: cell <n>: <error>: <message>`` and the remaining
-    notebooks still run. Executed notebooks are written to ``build_dir`` (default build/) as ``<name>.ipynb``.
+    notebooks still run. Executed notebooks are written to ``build_dir`` (default <project folder>/build/)
+    as ``<name>.ipynb``.
     """
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     notebooks = dict(NOTEBOOKS if notebooks is None else notebooks)
-    notebooks_dir = Path(notebooks_dir) if notebooks_dir is not None else NOTEBOOKS_DIR
-    build_dir = Path(build_dir) if build_dir is not None else BUILD_DIR
+    project = paths.project_dir()
+    if notebooks_dir is None:
+        notebooks_dir = project / "notebooks" if (project / "notebooks").is_dir() else NOTEBOOKS_DIR
+    notebooks_dir = Path(notebooks_dir)
+    build_dir = Path(build_dir) if build_dir is not None else project / "build"
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is unknown; valid: {', '.join(SCALES)}")
     for name in only or []:
@@ -88,8 +92,7 @@ def reproduce(
             raise ValueError(f"unknown notebook {name!r}{did_you_mean(name, notebooks)}")
     if not notebooks_dir.is_dir():
         raise FileNotFoundError(
-            f"notebooks folder {notebooks_dir} not found: `reproduce` runs from a source checkout "
-            "(git clone ...; pip install -e .)"
+            f"notebooks folder {notebooks_dir} not found: run `prodigy-fl init` to make a project folder"
         )
     build_dir.mkdir(parents=True, exist_ok=True)
     failed = []
@@ -105,7 +108,7 @@ def reproduce(
                     str(notebooks_dir / notebook),
                     str(output),
                     parameters=notebook_parameters(params_file, scale, executor, jobs),
-                    cwd=str(notebooks_dir),
+                    cwd=str(project),  # outputs go to the project folder, never beside installed notebooks
                     kernel_name=KERNEL,
                     progress_bar=False,  # cell counts say little: the cells' own output streams instead
                     stdout_file=sys.stdout,

@@ -1,6 +1,6 @@
 """The results store: one JSON record per run, and the paper's numbers to compare them with.
 
-Layout under the results directory (default `<repo>/results`, env PRODIGY_RESULTS_DIR):
+Layout under the results directory (env PRODIGY_RESULTS_DIR, else `<project folder>/results`, see `paths`):
 
     <experiment>/<key>.json            a finished run: RunResult.to_dict() plus key, experiment, status
     <experiment>/<key>.failed.json     a run that raised: its config and the error (retried on the next grid)
@@ -37,12 +37,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 import pandas as pd
 
+from prodigy_core import paths
 from prodigy_core.config import VARIANTS, ConfigError, RunConfig, field_names
 
 if TYPE_CHECKING:
     from prodigy_core.experiments import Experiment
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"  # default; env PRODIGY_RESULTS_DIR wins
 NO_ATTACK = "none"
 LOCK_HEARTBEAT_S = 30.0  # a claiming process refreshes its locks' mtime this often
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long is stale, whoever wrote it
@@ -56,11 +56,11 @@ WITHIN_POINTS = 3.0  # a cell "matches" the paper when |ours - paper| <= this ma
 
 
 def resolve_results_dir(results_dir: str | os.PathLike | None = None) -> Path:
-    """The given folder, else env PRODIGY_RESULTS_DIR (read now, so tests and notebooks can set it), else
-    RESULTS_DIR."""
+    """The given folder, else env PRODIGY_RESULTS_DIR, else <project folder>/results (`paths.results_dir`,
+    read now, so tests and notebooks can change directory or environment)."""
     if results_dir is not None:
         return Path(results_dir)
-    return Path(os.environ.get("PRODIGY_RESULTS_DIR", RESULTS_DIR))
+    return paths.results_dir()
 
 
 def experiment_dir(name: str, results_dir: str | os.PathLike | None = None) -> Path:
@@ -438,7 +438,11 @@ def variants_in(df: pd.DataFrame) -> list[str]:
 
 
 def compare_with_paper(
-    df: pd.DataFrame, table: str, tol: float = 0.5, variant: str | None = None
+    df: pd.DataFrame,
+    table: str,
+    tol: float = 0.5,
+    variant: str | None = None,
+    match_rounds: bool = True,
 ) -> pd.DataFrame:
     """Our numbers next to the paper's, one row per cell of paper table `table` (bigtable, femnist_n20, ...),
     for the runs of one ``variant`` (None: the frame must hold one variant only).
@@ -452,6 +456,8 @@ def compare_with_paper(
     Runs on a stand-in dataset never match a paper cell. Cells we have not run have NaN in ours. The last
     column, ``variant``, names the variant compared. Records from several data sources
     (`RunConfig.data_source`) are an error: they never mix in one comparison.
+    With match_rounds=False (the mini scale) a run matches the paper's cell of the same setting at any
+    number of rounds; the rounds column is then the paper's.
     """
     present = variants_in(df)
     if variant is None:
@@ -475,7 +481,8 @@ def compare_with_paper(
     )
     paper = paper.rename(columns={"accuracy_mean": "paper", "accuracy_std": "paper_std",
                                   "worst_case_bold": "paper_worst"})  # fmt: skip
-    join = [c for c in PAPER_SETTING if c != "algorithm"] + ["defense", "attack"]
+    ignored = {"algorithm"} | (set() if match_rounds else {"rounds"})
+    join = [c for c in PAPER_SETTING if c not in ignored] + ["defense", "attack"]
     paper["_alpha"] = paper["dirichlet_alpha"].where(paper["distribution"] == "dirichlet", -1.0)
 
     ours = df
@@ -533,7 +540,6 @@ def paper_agreement(comparison: pd.DataFrame) -> dict[str, Any]:
 
 
 __all__ = [
-    "RESULTS_DIR",
     "Claims",
     "compare_with_paper",
     "data_source_of",

@@ -231,3 +231,42 @@ def test_quickstart_smoke_on_a_process_pool_runs_the_grid_and_writes_the_report(
                  "--out-dir", str(tmp_path / "g")]) == 0  # fmt: skip
     listed = [Path(p) for p in capsys.readouterr().out.split()]
     assert sorted(p.name for p in listed) == sorted(p.name for p in files)
+
+
+# ------------------------------------------------------------------------------------------- dry run
+
+PAPER_TABLES = {"table1_cifar10": "bigtable", "table2_femnist_n20": "femnist_n20",
+                "table3_femnist_n100": "femnist_n100", "table4_fraction_byzantine": "fraction_byzantine",
+                "table5_n_clients": "n_clients"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name, table", PAPER_TABLES.items())
+def test_grid_mini_dry_run_lists_one_run_per_paper_cell_and_writes_nothing(
+    tmp_path, monkeypatch, capsys, name, table
+):
+    import csv
+    import re
+
+    paper_csv = Path(prodigy_core.__file__).parent / "data" / "paper_results.csv"
+    with open(paper_csv) as fh:
+        cells = sum(row["table"] == table for row in csv.DictReader(fh))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PRODIGY_RESULTS_DIR", raising=False)
+    assert main(["grid", name, "--mini", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    runs = [line for line in lines if re.match(r"[0-9a-f]{16} dataset=", line)]
+    assert "MINI" in lines[0] and len(runs) == cells and len(set(runs)) == cells
+    folder = tmp_path / "results" / f"{name}-mini"
+    assert lines[-1] == f"{cells} runs (0 stored, {cells} to run) -> {folder}"
+    assert not any(tmp_path.iterdir())  # no results folder, no lock, no figure
+
+
+def test_dry_run_marks_stored_runs(tmp_path, grid_file, capsys):
+    experiment = load_experiment(grid_file)
+    first = experiment.configs[0]
+    folder = results.experiment_dir(experiment.results_name, tmp_path)
+    results.save_record(folder, first.key(), {"config": first.to_dict(), "final_accuracy": 50.0}, "x")
+    assert main(["grid", str(grid_file), "--dry-run", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out if line.endswith("[stored]")] == [first.key()]
+    assert out[-1].startswith("4 runs (1 stored, 3 to run)")

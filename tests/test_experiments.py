@@ -5,6 +5,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import yaml
 
 from prodigy_core import experiments, results
 from prodigy_core.config import ConfigError, RunConfig, field_names
@@ -14,6 +15,7 @@ from prodigy_core.experiments import (
     SMOKE_ROUNDS,
     experiment_from_spec,
     load_experiment,
+    mini_profile,
     run_grid,
     smoke_profile,
 )
@@ -103,6 +105,22 @@ def test_figure1_and_quickstart_settings():
     assert sorted((c.defense, c.attack) for c in quick.configs) == sorted(
         (d, a) for d in PAPER_DEFENSES for a in PAPER_ATTACKS
     )
+
+
+def test_quickstart_is_table1_noniid_fedavg_momentum_with_rounds_past_convergence():
+    quick = load_experiment("quickstart_digits")
+    settings = {(c.local_steps, c.local_momentum, c.lr_decay_at) for c in quick.configs}
+    assert settings == {(10, 0.9, None)}  # FedAVG E=10, beta=0.9, the paper's lr drop at 2/3 of the rounds
+    # the committed convergence curve: the first round from which 3 consecutive evaluations are within 1 point
+    # of the final accuracy must come before the learning-rate drop (2/3 of the rounds)
+    with open(PAPER_CSV.parents[2] / "figures" / "quickstart_convergence.csv") as fh:
+        curve = [(int(r["round"]), float(r["test_accuracy_percent"])) for r in csv.DictReader(fh)]
+    final = curve[-1][1]
+    converged = next(
+        curve[i][0] for i in range(len(curve) - 2) if all(abs(a - final) <= 1 for _, a in curve[i : i + 3])
+    )
+    (rounds,) = {c.rounds for c in quick.configs}
+    assert converged <= quick.configs[0].resolved().lr_decay_at < rounds
 
 
 @pytest.mark.parametrize("name", ALL_FILES)
@@ -329,6 +347,83 @@ def test_a_grid_needing_more_writers_than_the_folder_has_fails_before_any_run(fe
     assert not (tmp_path / "table3_femnist_n100").exists() or not list(
         (tmp_path / "table3_femnist_n100").glob("*.json")
     )
+
+
+# ------------------------------------------------------------------------------------------- mini profile
+
+# What the mini scale may change in a run; every other field is the paper's.
+MINI_CHANGES = {"rounds", "seed", "eval_every", "lr_decay_at", "record_distances_at"}
+
+
+@pytest.mark.parametrize("name", ALL_FILES)
+def test_mini_profile_changes_only_rounds_and_seeds(name):
+    paper = load_experiment(name)
+    mini = load_experiment(name, scale="mini")
+    assert mini.scale == "mini" and mini.results_name == f"{name}-mini" and "MINI" in mini.title
+    # the mini rounds as the params file writes them (read here with yaml, not through the code under test)
+    rounds = yaml.safe_load((PARAMS_DIR / f"{name}.yaml").read_text())["mini"]["rounds"]
+    first_seed = paper.configs[0].seed
+    expected = {}
+    for c in paper.configs:
+        if c.seed == first_seed:
+            r = rounds[c.rounds] if isinstance(rounds, dict) else rounds
+            expected[tuple((k, v) for k, v in c.to_dict().items() if k not in MINI_CHANGES)] = (c, r)
+    assert len(mini.configs) == len(expected)  # one seed: one mini run per paper grid point
+    for m in mini.configs:
+        fixed = tuple((k, v) for k, v in m.to_dict().items() if k not in MINI_CHANGES)
+        original, r = expected.pop(fixed)  # N, f, E, beta, split, defense, attack, lr...: the paper's
+        assert (m.rounds, m.seed) == (r, first_seed) and r <= original.rounds
+        decay, paper_decay = m.resolved().lr_decay_at, original.resolved().lr_decay_at
+        if original.lr_decay_at is None:  # the default schedule: the decay of a run of r rounds
+            assert decay == original.replace(rounds=r).resolved().lr_decay_at
+        elif paper_decay >= original.rounds:  # an explicit decay after the run (Figure 1): none in mini
+            assert decay >= r
+        else:  # an explicit decay within the run: at the same fraction of the rounds
+            assert abs(decay / r - paper_decay / original.rounds) <= 1 / r
+        assert all(1 <= t <= r for t in m.record_distances_at) and m.eval_every <= r
+    assert not expected
+
+
+@pytest.mark.parametrize("name, table", PAPER_FILES.items())
+def test_mini_has_one_run_per_paper_cell(name, table):
+    cells = {paper_cell(r)[:7] + paper_cell(r)[8:] for r in paper_rows(table)}  # the cell without rounds
+    mini = load_experiment(name, scale="mini").configs
+    assert sorted(config_cell(c)[:7] + config_cell(c)[8:] for c in mini) == sorted(cells)
+
+
+def test_mini_scales_an_explicit_decay_and_recorded_round(tmp_path):
+    path = write_yaml(tmp_path, """
+experiment: m
+base: {dataset: digits, rounds: 90, lr_decay_at: 45, record_distances_at: [30, 90], eval_every: 50}
+seeds: [4, 5]
+mini: {rounds: 30}
+""")  # fmt: skip
+    (c,) = load_experiment(path, scale="mini").configs
+    assert (c.rounds, c.lr_decay_at, c.record_distances_at, c.eval_every, c.seed) == (30, 15, (10, 30), 30, 4)
+
+
+@pytest.mark.parametrize("mini, pattern", [
+    (None, r"no mini scale: add a `mini` section"),
+    ("{rounds: 0}", r"mini.rounds=0 must be a positive integer"),
+    ("{round: 3}", r"mini: unknown key 'round' \(did you mean 'rounds'\?\)"),
+    ("{rounds: {1000: 30}}", r"gives no mini rounds for the paper's \[90\]"),
+    ("{rounds: 100}", r"more rounds than the paper's"),
+])  # fmt: skip
+def test_bad_mini_sections_are_clear_errors(tmp_path, mini, pattern):
+    text = "experiment: m\nbase: {dataset: digits, rounds: 90}\n" + (f"mini: {mini}\n" if mini else "")
+    with pytest.raises(ConfigError, match=pattern):
+        load_experiment(write_yaml(tmp_path, text), scale="mini")
+
+
+def test_scales_are_checked_and_profiles_do_not_stack():
+    with pytest.raises(ValueError, match="valid: smoke, mini, paper"):
+        load_experiment("quickstart_digits", scale="tiny")
+    with pytest.raises(ValueError, match="give one of them"):
+        load_experiment("quickstart_digits", smoke=True, scale="mini")
+    mini = load_experiment("quickstart_digits", scale="mini")
+    assert mini_profile(mini) is mini
+    with pytest.raises(ValueError, match="no mini scale"):
+        mini_profile(load_experiment("quickstart_digits", smoke=True))
 
 
 # ------------------------------------------------------------------------------------------- executor + store

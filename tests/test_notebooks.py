@@ -16,7 +16,7 @@ import yaml
 from prodigy_core import reproduce
 from prodigy_core.experiments import PARAMS_DIR
 
-RUN_CONTROLS = {"smoke", "executor", "jobs"}
+RUN_CONTROLS = {"scale", "executor", "jobs"}
 
 
 def read(name: str) -> nbformat.NotebookNode:
@@ -63,8 +63,8 @@ def write_notebook(path, *sources):
 
 
 def test_reproduce_names_the_failing_notebook_and_cell_and_goes_on(tmp_path, capsys):
-    write_notebook(tmp_path / "broken.ipynb", "smoke = False", "x = 1", "raise KeyError('no such run')")
-    write_notebook(tmp_path / "good.ipynb", "smoke = False", "assert smoke is True")
+    write_notebook(tmp_path / "broken.ipynb", "scale = 'paper'", "x = 1", "raise KeyError('no such run')")
+    write_notebook(tmp_path / "good.ipynb", "scale = 'paper'", "assert scale == 'smoke'")
     notebooks = {"broken": ("broken.ipynb", None), "good": ("good.ipynb", None)}
     build = tmp_path / "build"
     rc = reproduce.reproduce("smoke", notebooks=notebooks, notebooks_dir=tmp_path, build_dir=build)
@@ -72,7 +72,7 @@ def test_reproduce_names_the_failing_notebook_and_cell_and_goes_on(tmp_path, cap
     assert rc != 0
     # the injected-parameters cell runs first, so the third source cell has execution count 4
     assert "notebook broken: cell 4: KeyError: 'no such run'" in err
-    assert "notebook good: ok" in err  # the failure did not stop the others; smoke=True was injected
+    assert "notebook good: ok" in err  # the failure did not stop the others; scale="smoke" was injected
     assert json.loads((build / "good.ipynb").read_text())["cells"]  # executed copy written
 
     rc = reproduce.reproduce(
@@ -84,22 +84,23 @@ def test_reproduce_names_the_failing_notebook_and_cell_and_goes_on(tmp_path, cap
 def test_reproduce_rejects_unknown_names_and_scales():
     with pytest.raises(ValueError, match="table1_cifar10"):
         reproduce.reproduce(only=["table1_cifar"])
-    with pytest.raises(ValueError, match="smoke, paper"):
+    with pytest.raises(ValueError, match="smoke, mini, paper"):
         reproduce.reproduce(scale="full")
 
 
-def test_paper_scale_injects_the_params_file():
-    parameters = reproduce.notebook_parameters("table4_fraction_byzantine.yaml", "paper", "ray", 4)
+@pytest.mark.parametrize("scale", ["mini", "paper"])
+def test_mini_and_paper_scale_inject_the_params_file(scale):
+    parameters = reproduce.notebook_parameters("table4_fraction_byzantine.yaml", scale, "ray", 4)
     spec = yaml.safe_load((PARAMS_DIR / "table4_fraction_byzantine.yaml").read_text())
-    assert parameters == {**spec, "smoke": False, "executor": "ray", "jobs": 4}
+    assert parameters == {**spec, "scale": scale, "executor": "ray", "jobs": 4}
     assert reproduce.notebook_parameters("table4_fraction_byzantine.yaml", "smoke") == {
-        "smoke": True, "executor": "local", "jobs": 1}  # fmt: skip
+        "scale": "smoke", "executor": "local", "jobs": 1}  # fmt: skip
 
 
 def test_reproduce_streams_progress_and_keeps_the_kernel_log_quiet(tmp_path, capfd):
     write_notebook(
         tmp_path / "talk.ipynb",
-        "smoke = False",
+        "scale = 'paper'",
         "import os, sys\nprint('run 1 of 2 done')\nprint('bar 50%', file=sys.stderr)",
         "assert os.environ['PRODIGY_PROGRESS'] == 'text'  # run_grid draws a text bar, not a widget",
     )
@@ -120,7 +121,7 @@ def test_papermill_hints_work_from_the_repository_root(name):
     source = "\n".join(c.source for c in read(notebook).cells)
     hints = re.findall(r"papermill (\S+\.ipynb) (\S+\.ipynb)[\s\\#]*-f (\S+\.yaml)", source)
     assert hints, f"{notebook} gives no papermill command"
-    root = reproduce.REPO_ROOT
+    root = Path(__file__).resolve().parents[1]
     for notebook_path, output, params_path in hints:
         assert (root / notebook_path).resolve() == (reproduce.NOTEBOOKS_DIR / notebook).resolve()
         assert (root / params_path).resolve() == (PARAMS_DIR / params_file).resolve()

@@ -33,9 +33,9 @@ def fabricated(seeds=(0, 1, 2), momenta=(0.0, 0.9), value=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def experiment(name="fab", smoke=False, paper_table=None, layout=LAYOUT, stand_in=None):
+def experiment(name="fab", smoke=False, paper_table=None, layout=LAYOUT, stand_in=None, mini=False):
     return types.SimpleNamespace(name=name, title="Fabricated table", paper_table=paper_table, configs=[],
-                                 report=layout, smoke=smoke, stand_in=stand_in)  # fmt: skip
+                                 report=layout, smoke=smoke, stand_in=stand_in, mini=mini)  # fmt: skip
 
 
 def test_cells_are_mean_and_population_std_over_seeds():
@@ -143,6 +143,31 @@ def test_smoke_and_stand_in_outputs_go_to_smoke_folder_and_say_so(tmp_path):
     subtitle = (tmp_path / "smoke" / "s.md").read_text().splitlines()[2]
     assert report.SMOKE_LABEL in subtitle and "digits (offline stand-in" in subtitle
     assert not any("vs_paper" in p.name for p in paths)  # no paper comparison for stand-in numbers
+
+
+def test_mini_outputs_go_to_mini_folder_say_so_and_compare_without_the_rounds(tmp_path, monkeypatch):
+    seen = []
+
+    def compare(df, table, match_rounds=True, **kw):
+        seen.append((table, match_rounds))
+        return pd.DataFrame({"defense": ["prodigy"], "attack": ["alie"], "ours": [50.0], "paper": [52.0],
+                             "delta": [-2.0], "worst_case_match": [pd.NA]})  # fmt: skip
+
+    monkeypatch.setattr("prodigy_core.results.compare_with_paper", compare)
+    exp = experiment(paper_table="bigtable", layout=HEATMAP_ONLY, mini=True)
+    paths = report.write_report(exp, fabricated(seeds=(0,), momenta=(0.0,)), tmp_path)
+    assert {p.parent for p in paths} == {tmp_path / "mini"} and seen == [("bigtable", False)]
+    assert report.MINI_LABEL in (tmp_path / "mini" / "fab.md").read_text()
+    assert (tmp_path / "mini" / "fab_vs_paper.md").exists()
+
+
+@pytest.mark.parametrize("scale", ["smoke", "mini"])
+def test_the_scale_tag_stays_the_subtitle_after_the_variant(scale):
+    from prodigy_core.experiments import load_experiment
+
+    title = report.report_title(load_experiment("table4_fraction_byzantine", scale=scale))
+    headline, tag = report.split_title(title)
+    assert "variant: paper" in headline and tag.startswith(scale.upper())
 
 
 def test_paper_comparison_written_at_paper_scale(tmp_path, monkeypatch):

@@ -172,6 +172,16 @@ def test_compare_with_paper_on_a_shifted_copy():
     assert out["worst_case_match"].tolist() == [True] * 24  # a uniform shift keeps every worst case
 
 
+def test_compare_with_paper_at_mini_scale_matches_cells_at_any_rounds():
+    df = fabricated("bigtable", shift=-2.0, seeds=(0,))
+    df["rounds"] = df["rounds"] // 100  # mini: 20 / 10 rounds instead of the paper's 2000 / 1000
+    assert results.compare_with_paper(df, "bigtable")["ours"].isna().all()  # the paper's rounds: no match
+    out = results.compare_with_paper(df, "bigtable", match_rounds=False)
+    assert len(out) == 336 and out["ours"].notna().all()
+    assert out["delta"].to_numpy() == pytest.approx([-2.0] * 336)
+    assert set(out["rounds"]) == {1000, 2000}  # the rounds column is the paper's
+
+
 def test_compare_with_paper_bigtable_iid_and_dirichlet_blocks_all_join():
     out = results.compare_with_paper(fabricated("bigtable", shift=-2.0, seeds=(0,)), "bigtable")
     assert len(out) == 336 and out["ours"].notna().all() and out["ours_std"].isna().all()

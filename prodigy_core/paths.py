@@ -1,0 +1,107 @@
+"""Where things live: the project folder that receives every output, and the package's own params files and
+notebooks.
+
+The project folder is the nearest ancestor of the working directory (itself included) that holds a
+`params/` folder (a clone of this repository, or a folder made by `prodigy-fl init`), else the working
+directory. Its `results/`, `figures/` and `data/` receive the outputs; the environment variables
+PRODIGY_RESULTS_DIR, PRODIGY_FIGURES_DIR and PRODIGY_DATA_DIR (and `--results-dir` on the command line) win.
+Outputs never go into the installed package's own folder: a working directory inside it is an error.
+
+The params files and notebooks ship with the package: in a source checkout they are the repository's
+`params/` and `notebooks/`; in a wheel, copies of them under `prodigy_core/_bundled/` (made by setup.py's
+build step, so the repository keeps one copy). Every lookup is made when called, not at import, so a
+notebook or a test that changes directory or environment sees the change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from importlib.resources import files
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_ROOT = PACKAGE_DIR.parent  # the repository in a source checkout; site-packages in an installation
+BUNDLED = "_bundled"  # prodigy_core/_bundled/{params,notebooks} in a wheel (see setup.py)
+ENV_RESULTS, ENV_FIGURES, ENV_DATA = "PRODIGY_RESULTS_DIR", "PRODIGY_FIGURES_DIR", "PRODIGY_DATA_DIR"
+
+
+def is_source_checkout() -> bool:
+    """True when the package runs from a clone (editable install or the repository on sys.path)."""
+    return (SOURCE_ROOT / "pyproject.toml").is_file() and (SOURCE_ROOT / "params").is_dir()
+
+
+def project_dir(cwd: str | os.PathLike | None = None) -> Path:
+    """The nearest ancestor of `cwd` (default: the working directory) holding `params/`, else `cwd`."""
+    start = Path(cwd if cwd is not None else os.getcwd()).resolve()
+    found = next((p for p in (start, *start.parents) if (p / "params").is_dir()), start)
+    forbidden = [PACKAGE_DIR] + ([] if is_source_checkout() else [SOURCE_ROOT])
+    for folder in forbidden:
+        if found == folder or folder in found.parents:
+            raise ValueError(
+                f"the working directory {start} is inside the installed package ({folder}); outputs would "
+                "be written there: cd to a project folder (`prodigy-fl init DIR` makes one) or set "
+                f"{ENV_RESULTS}, {ENV_FIGURES} and {ENV_DATA}"
+            )
+    return found
+
+
+def _from_env(variable: str, default: str) -> Path:
+    value = os.environ.get(variable)
+    return Path(value) if value else project_dir() / default
+
+
+def results_dir() -> Path:
+    """Env PRODIGY_RESULTS_DIR, else <project>/results."""
+    return _from_env(ENV_RESULTS, "results")
+
+
+def figures_dir() -> Path:
+    """Env PRODIGY_FIGURES_DIR, else <project>/figures."""
+    return _from_env(ENV_FIGURES, "figures")
+
+
+def data_dir() -> Path:
+    """Env PRODIGY_DATA_DIR, else <project>/data (downloaded and decoded datasets)."""
+    return _from_env(ENV_DATA, "data")
+
+
+def package_folder(name: str) -> Path:
+    """The package's own `params` or `notebooks`: the repository's in a source checkout, else the copy
+    bundled in the wheel."""
+    if is_source_checkout():
+        return SOURCE_ROOT / name
+    return Path(str(files("prodigy_core").joinpath(BUNDLED, name)))
+
+
+def params_dirs() -> list[Path]:
+    """Where params files are looked up by name, first match wins: the project's params/ (a user's edited
+    copies), then the package's."""
+    folders = []
+    with contextlib.suppress(ValueError):  # working inside the package: only its own params
+        folders.append(project_dir() / "params")
+    folders.append(package_folder("params"))
+    unique = list(dict.fromkeys(p.resolve() for p in folders))
+    return [p for p in unique if p.is_dir()]
+
+
+def describe(variable: str, default: str) -> str:
+    """For --help: what a folder resolves to now, e.g. 'env PRODIGY_RESULTS_DIR, else <project>/results
+    (now: /home/me/exp/results)'."""
+    try:
+        now = str(_from_env(variable, default))
+    except ValueError as e:
+        now = f"error: {e}"
+    return f"env {variable}, else <project folder>/{default}; now: {now}"
+
+
+__all__ = [
+    "data_dir",
+    "describe",
+    "figures_dir",
+    "is_source_checkout",
+    "package_folder",
+    "params_dirs",
+    "project_dir",
+    "results_dir",
+]
