@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run", action="store_true", help="print the runs it would make and their count; run none"
     )
+    p.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
+                   help="run only the runs whose field KEY takes one of these values, e.g. --only "
+                        "defense=prodigy,nnm+trimmed_mean (repeatable: every condition holds)")  # fmt: skip
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this machine (see --jobs, default); ray: a Ray cluster")  # fmt: skip
     p.add_argument(
@@ -188,6 +191,18 @@ def parse_fields(pairs: list[str]) -> dict[str, Any]:
     return fields
 
 
+def parse_only(pairs: list[str]) -> dict[str, list[Any]]:
+    """`["defense=prodigy,nnm+krum"]` -> {"defense": ["prodigy", "nnm+krum"]}, values typed like RunConfig."""
+    only: dict[str, list[Any]] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not text:
+            raise ConfigError(f"--only {pair!r}: expected KEY=V1,V2, e.g. --only defense=prodigy,nnm+krum")
+        name = name.strip()
+        only.setdefault(name, []).extend(parse_value(name, v.strip()) for v in text.split(","))
+    return only
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from prodigy_core import results, training
     from prodigy_core.experiments import Experiment, load_experiment, smoke_profile
@@ -242,9 +257,11 @@ def batch_runs(text: str) -> int | str:
 
 
 def cmd_grid(args: argparse.Namespace) -> int:
-    from prodigy_core.experiments import load_experiment, run_grid, undone
+    from prodigy_core.experiments import load_experiment, run_grid, select, undone
 
     experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
+    if args.only:
+        experiment = select(experiment, parse_only(args.only))
     if args.dry_run:
         print("\n".join(dry_run(experiment, args.results_dir)))
         return 0

@@ -111,6 +111,23 @@ class Experiment:
         return dataclasses.replace(self, configs=configs, stand_ins=stand_ins)
 
 
+def select(experiment: Experiment, only: dict[str, list[Any]]) -> Experiment:
+    """The runs of `experiment` whose field `name` takes one of `only[name]`'s values, for every name (e.g.
+    {"defense": ["prodigy"], "attack": ["none", "alie"]}: some rows and columns of a table). A value that no
+    run of the grid takes is an error listing the values it does take."""
+    configs = experiment.configs
+    for name, values in only.items():
+        taken = list(dict.fromkeys(getattr(c, name) for c in experiment.configs))
+        for value in values:
+            if value not in taken:
+                raise ConfigError(
+                    f"--only {name}={value}: no run of {experiment.name} has it; its values: "
+                    + ", ".join(str(v) for v in taken)
+                )
+        configs = [c for c in configs if getattr(c, name) in values]
+    return dataclasses.replace(experiment, configs=configs)
+
+
 # ------------------------------------------------------------------------------------------- loading
 
 
@@ -837,6 +854,7 @@ __all__ = [
     "execute",
     "execute_group",
     "experiment_from_spec",
+    "select",
     "load_experiment",
     "mini_profile",
     "resolve_params",

@@ -270,3 +270,25 @@ def test_dry_run_marks_stored_runs(tmp_path, grid_file, capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out if line.endswith("[stored]")] == [first.key()]
     assert out[-1].startswith("4 runs (1 stored, 3 to run)")
+
+
+def test_grid_only_keeps_the_chosen_rows_and_columns(tmp_path, capsys):
+    import csv
+    import re
+
+    paper_csv = Path(prodigy_core.__file__).parent / "data" / "paper_results.csv"
+    with open(paper_csv) as fh:  # the paper's cells of these rows and columns, counted independently
+        cells = sum(
+            row["table"] == "femnist_n20" and row["defense"] in ("prodigy", "none")
+            and row["attack"] in ("alie", "sf") and float(row["local_momentum"]) == 0.9
+            for row in csv.DictReader(fh)
+        )  # fmt: skip
+    argv = ["grid", "table2_femnist_n20", "--mini", "--dry-run", "--results-dir", str(tmp_path),
+            "--only", "defense=prodigy,none", "--only", "attack=alie", "--only", "attack=sf",
+            "--only", "local_momentum=0.9"]  # fmt: skip
+    assert main(argv) == 0
+    runs = [line for line in capsys.readouterr().out.splitlines() if re.match(r"[0-9a-f]{16} ", line)]
+    assert cells == 4 and len(runs) == cells
+    assert all("local_momentum=0.9" in r and ("attack=alie" in r or "attack=sf" in r) for r in runs)
+    assert main(["grid", "table2_femnist_n20", "--dry-run", "--only", "defense=prodgy"]) == 2
+    assert "no run of table2_femnist_n20 has it; its values: none" in capsys.readouterr().err
