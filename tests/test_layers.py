@@ -24,6 +24,15 @@ INIT = "__init__"  # the package itself (`import prodigy_core`)
 GROUND: dict[str, set[str]] = {m: set() for m in (INIT, "paths", "names", "safe_io", "seeding")}
 RULES = ("aggregators", "attacks")
 ABOVE_RULES = {"config", "experiments", "results", "training"}
+# The floors of README's "Using the library": a module imports only modules of its own floor or below.
+FLOORS = [
+    set(GROUND),
+    {"aggregators", "attacks", "models", "data"},  # the library
+    {"config"},
+    {"training", "groups", "results"},  # runs
+    {"experiments", "report", "explorer"},  # grids and outputs
+    {"reproduce", "cli"},  # entry points
+]
 
 
 def package_imports(source: str, module: str, modules: set[str]) -> set[str]:
@@ -154,6 +163,14 @@ def test_the_rules_never_reach_the_run_configuration_nor_what_runs(rule):
 
 def test_the_results_store_never_reaches_the_experiments():
     assert "experiments" not in reachable(GRAPH, "results"), sorted(reachable(GRAPH, "results"))
+
+
+def test_every_module_imports_only_its_own_floor_or_below():
+    floor = {m: i for i, modules in enumerate(FLOORS) for m in modules}
+    unplaced = sorted(set(GRAPH) - set(floor))
+    assert not unplaced, f"place {unplaced} on a floor of FLOORS here and in README's list of modules"
+    upward = sorted((m, n) for m, imported in GRAPH.items() for n in imported if floor[n] > floor[m])
+    assert not upward, f"imports from a higher floor: {upward}"
 
 
 def test_no_import_cycle():
