@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from prodigy_core.config import VARIANTS, did_you_mean
+from prodigy_core.names import VARIANTS, did_you_mean
 
 BASE_NAMES = (
     "average", "none", "median", "trimmed_mean", "geomed", "krum", "cclip", "prodigy", "multikrum", "bulyan",
@@ -961,7 +961,7 @@ _RULES = {
 }
 
 
-# Rules whose definition differs between the paper's text and the authors' code (`config.VARIANTS`).
+# Rules whose definition differs between the paper's text and the authors' code (`names.VARIANTS`).
 _VARIANT_RULES = ("trimmed_mean", "cclip")
 
 

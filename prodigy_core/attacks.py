@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, geometry, pairwise_sq_distances
-from prodigy_core.config import VARIANTS, did_you_mean
+from prodigy_core.names import VARIANTS, did_you_mean
 
 # ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
 ALIE_Z_STEP = 0.25

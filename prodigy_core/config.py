@@ -1,13 +1,13 @@
 """Run configuration: the one place where every field of a training run, its default and its checks live.
 
 Field names follow the columns of the paper's results table (`paper_results.csv`). Fields left at ``None``
-are resolved from the dataset and the number of rounds by :meth:`RunConfig.resolved`.
+are resolved from the dataset and the number of rounds by :meth:`RunConfig.resolved`. The names a field is
+checked against (datasets, splits, variants) live in `prodigy_core.names`, shared with the library's rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import hashlib
 import json
@@ -18,11 +18,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-DATASETS = ("digits", "femnist", "cifar10")
-DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
+from prodigy_core.names import DATASETS, DISTRIBUTIONS, VARIANTS, did_you_mean
+
 ENGINES = ("auto", "batched", "sequential", "compiled")  # compiled: batched under torch.compile
-# paper: the paper's text; authors: the authors' public code (README, "Semantics: the two variants").
-VARIANTS = ("paper", "authors")
 # RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.
 DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jpeg"),
                 "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
@@ -243,11 +241,6 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(RunConfig)]
 
 
-def did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(candidates)}"
-
-
 def parse_value(name: str, text: str) -> Any:
     """Parse a command-line ``key=value`` string into the field's type (YAML scalars: 0.1, true, [1, 2])."""
     import yaml
@@ -321,12 +314,8 @@ def _number_hint(value: Any) -> str:
 __all__ = [
     "RunConfig",
     "ConfigError",
-    "DATASETS",
     "DATA_SOURCES",
-    "DISTRIBUTIONS",
-    "VARIANTS",
     "decay_round",
-    "did_you_mean",
     "field_names",
     "parse_value",
 ]

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from prodigy_core import paths
-from prodigy_core.config import DATASETS, DISTRIBUTIONS
+from prodigy_core.names import DATASETS, DISTRIBUTIONS
+from prodigy_core.safe_io import atomic_write
 from prodigy_core.seeding import resolve_device
 
 # Read-only data beside the repository clone (../shared/data): CIFAR-10's JPEG copy, LEAF FEMNIST folders.
@@ -591,8 +592,6 @@ def decode_cifar10_jpeg(
     """
     from PIL import Image
     from tqdm.auto import tqdm
-
-    from prodigy_core.results import atomic_write
 
     files = _cifar10_jpeg_files(Path(source))
     found = sorted({c for (_, c) in files})

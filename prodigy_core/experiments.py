@@ -53,7 +53,8 @@ import yaml
 
 from prodigy_core import paths
 from prodigy_core import results as store
-from prodigy_core.config import ConfigError, RunConfig, did_you_mean, field_names
+from prodigy_core.config import ConfigError, RunConfig, field_names
+from prodigy_core.names import did_you_mean
 
 PARAMS_DIR = paths.package_folder("params")  # the package's own; a project's params/ comes first
 TOP_LEVEL_KEYS = ("experiment", "title", "paper_table", "base", "grid", "seeds", "mini", "report")

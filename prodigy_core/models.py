@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prodigy_core.config import DATASETS
+from prodigy_core.names import DATASETS
 
 
 def _conv_bn_relu(c_in: int, c_out: int) -> nn.Sequential:
@@ -110,11 +110,11 @@ class DigitsCNN(nn.Module):
 
 
 MODELS: dict[str, type[nn.Module]] = {"cifar10": Cifar10CNN, "femnist": FemnistCNN, "digits": DigitsCNN}
-assert set(MODELS) == set(DATASETS), "every dataset in config.DATASETS needs a model"
+assert set(MODELS) == set(DATASETS), "every dataset in names.DATASETS needs a model"
 
 
 def make_model(dataset_name: str) -> nn.Module:
-    """The model for `dataset_name` (one of config.DATASETS), freshly initialised from torch's global RNG."""
+    """The model for `dataset_name` (one of names.DATASETS), freshly initialised from torch's global RNG."""
     if dataset_name not in MODELS:
         raise ValueError(f"no model for dataset={dataset_name!r}; valid: {', '.join(MODELS)}")
     return MODELS[dataset_name]()

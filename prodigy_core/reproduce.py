@@ -26,8 +26,8 @@ from typing import Any
 import yaml
 
 from prodigy_core import paths
-from prodigy_core.config import did_you_mean
 from prodigy_core.experiments import PROGRESS_ENV, SCALES
+from prodigy_core.names import did_you_mean
 
 NOTEBOOKS_DIR = paths.package_folder("notebooks")  # the package's own; a project's notebooks/ comes first
 KERNEL = "python3"

@@ -6,14 +6,16 @@ Layout under the results directory (env PRODIGY_RESULTS_DIR, else `<project fold
     <experiment>/<key>.failed.json     a run that raised: its config and the error (retried on the next grid)
     <experiment>/<key>.lock            a run being worked on: {pid, host, started}; mtime = heartbeat
     <experiment>/checkpoints/<key>.pt  the training loop's checkpoint, to resume an interrupted run
-    <name>.<why>-<time>                a record, lock or checkpoint found invalid, moved aside (`quarantine`)
+    <name>.<why>-<time>                a record, lock or checkpoint found invalid, moved aside
+                                       (`safe_io.quarantine`)
 
 `key` is `RunConfig.key()`, a hash of every result-affecting field of the resolved config. Records are
-written atomically (a temporary file in the same folder, then os.replace), so a reader or a killed writer
-never sees half a record. A run is claimed with a lock file created with O_CREAT | O_EXCL, so two processes
-working on the same grid never run the same key. The claiming process refreshes the lock's mtime every
-LOCK_HEARTBEAT_S seconds; a lock whose process is dead (same host), or whose heartbeat is older than
-LOCK_STALE_S (any host, any content), is stale and taken over. Smoke runs live in `<experiment>-smoke/`.
+written atomically (`safe_io.atomic_write`: a temporary file in the same folder, then os.replace), so a
+reader or a killed writer never sees half a record. A run is claimed with a lock file created with
+O_CREAT | O_EXCL, so two processes working on the same grid never run the same key. The claiming process
+refreshes the lock's mtime every LOCK_HEARTBEAT_S seconds; a lock whose process is dead (same host), or
+whose heartbeat is older than LOCK_STALE_S (any host, any content), is stale and taken over. Smoke runs live
+in `<experiment>-smoke/`.
 
 Records are validated when read (`check_record`: a JSON object whose key matches its file name and its
 config, status done, final_accuracy in [0, 100]); an invalid one is named in a warning and not counted, and
@@ -30,18 +32,16 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pandas as pd
 
 from prodigy_core import paths
-from prodigy_core.config import VARIANTS, ConfigError, RunConfig, field_names
-
-if TYPE_CHECKING:
-    from prodigy_core.experiments import Experiment
+from prodigy_core.config import ConfigError, RunConfig, field_names
+from prodigy_core.names import VARIANTS
+from prodigy_core.safe_io import quarantine, write_json_atomic
 
 NO_ATTACK = "none"
 LOCK_HEARTBEAT_S = 30.0  # a claiming process refreshes its locks' mtime this often
@@ -50,6 +50,19 @@ LOCK_STALE_S = 600.0  # a lock not refreshed for this long is stale, whoever wro
 PAPER_SETTING = ["dataset", "distribution", "dirichlet_alpha", "n_clients", "n_byzantine", "local_momentum",
                  "algorithm", "local_steps", "rounds"]  # fmt: skip
 WITHIN_POINTS = 3.0  # a cell "matches" the paper when |ours - paper| <= this many accuracy points
+
+
+class Grid(Protocol):
+    """What the store reads of an experiment (`experiments.Experiment`, which imports this module): the
+    results folder's name, the grid's configs in order, and the same grid under another variant."""
+
+    @property
+    def results_name(self) -> str: ...
+
+    @property
+    def configs(self) -> list[RunConfig]: ...
+
+    def with_variant(self, variant: str) -> Grid: ...
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -98,31 +111,6 @@ def checkpoint_dir(folder: Path) -> Path:
 # ------------------------------------------------------------------------------------------- writing
 
 
-@contextlib.contextmanager
-def atomic_write(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
-    """Open a temporary file beside `path` and rename it onto `path` once the block succeeds, so that
-    `path` holds either its old content or the complete new one, never a mix (records and checkpoints)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON atomically (see `atomic_write`)."""
-    with atomic_write(path) as fh:
-        json.dump(obj, fh, indent=1, allow_nan=True)
-        fh.write("\n")
-
-
 def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str) -> Path:
     """Store a finished run (a RunResult.to_dict()); clears an earlier failure record of the same key."""
     path = record_path(folder, key)
@@ -130,18 +118,6 @@ def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str)
     with contextlib.suppress(FileNotFoundError):
         failure_path(folder, key).unlink()
     return path
-
-
-def quarantine(path: Path, why: str) -> Path:
-    """Move an invalid record, lock or checkpoint aside (never delete it) to `<name>.<why>-<time>`, a name
-    that no reader of the store matches; returns the new path (`path` itself when it is already gone)."""
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    target = path.with_name(f"{path.name}.{why}-{stamp}-{os.getpid()}")
-    try:
-        os.rename(path, target)
-    except FileNotFoundError:  # moved by another process meanwhile
-        return path
-    return target
 
 
 def check_record(record: Any, path: Path) -> str | None:
@@ -357,7 +333,7 @@ def read_records(folder: Path, include_failed: bool = False) -> list[dict[str, A
 
 
 def load(
-    experiment: str | Experiment, results_dir: str | os.PathLike | None = None, include_failed: bool = False
+    experiment: str | Grid, results_dir: str | os.PathLike | None = None, include_failed: bool = False
 ) -> pd.DataFrame:
     """The stored runs of an experiment as a frame: one row per run, the config fields as columns, then the
     result fields (final_accuracy in percent, final_loss, accuracy_curve, stand_in, ..., env_* from
@@ -366,11 +342,10 @@ def load(
     experiment: an Experiment (only the runs of its current grid, in grid order; smoke runs for a smoke
     experiment) or a results folder name (every record in it).
     """
-    from prodigy_core.experiments import Experiment
-
-    name = experiment.results_name if isinstance(experiment, Experiment) else experiment
+    grid = not isinstance(experiment, str | os.PathLike)
+    name = experiment.results_name if grid else experiment
     records = read_records(experiment_dir(name, results_dir), include_failed)
-    if isinstance(experiment, Experiment):
+    if grid:
         order = {c.key(): i for i, c in enumerate(experiment.configs)}
         records = sorted((r for r in records if r.get("key") in order), key=lambda r: order[r["key"]])
     rows = [_flatten(r) for r in records]
@@ -420,8 +395,8 @@ def paper_results() -> pd.DataFrame:
         return pd.read_csv(fh)
 
 
-def load_variants(experiment: Experiment, results_dir: str | os.PathLike | None = None) -> pd.DataFrame:
-    """The stored runs of an experiment's grid under every variant (`config.VARIANTS`), in that order; a
+def load_variants(experiment: Grid, results_dir: str | os.PathLike | None = None) -> pd.DataFrame:
+    """The stored runs of an experiment's grid under every variant (`names.VARIANTS`), in that order; a
     ``variant`` column tells them apart."""
     frames = [load(experiment.with_variant(v), results_dir) for v in VARIANTS]
     frames = [f for f in frames if not f.empty]
@@ -429,7 +404,7 @@ def load_variants(experiment: Experiment, results_dir: str | os.PathLike | None 
 
 
 def variants_in(df: pd.DataFrame) -> list[str]:
-    """The variants of a results frame's runs, in `config.VARIANTS` order (a record without the field
+    """The variants of a results frame's runs, in `names.VARIANTS` order (a record without the field
     predates it and ran the paper's text)."""
     if "variant" not in df.columns:
         return ["paper"] if len(df) else []
@@ -553,10 +528,7 @@ __all__ = [
     "resolve_results_dir",
     "save_failure",
     "save_record",
-    "atomic_write",
     "check_record",
     "check_writable",
-    "quarantine",
     "stored_record",
-    "write_json_atomic",
 ]

@@ -59,7 +59,7 @@ the model, the momentum, the pipeline state and every RNG state, so a resumed ru
 one; the checkpoint is deleted when the run completes. They hold tensors and plain Python values only and
 are read with `torch.load(weights_only=True)`, so a crafted file on a shared disk cannot run code; a
 checkpoint that cannot be read or restored (garbage, truncated, crafted, another version's) is named in a
-warning, moved aside (`results.quarantine`) and the run restarts from round 0.
+warning, moved aside (`safe_io.quarantine`) and the run restarts from round 0.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
-from prodigy_core.results import atomic_write, quarantine
+from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import resolve_device, seed_everything
 
 # engine="auto" on a CPU, per dataset, from benchmarks/training.py on 2 CPU cores (torch 2.14, b=64), batched
@@ -155,7 +155,7 @@ def run(
     `on_round(r, updates, momentum, pipeline, attack)`, if given, is called every round once the server's
     input `updates` is formed and before it is aggregated
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
-    (used by `prodigy_core.report.explore`).
+    (used by `prodigy_core.explorer.explore`).
     """
     if not isinstance(config, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")

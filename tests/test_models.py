@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prodigy_core.config import DATASETS
 from prodigy_core.models import Cifar10CNN, DigitsCNN, FemnistCNN, count_parameters, make_model
+from prodigy_core.names import DATASETS
 
 
 def conv(c_in: int, c_out: int, k: int) -> int:

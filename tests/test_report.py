@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
 import statistics
@@ -12,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from prodigy_core import report
+from prodigy_core.config import RunConfig
 
 LAYOUT = {"rows": "defense", "columns": "attack", "blocks": ["local_momentum"]}
 DEFENSES = ["none", "nnm+median", "prodigy"]
@@ -221,35 +220,6 @@ def matplotlib_colour(c):
     return matplotlib.colors.to_rgba(c)
 
 
-@pytest.fixture(scope="module")
-def alie_round():
-    pytest.importorskip("prodigy_core.aggregators")
-    return report.explore(n_clients=6, n_byzantine=2, rounds=1, attack="alie", defense="prodigy")
-
-
-def test_explore_reports_the_last_round_consistently(alie_round):
-    ex = alie_round
-    n, f = 6, 2
-    assert ex.round == 1 and ex.byzantine == [0, 1]
-    D = ex.distances
-    assert D.shape == (n, n) and torch.allclose(D, D.T) and bool((D.diagonal() == 0).all())
-    s = ex.scores
-    assert torch.allclose(s.composite, s.proximity * s.dissimilarity)
-    assert ex.kept == [k for k in range(n) if s.weight[k] > 0] and len(ex.kept) <= n - f
-    # the damage we recompute through the defense equals the best one of the attack's own search
-    params, damages = zip(*ex.search, strict=True)
-    assert ex.chosen == params[int(np.argmax(damages))]
-    assert ex.damage == pytest.approx(max(damages), rel=1e-4)
-    figures = report.exploration_figures(ex)
-    assert set(figures) == {"distances", "scores", "damage"}
-
-
-def test_explore_without_attack_has_no_search():
-    pytest.importorskip("prodigy_core.aggregators")
-    ex = report.explore(n_clients=6, n_byzantine=2, rounds=1, attack="none", defense="nnm+median")
-    assert ex.search == [] and ex.chosen is None and ex.damage >= 0
-
-
 # ------------------------------------------------------------------ honest figures and tables (issue 19)
 
 
@@ -362,32 +332,6 @@ def test_damage_plot_has_no_offset_notation_and_formats_the_chosen_parameter():
     assert report.format_parameter((1.23456, 0.5)) == "(1.23, 0.5)"
 
 
-def test_exploration_summary_names_the_defense_that_ran():
-    ex = report.Exploration(config=report.RunConfig(defense="nnm+median", attack="alie"), round=3,
-                            byzantine=[0, 1, 2], distances=torch.zeros(3, 3), scores=object(), kept=[3, 4],
-                            search=[], chosen=1.5, damage=0.25, accuracy=50.0)  # fmt: skip
-    line = report.exploration_summary(ex)
-    assert line.startswith("NNM+Median vs ALIE, round 3") and "damage under NNM+Median" in line
-    assert "ProDiGy would keep [3, 4]" in line and "kept by ProDiGy" not in line
-    prodigy = report.exploration_summary(dataclasses.replace(ex, config=report.RunConfig(attack="alie")))
-    assert prodigy.startswith("ProDiGy vs ALIE") and "kept by ProDiGy [3, 4]" in prodigy
-
-
-def test_explorer_widget_has_readable_labels_and_trains_with_round_progress():
-    pytest.importorskip("ipywidgets")
-    box = report.explorer(n_clients=6, n_byzantine=2, rounds=1, attack="alie", defense="prodigy")
-    controls = box.children[0].children
-    labels = [c.description for c in controls]
-    assert labels == list(report.EXPLORER_LABELS.values()) and not any("_" in label for label in labels)
-    button, bar = box.children[1].children
-    assert button.description == "Train and show"
-    seen = []
-    bar.observe(lambda change: seen.append(change["new"]), names="description")
-    ex = box.train()
-    assert ex is not None and ex.round == 1 and ex.config.data_dir is None
-    assert seen[-1] == "round 1 / 1" and not button.disabled
-
-
 def test_committed_quickstart_table_was_made_by_the_current_params_and_code():
     # The cheap half of the check that committed outputs are what the committed code produces; the full
     # half (retrain everything, compare every cell) is scripts/check_committed_quickstart.py.
@@ -407,10 +351,10 @@ def test_committed_quickstart_table_was_made_by_the_current_params_and_code():
 def test_provenance_names_the_runs_and_the_code(tmp_path):
     df = fabricated(seeds=(0,), momenta=(0.0,))
     exp = experiment(layout=HEATMAP_ONLY)
-    exp.configs = [report.RunConfig(seed=0), report.RunConfig(seed=1)]
+    exp.configs = [RunConfig(seed=0), RunConfig(seed=1)]
     md = next(p for p in report.write_report(exp, df, tmp_path) if p.suffix == ".md").read_text()
     assert report.read_provenance(md) == report.provenance(exp)
-    other = report.provenance(types.SimpleNamespace(configs=[report.RunConfig(seed=0)]))
+    other = report.provenance(types.SimpleNamespace(configs=[RunConfig(seed=0)]))
     assert other != report.provenance(exp) and other.endswith(f"code {report.code_hash()}")
 
 

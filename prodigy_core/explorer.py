@@ -1,0 +1,225 @@
+"""The attack explorer: train a short run and look at its last round from the server's side (the distance
+matrix between the updates, ProDiGy's scores and kept set, the attack's damage per candidate parameter), as
+figures, a one-line summary, files, and a JupyterLab widget (`notebooks/explore_attacks.ipynb`).
+
+The figures themselves (`distance_heatmap`, `score_bars`, `damage_plot`) and their files are `report`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.figure import Figure
+
+from prodigy_core import training
+from prodigy_core.aggregators import AGGREGATOR_NAMES, ProDiGy, pairwise_sq_distances
+from prodigy_core.attacks import ATTACKS
+from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.names import DATASETS, DISTRIBUTIONS
+from prodigy_core.report import (
+    SEARCH_PARAMETERS,
+    byzantine_ids,
+    damage_plot,
+    display_value,
+    distance_heatmap,
+    format_parameter,
+    output_dir,
+    save_figure,
+    score_bars,
+    show,
+)
+
+
+@dataclass
+class Exploration:
+    """One round seen from the server: what `explore` measured at the last round of a short run."""
+
+    config: RunConfig
+    round: int
+    byzantine: list[int]
+    distances: torch.Tensor  # (N, N) squared distances between the updates the server received
+    scores: Any  # ProDiGyScores of those updates (None when ProDiGy cannot run: f < 2)
+    kept: list[int]  # clients with a non-zero ProDiGy weight
+    search: list[tuple[Any, float]]  # the attack's (candidate, damage) pairs this round
+    chosen: Any  # the attack's chosen parameter (None without a search)
+    damage: float  # ||Agg(updates) - honest mean|| under the configured defense
+    accuracy: float  # test accuracy (%) after the run
+
+
+EXPLORE_DEFAULTS: dict[str, Any] = {"dataset": "digits", "rounds": 3, "eval_every": 3, "attack": "alie"}
+
+
+def explore(
+    config: RunConfig | None = None, on_progress: Callable[[int, int], None] | None = None, **fields: Any
+) -> Exploration:
+    """Train a short run (default: digits, 3 rounds, ALIE against ProDiGy) and look at its last round: the
+    distance matrix, ProDiGy's scores and kept set, and the attack's damage per candidate parameter.
+
+    ``fields`` override RunConfig fields of ``config`` (default: ``EXPLORE_DEFAULTS`` over RunConfig's).
+    ``on_progress(k, T)`` is called as round k of T starts its aggregation (the explorer's "round k / T").
+    """
+    base = config if config is not None else RunConfig(**EXPLORE_DEFAULTS)
+    config = base.replace(**fields)
+    f = config.n_byzantine
+    seen: dict[str, Any] = {}
+
+    def on_round(r: int, updates: torch.Tensor, momentum: torch.Tensor, pipeline: Any, attack: Any) -> None:
+        if on_progress is not None:
+            on_progress(r, config.rounds)
+        if r != config.rounds:
+            return
+        honest_mean = momentum[f:].mean(dim=0)
+        seen["distances"] = pairwise_sq_distances(updates).cpu()
+        seen["scores"] = ProDiGy(f).scores(updates) if 2 <= f < config.n_clients / 2 else None
+        seen["search"] = list(getattr(attack, "last_search", []) or [])
+        seen["chosen"] = getattr(attack, "last_param", None)
+        seen["damage"] = torch.linalg.vector_norm(pipeline.peek(updates) - honest_mean).item()
+
+    result = training.run(config, progress=False, on_round=on_round)
+    if not seen:
+        raise ValueError(
+            f"the run diverged at round {result.diverged_at} of {config.rounds}, before the round to show: "
+            "choose fewer rounds, another defense or a smaller learning rate"
+        )
+    scores = seen["scores"]
+    kept = [] if scores is None else torch.nonzero(scores.weight > 0).flatten().tolist()
+    return Exploration(config=config, round=config.rounds, byzantine=byzantine_ids(f), kept=kept,
+                       accuracy=result.final_accuracy, **seen)  # fmt: skip
+
+
+def exploration_summary(ex: Exploration) -> str:
+    """One line on what the explorer ran: the defense actually used (ProDiGy's kept set only as ProDiGy's
+    view when another defense ran), the attack's chosen parameter, the damage and the accuracy."""
+    c = ex.config
+    defense, attack = display_value("defense", c.defense), display_value("attack", c.attack)
+    parts = [f"{defense} vs {attack}, round {ex.round}: Byzantine clients {ex.byzantine}"]
+    if ex.scores is not None:
+        who = "kept by ProDiGy" if c.defense == "prodigy" else "ProDiGy would keep"
+        parts.append(f"{who} {ex.kept}")
+    if ex.chosen is not None:
+        symbol = SEARCH_PARAMETERS.get(c.attack, "parameter")
+        parts.append(f"chosen {symbol} = {format_parameter(ex.chosen)}")
+    parts.append(f"damage under {defense} {ex.damage:.4g}, test accuracy {ex.accuracy:.1f}%")
+    return ", ".join(parts)
+
+
+def exploration_figures(ex: Exploration) -> dict[str, Figure]:
+    """The explorer's three views: distance heatmap, ProDiGy score bars, damage per attack candidate."""
+    c = ex.config
+    attack, defense = display_value("attack", c.attack), display_value("defense", c.defense)
+    setting = f"{c.dataset}, N={c.n_clients}, f={c.n_byzantine}, {attack} vs {defense}, round {ex.round}"
+    figures = {"distances": distance_heatmap(ex.distances, ex.byzantine, f"Squared distances ({setting})")}
+    if ex.scores is not None:
+        view = "" if c.defense == "prodigy" else ", ProDiGy's view"
+        figures["scores"] = score_bars(ex.scores, ex.byzantine, f"ProDiGy scores ({setting}{view})")
+    figures["damage"] = damage_plot(ex.search, c.attack, defense=c.defense)
+    return figures
+
+
+EXPLORER_LABELS = {"dataset": "data set", "n_clients": "clients N", "n_byzantine": "Byzantine f",
+                   "distribution": "split", "dirichlet_alpha": "Dirichlet α", "attack": "attack",
+                   "defense": "defense", "rounds": "rounds T", "seed": "seed", "data_dir": "data folder",
+                   "download": "download CIFAR-10 if missing"}  # fmt: skip
+DATASET_LABELS = {"digits": "digits (embedded, offline)", "femnist": "FEMNIST (LEAF folder)",
+                  "cifar10": "CIFAR-10"}  # fmt: skip
+
+
+def explorer(**setting: Any) -> Any:
+    """The attack explorer for JupyterLab (needs ipywidgets, the ``lab`` extra): labelled controls starting
+    at ``setting`` (``EXPLORER_LABELS``' fields), a "Train and show" button, a "round k / T" bar while it
+    trains, then the summary and the three views in place of the previous ones (cleared as training starts).
+    Returns the widget box; its ``.train()`` runs the current setting (what the button does)."""
+    import ipywidgets as widgets
+
+    def choices(field: str, values: Sequence[str]) -> list[tuple[str, str]]:
+        return [(display_value(field, v), v) for v in values]
+
+    s = {**EXPLORE_DEFAULTS, "n_clients": 10, "n_byzantine": 3, "distribution": "dirichlet",
+         "dirichlet_alpha": 0.1, "defense": "prodigy", "seed": 0, "data_dir": None, "download": False,
+         **setting}  # fmt: skip
+    distributions = list(dict.fromkeys(d for ds in DISTRIBUTIONS.values() for d in ds))
+    controls = dict(
+        dataset=widgets.Dropdown(options=[(DATASET_LABELS[d], d) for d in DATASETS], value=s["dataset"]),
+        n_clients=widgets.IntSlider(value=s["n_clients"], min=4, max=50),
+        n_byzantine=widgets.IntSlider(value=s["n_byzantine"], min=0, max=24),
+        distribution=widgets.Dropdown(
+            options=choices("distribution", distributions), value=s["distribution"]
+        ),  # fmt: skip
+        dirichlet_alpha=widgets.FloatLogSlider(value=s["dirichlet_alpha"], base=10, min=-2, max=2),
+        attack=widgets.Dropdown(options=choices("attack", list(ATTACKS)), value=s["attack"]),
+        defense=widgets.Dropdown(options=choices("defense", AGGREGATOR_NAMES), value=s["defense"]),
+        rounds=widgets.IntSlider(value=s["rounds"], min=1, max=100),
+        seed=widgets.IntText(value=s["seed"]),
+        data_dir=widgets.Text(value=s["data_dir"] or "", placeholder="default: data/ (env PRODIGY_DATA_DIR)"),
+        download=widgets.Checkbox(value=bool(s["download"]), indent=False),
+    )
+    for field, control in controls.items():
+        control.description = EXPLORER_LABELS[field]
+        control.style = {"description_width": "10em"}
+    button = widgets.Button(description="Train and show", button_style="primary", icon="play")
+    bar = widgets.IntProgress(value=0, min=0, max=1, description="", layout={"visibility": "hidden"})
+    out = widgets.Output()
+
+    def progress(k: int, total: int) -> None:
+        bar.max, bar.value, bar.description = total, k, f"round {k} / {total}"
+
+    def train(_: Any = None) -> Exploration | None:
+        out.clear_output()  # the previous views go now, not when the new ones arrive
+        button.disabled = True
+        bar.layout.visibility = "visible"
+        progress(0, controls["rounds"].value)
+        values = {k: c.value for k, c in controls.items()}
+        values["data_dir"] = values["data_dir"].strip() or None
+        try:
+            ex = explore(on_progress=progress, eval_every=values["rounds"], **values)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            with out:
+                print(f"cannot run this setting: {e}")
+            return None
+        finally:
+            button.disabled = False
+            bar.layout.visibility = "hidden"
+        with out:
+            print(exploration_summary(ex))
+            show(*exploration_figures(ex).values())
+        return ex
+
+    button.on_click(train)
+    box = widgets.VBox([widgets.GridBox(list(controls.values()),
+                                        layout={"grid_template_columns": "repeat(2, 26em)"}),
+                        widgets.HBox([button, bar]), out])  # fmt: skip
+    box.train = train
+    return box
+
+
+def write_exploration(
+    ex: Exploration,
+    name: str,
+    smoke: bool,
+    out_dir: str | Path | None = None,
+    views: Sequence[str] | None = None,
+) -> list[Path]:
+    """Save the explorer's views (all, or those named in ``views``) as ``<name>_<view>.pdf``/``.png``."""
+    folder = output_dir(smoke, out_dir)
+    paths = []
+    for view, fig in exploration_figures(ex).items():
+        if views is None or view in views:
+            paths += save_figure(fig, folder / f"{name}_{view}")
+    return paths
+
+
+__all__ = [
+    "DATASET_LABELS",
+    "EXPLORER_LABELS",
+    "EXPLORE_DEFAULTS",
+    "Exploration",
+    "exploration_figures",
+    "exploration_summary",
+    "explore",
+    "explorer",
+    "write_exploration",
+]

@@ -1,0 +1,25 @@
+"""Names shared by every floor of the package: the datasets, their client splits and the semantics variants
+that exist, and the "did you mean" lookup that answers a misspelt name.
+
+A ground-floor module (it imports no other `prodigy_core` module): the library's rules (`aggregators`,
+`attacks`), the data (`data`, `models`) and the run configuration (`config`) all check names against these,
+so that none of them needs another's module to do so.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+DATASETS = ("digits", "femnist", "cifar10")
+DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
+# paper: the paper's text; authors: the authors' public code (README, "Semantics: the two variants").
+VARIANTS = ("paper", "authors")
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(candidates)}"
+
+
+__all__ = ["DATASETS", "DISTRIBUTIONS", "VARIANTS", "did_you_mean"]
