@@ -371,3 +371,31 @@ def test_titles_name_the_data_source_and_sources_never_mix(tmp_path):
 
     with pytest.raises(ValueError, match="mix data sources"):
         compare_with_paper(mixed.assign(dataset="cifar10"), "bigtable")
+
+
+@pytest.mark.slow
+def test_committed_quickstart_cells_are_what_the_code_trains_now(tmp_path):
+    # The regenerating half of the committed-outputs check, on a sample CI can afford: the quickstart's first
+    # batched group (the group `--batch-runs auto` forms, so its runs train exactly as they did for the
+    # committed table) is trained anew and each run's accuracy must be the committed cell, to the digit.
+    import dataclasses
+    import re
+
+    from prodigy_core import groups
+    from prodigy_core.experiments import load_experiment, run_grid
+
+    experiment = load_experiment("quickstart_digits")
+    first = groups.make_groups(experiment.configs, "auto")[0]
+    df = run_grid(dataclasses.replace(experiment, configs=first), results_dir=tmp_path, progress=False)
+    committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
+    lines = [line for line in committed.read_text(encoding="utf-8").splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    table = {}
+    for line in lines[2:]:
+        parts = [c.strip() for c in line.strip("|").split("|")]
+        cells = zip(header[1:], parts[1:], strict=True)
+        table |= {(parts[0], col): re.sub(r"[*†]", "", text) for col, text in cells}
+    assert len(df) == len(first) > 1
+    for row in df.itertuples():
+        cell = (report.display_value("defense", row.defense), report.display_value("attack", row.attack))
+        assert f"{row.final_accuracy:.2f}" == table[cell], cell
