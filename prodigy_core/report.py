@@ -861,6 +861,22 @@ def provenance(experiment: Any) -> str:
     return f"runs {runs} ({len(keys)}), code {code_hash()}"
 
 
+def markdown_cells(markdown: str) -> dict[tuple[str, str], str]:
+    """{(row, column): cell text} of every pipe table in a Markdown report written by :func:`to_markdown`."""
+    table: dict[tuple[str, str], str] = {}
+    header: list[str] = []
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            header = []
+            continue
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if not header:
+            header = parts
+        elif not re.fullmatch(r":?-+:?", parts[0]):
+            table.update({(parts[0], col): text for col, text in zip(header[1:], parts[1:], strict=False)})
+    return table
+
+
 def read_provenance(text: str) -> str | None:
     """The provenance written into a Markdown table by :func:`write_report` (None when it has none)."""
     m = PROVENANCE.search(text)

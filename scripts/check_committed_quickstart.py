@@ -13,7 +13,6 @@ grid's run keys and of prodigy_core's files) with the current ones.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import sys
 import tempfile
@@ -23,22 +22,6 @@ from prodigy_core import cli, report
 
 NAME = "quickstart_digits"
 COMMITTED = Path(__file__).resolve().parents[1] / "figures"
-
-
-def cells(markdown: str) -> dict[tuple[str, str], str]:
-    """{(row, column): cell text} of every pipe table in a Markdown report."""
-    table: dict[tuple[str, str], str] = {}
-    header: list[str] = []
-    for line in markdown.splitlines():
-        if not line.startswith("|"):
-            header = []
-            continue
-        parts = [p.strip() for p in line.strip("|").split("|")]
-        if not header:
-            header = parts
-        elif not re.fullmatch(r":?-+:?", parts[0]):
-            table.update({(parts[0], col): text for col, text in zip(header[1:], parts[1:], strict=False)})
-    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         new = (out / f"{NAME}.md").read_text(encoding="utf-8")
         old_path = COMMITTED / f"{NAME}.md"
         old = old_path.read_text(encoding="utf-8") if old_path.exists() else ""
-        old_cells, new_cells = cells(old), cells(new)
+        old_cells, new_cells = report.markdown_cells(old), report.markdown_cells(new)
         differ = [(k, v, new_cells.get(k)) for k, v in old_cells.items() if new_cells.get(k) != v]
         missing = sorted(set(new_cells) - set(old_cells))
         same_provenance = report.read_provenance(old) == report.read_provenance(new)

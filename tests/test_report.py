@@ -388,13 +388,8 @@ def test_committed_quickstart_cells_are_what_the_code_trains_now(tmp_path):
     first = groups.make_groups(experiment.configs, "auto")[0]
     df = run_grid(dataclasses.replace(experiment, configs=first), results_dir=tmp_path, progress=False)
     committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
-    lines = [line for line in committed.read_text(encoding="utf-8").splitlines() if line.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    table = {}
-    for line in lines[2:]:
-        parts = [c.strip() for c in line.strip("|").split("|")]
-        cells = zip(header[1:], parts[1:], strict=True)
-        table |= {(parts[0], col): re.sub(r"[*†]", "", text) for col, text in cells}
+    text = committed.read_text(encoding="utf-8")
+    table = {cell: re.sub(r"[*†]", "", value) for cell, value in report.markdown_cells(text).items()}
     assert len(df) == len(first) > 1
     for row in df.itertuples():
         cell = (report.display_value("defense", row.defense), report.display_value("attack", row.attack))
