@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from prodigy_core.names import VARIANTS, did_you_mean
+from prodigy_core.names import check_variant, did_you_mean
 
 BASE_NAMES = (
     "average", "none", "median", "trimmed_mean", "geomed", "krum", "cclip", "prodigy", "multikrum", "bulyan",
@@ -76,12 +76,6 @@ def _check_input(G: Tensor, rule: str) -> None:
         raise ValueError(f"{rule}: needs at least 2 client vectors, got N={G.shape[0]}")
     if G.shape[1] == 0:
         raise ValueError(f"{rule}: the client vectors are empty (d=0)")
-
-
-def _check_variant(rule: str, variant: str) -> str:
-    if variant not in VARIANTS:
-        raise ValueError(f"{rule}: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
-    return variant
 
 
 def _check_f(rule: str, f: int, minimum: int = 0) -> int:
@@ -194,7 +188,7 @@ def _distances(K: Tensor, bad: Tensor) -> Tensor:
     """Squared distances between the first len(bad) points of the Gram matrix K (about any common centre)."""
     n = len(bad)
     sq = K.diagonal()[:n]
-    # K[i, j] + K[j, i], not 2 K[i, j]: a float32 product G Gᵀ need not be exactly symmetric, and D must be
+    # K[i, j] + K[j, i], not 2 K[i, j]: a float32 product G Gᵀ need not be symmetric, and D must be
     D = (sq[:, None] + sq[None, :] - (K[:n, :n] + K[:n, :n].T)).clamp_(min=0)
     if bad.any():
         D.masked_fill_(bad[:, None] | bad[None, :], math.inf)
@@ -432,7 +426,7 @@ class TrimmedMean(Rule):
 
     def __init__(self, f: int, variant: str = "paper"):
         self.f = _check_f("TrimmedMean", f)
-        self.variant = _check_variant("TrimmedMean", variant)
+        self.variant = check_variant("TrimmedMean", variant)
 
     def check_n(self, n: int) -> None:
         self._need(n > 2 * self.f, n, f"N > 2f = {2 * self.f}")
@@ -579,7 +573,7 @@ class CClip(Rule):
         if not tau > 0 or L < 1:
             raise ValueError(f"CClip: needs tau > 0 and L >= 1, got tau={tau}, L={L}")
         self.tau, self.L = tau, L
-        self.variant = _check_variant("CClip", variant)
+        self.variant = check_variant("CClip", variant)
         self.prev: Tensor | None = None
         self.model: Tensor | None = None
 
@@ -976,7 +970,7 @@ def make_aggregator(name: str, f: int, n_clients: int | None = None, variant: st
             hint += f"; valid: {', '.join(AGGREGATOR_NAMES)}"
         raise ValueError(f"unknown aggregator {name!r}{hint}")
     _check_f(key, f)
-    _check_variant(key, variant)
+    check_variant(key, variant)
     prefix, base = key.split("+") if "+" in key else ("", key)
     pre = {"": [], "nnm": [NNM(f)], "bucketing": [Bucketing()]}[prefix]
     rule = _RULES[base](f, variant=variant) if base in _VARIANT_RULES else _RULES[base](f)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, geometry, pairwise_sq_distances
-from prodigy_core.names import VARIANTS, did_you_mean
+from prodigy_core.names import check_variant, did_you_mean
 
 # ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
 ALIE_Z_STEP = 0.25
@@ -137,9 +137,7 @@ class SignFlip(Attack):
 
     def __init__(self, variant: str = "paper") -> None:
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"sf: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
-        self.variant = variant
+        self.variant = check_variant("sf", variant)
         self.sent_is_momentum = variant == "authors"
 
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
@@ -482,8 +480,7 @@ def make_attack(name: str, variant: str = "paper", **params: Any) -> Attack:
         if not hint.startswith("; valid"):
             hint += f"; valid: {', '.join(ATTACKS)}"
         raise ValueError(f"unknown attack {given!r}{hint}")
-    if variant not in VARIANTS:
-        raise ValueError(f"attack {name!r}: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
+    check_variant(f"attack {name!r}", variant)
     factory = ATTACKS[name]
     valid = list(inspect.signature(factory).parameters)
     if "variant" in valid:

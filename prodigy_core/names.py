@@ -22,4 +22,11 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(candidates)}"
 
 
-__all__ = ["DATASETS", "DISTRIBUTIONS", "VARIANTS", "did_you_mean"]
+__all__ = ["DATASETS", "DISTRIBUTIONS", "VARIANTS", "check_variant", "did_you_mean"]
+
+
+def check_variant(owner: str, variant: str) -> str:
+    """`variant` if it is one of VARIANTS, else a ValueError naming `owner` and the valid ones."""
+    if variant not in VARIANTS:
+        raise ValueError(f"{owner}: variant={variant!r} is unknown; valid: {', '.join(VARIANTS)}")
+    return variant
