@@ -1,8 +1,11 @@
 """Batched groups of runs (`prodigy_core.groups`) against one run at a time, measured in one process.
 
-CPU: the quickstart grid (params/quickstart_digits.yaml: 42 digits runs), trained in groups of `--batch-runs`
-(default: what `--batch-runs auto` picks) and one run at a time with `training.run`; prints both wall times,
-their ratio and whether every run's final accuracy agrees. `--rounds` and `--runs` shrink the grid.
+CPU: the quickstart grid (params/quickstart_digits.yaml: 42 digits runs) three ways, in one run: one run at
+a time in this process (`training.run`, torch's threads as they are), in batched groups of `--batch-runs`
+(default 8) in this process, and as `prodigy-fl quickstart` trains it (`run_grid(jobs="auto")`: one
+single-threaded process per core); prints the wall times, their ratios to one at a time and whether every
+run's final accuracy agrees. `--rounds` and `--runs` shrink the grid. These measurements chose the CPU
+defaults: `--batch-runs auto` = 1 and the quickstart's `--jobs auto`.
 
 GPU (only where CUDA is available): Table I's FedAVG block shapes (CIFAR-10 CNN, N=10, E=10, b=64, 42 runs:
 7 defenses x 6 attacks) on synthetic CIFAR-10-shaped data, a group of K runs (K: as many of the 42 as
@@ -17,36 +20,47 @@ batched throughput.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
+import tempfile
 import time
 
 import torch
 
 from prodigy_core import groups, training
-from prodigy_core.experiments import PARAMS_DIR, load_experiment
+from prodigy_core.experiments import PARAMS_DIR, load_experiment, run_grid
 
 
-def cpu_quickstart(rounds: int | None, runs: int | None, batch_runs: int | str) -> None:
+def cpu_quickstart(rounds: int | None, runs: int | None, batch_runs: int) -> None:
     fields = {"device": "cpu"} | ({"rounds": rounds} if rounds else {})
-    configs = load_experiment("quickstart_digits", fields=fields).configs[:runs]
+    experiment = load_experiment("quickstart_digits", fields=fields)
+    configs = experiment.configs[:runs]
     made = groups.make_groups(configs, batch_runs)
-    print(f"CPU quickstart: {len(configs)} runs x {configs[0].rounds} rounds, {torch.get_num_threads()} "
-          f"threads; groups of {[len(g) for g in made]} (--batch-runs {batch_runs})")  # fmt: skip
+    print(f"CPU quickstart ({os.cpu_count()} cores): {len(configs)} runs x {configs[0].rounds} rounds; "
+          f"{torch.get_num_threads()} threads here; groups of {[len(g) for g in made]}")  # fmt: skip
     training.run(configs[0].replace(rounds=1), progress=False)  # warm-up (data, imports), not timed
     list(groups.iter_group(configs[:2]))
+    tic = time.perf_counter()
+    alone = {c.key(): training.run(c, progress=False) for c in configs}
+    t_alone = time.perf_counter() - tic
     tic = time.perf_counter()
     batched = {}
     for group in made:
         for i, outcome in groups.iter_group(group):
-            batched[group[i].key()] = outcome
+            batched[group[i].key()] = outcome.final_accuracy
     t_batched = time.perf_counter() - tic
-    tic = time.perf_counter()
-    alone = {c.key(): training.run(c, progress=False) for c in configs}
-    t_alone = time.perf_counter() - tic
-    same = sum(batched[k].final_accuracy == r.final_accuracy for k, r in alone.items())
-    print(f"  batched groups : {t_batched:8.1f} s")
-    print(f"  one at a time  : {t_alone:8.1f} s")
-    print(f"  speed-up       : {t_alone / t_batched:8.2f}x   (final accuracy equal in {same}/{len(configs)})")
+    with tempfile.TemporaryDirectory() as tmp:
+        tic = time.perf_counter()  # worker start-up included, as a user waits for it
+        df = run_grid(dataclasses.replace(experiment, configs=configs), jobs="auto", results_dir=tmp,
+                      progress=False, batch_runs=1)  # fmt: skip
+        t_jobs = time.perf_counter() - tic
+    jobs = dict(zip(df["key"], df["final_accuracy"], strict=True))
+    for name, seconds, accuracy in [("one at a time", t_alone, None), (f"groups of {batch_runs}", t_batched,
+                                    batched), ("jobs auto", t_jobs, jobs)]:  # fmt: skip
+        same = "" if accuracy is None else sum(accuracy[k] == r.final_accuracy for k, r in alone.items())
+        same = "" if accuracy is None else f"   (final accuracy equal in {same}/{len(configs)})"
+        print(f"  {name:<14}: {seconds:8.1f} s  {t_alone / seconds:5.2f}x{same}")
 
 
 def gpu_table1_fedavg(rounds: int, runs: int | None) -> None:
@@ -90,14 +104,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="CPU: rounds per run (default: the grid's)")
     parser.add_argument("--runs", type=int, default=None, help="CPU: the first RUNS runs only")
-    parser.add_argument("--batch-runs", default="auto", help="CPU: group size (auto or an integer)")
+    parser.add_argument("--batch-runs", type=int, default=8, help="CPU: group size (default 8)")
     parser.add_argument("--gpu-rounds", type=int, default=3, help="GPU: timed rounds (after one warm-up)")
     parser.add_argument("--gpu-runs", type=int, default=None, help="GPU: group size (default: memory cap)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     args = parser.parse_args()
-    batch_runs = args.batch_runs if args.batch_runs == "auto" else int(args.batch_runs)
     if not args.no_cpu:
-        cpu_quickstart(args.rounds, args.runs, batch_runs)
+        cpu_quickstart(args.rounds, args.runs, args.batch_runs)
     if torch.cuda.is_available():
         gpu_table1_fedavg(args.gpu_rounds, args.gpu_runs)
 

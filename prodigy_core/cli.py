@@ -1,10 +1,10 @@
 """The `prodigy-fl` command line: run one config, run a params grid, report it, quickstart, data, reproduce.
 
     prodigy-fl run [PARAMS.yaml] [--set key=value ...] [--json]
-    prodigy-fl grid PARAMS.yaml [--smoke | --mini] [--dry-run] [--executor local|ray] [--jobs N] [--force]
-        [--batch-runs K]
+    prodigy-fl grid PARAMS.yaml [--smoke | --mini] [--dry-run] [--executor local|ray] [--jobs N|auto]
+        [--force] [--batch-runs K]
     prodigy-fl report PARAMS.yaml [--smoke | --mini] [--set key=value ...]
-    prodigy-fl quickstart
+    prodigy-fl quickstart [--smoke] [--jobs N|auto]
     prodigy-fl data cifar10 [DIR] [--from JPEG_COPY] | prodigy-fl data femnist [PATH]
     prodigy-fl reproduce [--scale smoke|mini|paper] [--only NAME ...]
     prodigy-fl init [DIR]
@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "defense=prodigy,nnm+trimmed_mean (repeatable: every condition holds)")  # fmt: skip
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this machine (see --jobs, default); ray: a Ray cluster")  # fmt: skip
-    p.add_argument(
-        "--jobs", type=int, default=1, help="local: worker processes; ray: CPUs of a local runtime"
-    )
+    p.add_argument("--jobs", type=jobs_arg, default=1,
+                   help="local: worker processes (auto: one per CPU core, one thread each); ray: CPUs of a "
+                   "local runtime")  # fmt: skip
     p.add_argument("--force", action="store_true",
                    help="rerun runs that have a record, from round 0 (checkpoints ignored)")  # fmt: skip
     p.add_argument("--address", help="ray: join this cluster (e.g. auto, ray://head:10001)")
@@ -137,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="the digits grid (all defenses x all attacks), then its report")
     p.add_argument("--smoke", action="store_true", help="a few seconds instead of a few minutes")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes running the grid (default 1)")
+    p.add_argument("--jobs", type=jobs_arg, default="auto",
+                   help="worker processes running the grid (default auto: one per CPU core, one thread "
+                   "each, so that its numbers do not depend on the core count)")  # fmt: skip
     p.add_argument("--out-dir", type=Path, help=figures_help)
     results_dir(p)
     p.set_defaults(command=cmd_quickstart)
@@ -247,13 +250,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def batch_runs(text: str) -> int | str:
-    """--batch-runs: 'auto' or an integer >= 1."""
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: use 'auto' or an integer >= 1 (1: one run at a time)")
-    return int(text)
+def auto_or_count(auto: str, one: str) -> Callable[[str], int | str]:
+    """An argparse type: 'auto' (meaning `auto`) or an integer >= 1 (1 meaning `one`)."""
+
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: use 'auto' ({auto}) or an integer >= 1 (1: {one})")
+        return int(text)
+
+    return parse
+
+
+jobs_arg = auto_or_count("a single-threaded process per CPU core", "in this process")  # --jobs
+batch_runs = auto_or_count("stacked where faster", "one run at a time")  # --batch-runs
 
 
 def cmd_grid(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -562,7 +562,7 @@ def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
 def run_grid(
     experiment: Experiment,
     executor: str = "local",
-    jobs: int = 1,
+    jobs: int | str = 1,
     force: bool = False,
     results_dir: str | os.PathLike | None = None,
     progress: bool = True,
@@ -579,7 +579,8 @@ def run_grid(
     A run interrupted earlier resumes from its checkpoint (one exists only for an unfinished run: training
     deletes it when the run completes); with force, checkpoints are ignored and replaced.
 
-    executor="local": in this process for jobs=1, a pool of `jobs` processes otherwise.
+    executor="local": in this process for jobs=1, a pool of `jobs` processes otherwise; jobs="auto": one
+    single-threaded process per CPU core when the runs train on the CPU (`auto_jobs`), 1 on a GPU.
     executor="ray": each run a Ray task with `num_cpus`/`num_gpus` (fractions allowed: 0.25 GPU runs four per
     GPU), retried once on failure; `address` joins an existing cluster (e.g. "auto" or "ray://host:10001"),
     otherwise a local Ray runtime with `jobs` CPUs is started (jobs is ignored with an address).
@@ -596,8 +597,8 @@ def run_grid(
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
-    if jobs < 1:
-        raise ValueError(f"jobs={jobs} must be >= 1")
+    if jobs != "auto" and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs={jobs!r} must be 'auto' or an integer >= 1")
     folder = store.experiment_dir(experiment.results_name, results_dir)
     todo = [c for c in experiment.configs if force or store.stored_record(folder, c.key()) is None]
     check_writers(todo)
@@ -616,6 +617,9 @@ def run_grid(
         for c in todo
     }
     batches = [[c.key() for c in g] for g in groups.make_groups(todo, batch_runs)]
+    threads = None  # a pool worker's: this machine's cores shared among the workers
+    if jobs == "auto":
+        jobs, threads = auto_jobs(todo, len(batches))
     varying = [n for n in field_names() if len({getattr(c, n) for c in experiment.configs}) > 1]
     claims = store.Claims(folder, skip_done=not force)
     finished = failed = 0
@@ -628,7 +632,7 @@ def run_grid(
         elif jobs == 1:
             outcomes = _inline_outcomes(tasks, batches, claims)
         else:
-            outcomes = _pool_outcomes(tasks, batches, claims, jobs)
+            outcomes = _pool_outcomes(tasks, batches, claims, jobs, threads)
         for key, outcome, seconds in outcomes:
             config = RunConfig.from_dict(tasks[key].config)
             what = " ".join(f"{n}={getattr(config, n)}" for n in varying) or config.key()
@@ -665,6 +669,26 @@ def run_grid(
             file=sys.stderr,
         )
     return store.load(experiment, results_dir)
+
+
+def auto_jobs(configs: Sequence[RunConfig], work_items: int) -> tuple[int, int | None]:
+    """jobs="auto": (worker processes, threads each). Runs on the CPU: one process per core, one thread each,
+    at most one per work item (a run or a group). A CPU step of these small CNNs does not use two threads
+    well (benchmarks/grid.py, README "Many runs as one batched computation"). A run's result can differ in
+    its last bits with the thread count, so every auto run on a CPU uses one thread: the same numbers
+    whatever the machine's core count. Runs on a GPU: one process (its groups fill the card), threads as
+    they are."""
+    from prodigy_core.seeding import resolve_device
+
+    def on_gpu(device: str) -> bool:
+        try:
+            return resolve_device(device).type != "cpu"
+        except ValueError:  # e.g. cuda asked for on a machine without: the run reports it
+            return False
+
+    if any(on_gpu(d) for d in {c.device for c in configs}):
+        return 1, None
+    return max(1, min(os.cpu_count() or 1, work_items)), 1
 
 
 def check_writers(configs: Iterable[RunConfig]) -> None:
@@ -721,13 +745,13 @@ def _work(tasks: list[Task], threads: int | None = None) -> list[tuple[str, Outc
 
 
 def _pool_outcomes(
-    tasks: dict[str, Task], batches: list[list[str]], claims: store.Claims, jobs: int
+    tasks: dict[str, Task], batches: list[list[str]], claims: store.Claims, jobs: int, threads: int | None
 ) -> Iterator[tuple[str, Outcome, float]]:
     """A pool of `jobs` processes, each taking a run or a group; at most `jobs` claimed at a time (the rest
-    stay free for others)."""
+    stay free for others). threads: each worker's torch threads (None: the cores shared among the jobs)."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = threads or max(1, (os.cpu_count() or 1) // jobs)
     with worker_pool(jobs) as pool:
         pending = iter(batches)
         running: dict[Any, tuple[list[str], float]] = {}

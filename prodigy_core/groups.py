@@ -6,9 +6,12 @@ overhead-bound. A group trains R compatible runs (`group_key`) together:
 
 - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at its
   own learning rate, on its own batches and dropout masks;
+- the evaluation: the members due evaluate their server models in one vmapped forward pass per test batch
+  (`training.evaluate_runs`; eval-mode and the authors' train-mode members in two passes);
 - everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
   flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
-  state, server step, BatchNorm median), `end_round` (evaluation, checkpoint) and `finish_run` (record).
+  state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
+  `finish_run` (record).
 
 Independence from the group. Each run owns a full RNG state (torch's CPU and CUDA generators, python's and
 numpy's), seeded from the run alone exactly as `training.run` seeds it; whenever code of run i runs (its
@@ -50,10 +53,6 @@ from prodigy_core.seeding import resolve_device
 GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
                 "femnist_min_writer_samples", "data_dir", "data_source", "local_steps", "batch_size",
                 "weight_decay", "device")  # fmt: skip
-# batch_runs="auto" on a CPU: the largest group per dataset (1: never stacked), see batch_size_for. Digits,
-# quickstart runs, 5 rounds, 1 thread, on the 2-core dev machine while other jobs loaded it (noisy): groups of
-# 4 and 8 took 0.88x and 0.94x the time of the same runs one at a time (benchmarks/grid.py; rerun it idle).
-AUTO_CPU_BATCH_RUNS = {"digits": 8, "femnist": 1, "cifar10": 1}
 CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
@@ -92,16 +91,17 @@ def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[
 
 
 def batch_size_for(config: RunConfig) -> int:
-    """batch_runs="auto": how many runs like `config` to stack. CPU: `AUTO_CPU_BATCH_RUNS` (benchmarks/
-    grid.py: digits gains from stacking; the CIFAR-10 and FEMNIST CNNs run the sequential engine on a CPU,
-    vmapped convolutions being slower there). CUDA: as many as `CUDA_MEMORY_FRACTION` of the free memory
-    holds, by `memory_per_run`."""
+    """batch_runs="auto": how many runs like `config` to stack. CPU: 1, never stacked. A CPU step is compute-
+    bound, not overhead-bound, so stacking only adds its copies (benchmarks/grid.py, README "Many runs as
+    one batched computation"); the CIFAR-10 and FEMNIST CNNs run the sequential engine on a CPU anyway. A
+    CPU's cores are used by `run_grid(jobs="auto")` instead. CUDA: as many as `CUDA_MEMORY_FRACTION` of the
+    free memory holds, by `memory_per_run`."""
     cfg = config.resolved()
     device = resolve_device(cfg.device)
     if group_key(cfg) is None:
         return 1
     if device.type != "cuda":
-        return AUTO_CPU_BATCH_RUNS[cfg.dataset]
+        return 1
     free, _ = torch.cuda.mem_get_info(device)
     return max(1, int(CUDA_MEMORY_FRACTION * free // memory_per_run(cfg)))
 
@@ -178,43 +178,69 @@ def iter_group(
             st.result.environment["group_size"] = len(configs)
             members.append(_Member(i, st, training._get_rng_states(st.data_gen), st.start + 1))
         grad_fn = training.per_client_grad(members[0].st.model)
+        eval_net = training.FunctionalNet(members[0].st.model)
         steps = max(m.st.cfg.rounds - m.st.start for m in members)
         bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"group of {len(configs)}")
-        active = members
-        for step in range(1, steps + 1):
-            tic = time.perf_counter()
-            lrs = [m.st.cfg.lr_at(m.r - 1) for m in active]
-            outs = training.local_steps_stacked(
-                [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
-                [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
-            )  # fmt: skip
-            shared = _elapsed(tic, device) / len(active)
-            still = []
-            for m, gamma, (pseudo_grads, buffers) in zip(active, lrs, outs, strict=True):
-                outcome: Outcome | None = None
-                try:
-                    with m.own_rng():
-                        tic = time.perf_counter()
-                        ok = training.server_round(m.st, m.r, gamma, pseudo_grads, buffers)
+        with bar:  # closed before an error propagates
+            active = members
+            for step in range(1, steps + 1):
+                tic = time.perf_counter()
+                lrs = [m.st.cfg.lr_at(m.r - 1) for m in active]
+                outs = training.local_steps_stacked(
+                    [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
+                    [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
+                )  # fmt: skip
+                shared = _elapsed(tic, device) / len(active)
+                served, still = [], []
+                for m, gamma, (pseudo_grads, buffers) in zip(active, lrs, outs, strict=True):
+                    try:
+                        with m.own_rng():
+                            tic = time.perf_counter()
+                            ok = training.server_round(m.st, m.r, gamma, pseudo_grads, buffers)
+                            if ok:
+                                m.st.result.round_times.append(shared + _elapsed(tic, device))
                         if ok:
-                            m.st.result.round_times.append(shared + _elapsed(tic, device))
-                            ok = training.end_round(m.st, m.r)
-                    if not ok or m.r == m.st.cfg.rounds:
-                        outcome = training.finish_run(m.st)
-                except Exception as e:  # this run fails alone; the group goes on
-                    outcome = e
-                if outcome is None:
-                    m.r += 1
-                    still.append(m)
-                else:
-                    yield m.index, outcome
-            active = still
-            bar.update(1)
-            if not active or _stop_after == step:
-                break
-        bar.close()
+                            served.append(m)
+                        else:
+                            yield m.index, training.finish_run(m.st)
+                    except Exception as e:  # this run fails alone; the group goes on
+                        yield m.index, e
+                scores = _evaluate_due(served, eval_net)
+                for m in served:
+                    outcome: Outcome | None = None
+                    try:
+                        with m.own_rng():
+                            ok = training.end_round(m.st, m.r, scores.get(m.index))
+                        if not ok or m.r == m.st.cfg.rounds:
+                            outcome = training.finish_run(m.st)
+                    except Exception as e:
+                        outcome = e
+                    if outcome is None:
+                        m.r += 1
+                        still.append(m)
+                    else:
+                        yield m.index, outcome
+                active = still
+                bar.update(1)
+                if not active or _stop_after == step:
+                    break
     finally:
         training._set_rng_states(outside, torch.Generator())
+
+
+def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[int, tuple[float, float]]:
+    """{member index: (accuracy, loss)} of the members whose round ends with an evaluation, evaluated
+    together (`training.evaluate_runs`): one pass for the eval-mode members, one for the train-mode
+    (``authors``) ones, each member drawing its dropout masks from its own RNG state."""
+    due = [m for m in members if training.eval_due(m.st.cfg, m.r)]
+    scores: dict[int, tuple[float, float]] = {}
+    for train_mode in (False, True):
+        part = [m for m in due if (m.st.cfg.variant == "authors") == train_mode]
+        if part:
+            models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
+            found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, net=net)
+            scores.update({m.index: score for m, score in zip(part, found, strict=True)})
+    return scores
 
 
 def run_group(

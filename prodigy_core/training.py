@@ -171,23 +171,24 @@ def run(
 
     bar = tqdm(total=cfg.rounds, initial=st.start, disable=not progress, unit="round",
                desc=f"{cfg.dataset} {cfg.defense}/{cfg.attack}")  # fmt: skip
-    for r in range(st.start + 1, cfg.rounds + 1):
-        tic = time.perf_counter()
-        gamma = cfg.lr_at(r - 1)
-        pseudo_grads, client_buffers = local_steps(st.model, st.fed, cfg.local_steps, gamma, cfg, st.data_gen)
-        if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
-            break
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        st.result.round_times.append(time.perf_counter() - tic)
-        if not end_round(st, r):
-            break
-        bar.set_postfix(lr=gamma, acc=f"{st.result.final_accuracy:.1f}", refresh=False)
-        bar.update(1)
-        if _stop_after == r:
-            bar.close()
-            return st.result
-    bar.close()
+    with bar:  # closed before an error propagates, so that the message starts on a line of its own
+        for r in range(st.start + 1, cfg.rounds + 1):
+            tic = time.perf_counter()
+            gamma = cfg.lr_at(r - 1)
+            pseudo_grads, client_buffers = local_steps(
+                st.model, st.fed, cfg.local_steps, gamma, cfg, st.data_gen
+            )
+            if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
+                break
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            st.result.round_times.append(time.perf_counter() - tic)
+            if not end_round(st, r):
+                break
+            bar.set_postfix(lr=gamma, acc=f"{st.result.final_accuracy:.1f}", refresh=False)
+            bar.update(1)
+            if _stop_after == r:
+                return st.result
     return finish_run(st)
 
 
@@ -306,13 +307,16 @@ def server_round(
     return True
 
 
-def end_round(st: RunState, r: int) -> bool:
-    """After round r's server step: evaluate when due, save the checkpoint when due. Returns False when the
-    run diverged (``authors``: a test loss that is not finite; recorded in `st.result`)."""
+def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -> bool:
+    """After round r's server step: evaluate when due (`eval_due`), save the checkpoint when due. Returns
+    False when the run diverged (``authors``: a test loss that is not finite; recorded in `st.result`).
+    `scores`: the due evaluation's (accuracy, loss) when the caller made it (`groups`: all members in one
+    pass, `evaluate_runs`); None: evaluated here."""
     cfg, result = st.cfg, st.result
-    if r % cfg.eval_every == 0 or r == cfg.rounds:
-        train_mode = cfg.variant == "authors"
-        result.final_accuracy, result.final_loss = evaluate(st.model, st.fed, train_mode=train_mode)
+    if eval_due(cfg, r):
+        if scores is None:
+            scores = evaluate(st.model, st.fed, train_mode=cfg.variant == "authors")
+        result.final_accuracy, result.final_loss = scores
         result.accuracy_curve.append([r, result.final_accuracy])
         if cfg.variant == "authors" and not math.isfinite(result.final_loss):  # the authors' divergence
             result.diverged, result.diverged_at = True, r
@@ -376,17 +380,50 @@ def _draw_batch(fed: Federation, batch_size: int, gen: torch.Generator) -> tuple
 
 
 class _MaskedDropout(nn.Module):
-    """nn.Dropout with its mask given from outside (`mask`, already scaled by 1 / (1 - p)): the batched
-    engine draws every client's masks before its vmapped step, so that each run draws them from its own
-    random stream (see `ClientGrad`)."""
+    """nn.Dropout with its mask given from outside (`mask`, already scaled by 1 / (1 - p)): see
+    `FunctionalNet`."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
         self.p, self.mask, self.shape = p, None, None
 
     def forward(self, x: Tensor) -> Tensor:
-        self.shape = self.shape or tuple(x.shape[1:])  # recorded by ClientGrad's shape probe
+        self.shape = self.shape or tuple(x.shape[1:])  # recorded by FunctionalNet's shape probe
         return x if self.mask is None else x * self.mask
+
+
+class FunctionalNet:
+    """`model`'s architecture as a function (params, buffers, dropout masks, x) -> scores for torch.func.
+
+    Dropout: its layers multiply by masks drawn beforehand by `masks`, as F.dropout draws them on a CPU
+    (bernoulli(1 - p) / (1 - p) from the device's global generator, layer after layer in forward order), one
+    (rows, width, ...) tensor per dropout layer. A run's masks then come from its own random stream even
+    when its clients or its model share one vmapped computation with other runs' (`prodigy_core.groups`
+    draws each run's masks under its own RNG state), and a compiled step uses the same masks as an eager one.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.template = copy.deepcopy(model)  # its weights are never used: functional_call supplies them
+        for name, m in list(self.template.named_modules()):
+            if isinstance(m, nn.Dropout) and m.p > 0:
+                self.template.set_submodule(name, _MaskedDropout(m.p))
+        self.dropouts = {f"{name}.mask": m for name, m in self.template.named_modules()
+                         if isinstance(m, _MaskedDropout)}  # fmt: skip
+
+    def masks(self, x: Tensor) -> dict[str, Tensor]:
+        """Dropout masks for a forward pass of x (rows, width, C, H, W) row by row, drawn from the global
+        generator."""
+        if any(m.shape is None for m in self.dropouts.values()):  # one forward to learn their input shapes
+            training = self.template.training
+            with torch.no_grad():
+                self.template.eval()(x[0, :1])
+            self.template.train(training)
+        n, width = x.shape[:2]
+        return {name: torch.empty((n, width, *m.shape), device=x.device, dtype=x.dtype)
+                .bernoulli_(1 - m.p).div_(1 - m.p) for name, m in self.dropouts.items()}  # fmt: skip
+
+    def __call__(self, params: dict, buffers: dict, masks: dict, x: Tensor) -> Tensor:
+        return functional_call(self.template, (params, buffers, masks), (x,))
 
 
 def _client_loss(model: nn.Module, params: dict, buffers: dict, masks: dict, x: Tensor, y: Tensor) -> Tensor:
@@ -395,33 +432,17 @@ def _client_loss(model: nn.Module, params: dict, buffers: dict, masks: dict, x: 
 
 class ClientGrad:
     """(params, buffers, x, y), each stacked over clients -> every client's gradient of its loss; BatchNorm
-    buffers are updated in place. ``compiled``: the vmapped step under torch.compile.
-
-    Dropout: every client's mask is drawn before the vmapped step, as F.dropout draws it (bernoulli(1 - p)
-    / (1 - p)) from torch's global generator of the device, one (clients, width, ...) tensor per dropout
-    layer, and passed in. A run's masks then come from its own random stream even when its clients share
-    one vmapped step with other runs' (`prodigy_core.groups` draws each run's masks under its own RNG
-    state), and the compiled step uses the same masks as the eager one."""
+    buffers are updated in place. ``compiled``: the vmapped step under torch.compile. Dropout masks: drawn
+    by `masks` (`FunctionalNet`) before the step, from the global generator, or passed in."""
 
     def __init__(self, model: nn.Module, compiled: bool = False) -> None:
-        self.template = copy.deepcopy(model)  # its weights are never used: functional_call supplies them
-        for name, m in list(self.template.named_modules()):
-            if isinstance(m, nn.Dropout) and m.p > 0:
-                self.template.set_submodule(name, _MaskedDropout(m.p))
-        self.dropouts = {f"{name}.mask": m for name, m in self.template.named_modules()
-                         if isinstance(m, _MaskedDropout)}  # fmt: skip
-        fn = vmap(grad(functools.partial(_client_loss, self.template)), randomness="error")
+        self.net = FunctionalNet(model)
+        fn = vmap(grad(functools.partial(_client_loss, self.net.template)), randomness="error")
         self.fn, self.compiled = (torch.compile(fn) if compiled else fn), compiled
 
     def masks(self, x: Tensor) -> dict[str, Tensor]:
         """Dropout masks for a step on x (clients, width, C, H, W), drawn from the global generator."""
-        if any(m.shape is None for m in self.dropouts.values()):  # one forward to learn their input shapes
-            with torch.no_grad():
-                self.template.eval()(x[0, :1])
-                self.template.train()
-        n, width = x.shape[:2]
-        return {name: torch.empty((n, width, *m.shape), device=x.device, dtype=x.dtype)
-                .bernoulli_(1 - m.p).div_(1 - m.p) for name, m in self.dropouts.items()}  # fmt: skip
+        return self.net.masks(x)
 
     def __call__(self, params: dict, buffers: dict, x: Tensor, y: Tensor, masks: dict | None = None) -> dict:
         masks = self.masks(x) if masks is None else masks
@@ -590,24 +611,65 @@ def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> 
 def evaluate(
     model: nn.Module, fed: Federation, batch_size: int = EVAL_BATCH_SIZE, train_mode: bool = False
 ) -> tuple[float, float]:
-    """Test accuracy (percent) and mean cross-entropy over test batches of ``batch_size``.
+    """Test accuracy (percent) and mean cross-entropy of one model: `evaluate_runs` of [model]."""
+    return evaluate_runs([model], fed, train_mode, batch_size=batch_size)[0]
 
-    Eval mode (dropout off, the server's BatchNorm running statistics), or with ``train_mode`` as the authors'
-    code evaluates: dropout active and BatchNorm normalising each test batch with that batch's own mean and
-    (biased) variance; the model's BatchNorm buffers are left as they were."""
-    saved = {name: b.clone() for name, b in model.named_buffers()} if train_mode else {}
-    model.train(train_mode)
-    correct = loss = torch.zeros((), device=fed.test_labels.device)
-    for x, y in fed.test_batches(batch_size):
-        out = model(x)
-        loss = loss + F.cross_entropy(out, y, reduction="sum")
-        correct = correct + (out.argmax(dim=1) == y).sum()
-    for name, b in model.named_buffers():  # train mode updated the running statistics: undo it
-        if name in saved:
-            b.copy_(saved[name])
-    model.train()
+
+def evaluate_runs(
+    models: list[nn.Module],
+    fed: Federation,
+    train_mode: bool = False,
+    own_rng: list[Callable[[], Any]] | None = None,
+    batch_size: int = EVAL_BATCH_SIZE,
+    net: FunctionalNet | None = None,
+) -> list[tuple[float, float]]:
+    """Test accuracy (percent) and mean cross-entropy over test batches of `batch_size` of R models of one
+    architecture, as one forward pass per test batch (vmapped over the models when R > 1).
+
+    Eval mode (dropout off, each model's BatchNorm running statistics), or with ``train_mode`` as the authors'
+    code evaluates: dropout on and BatchNorm normalising each test batch with that batch's own mean and
+    (biased) variance; the models' buffers are left as they were. Model i draws its dropout masks within
+    `own_rng[i]()` (None: the global RNG state as it is; see `local_steps_stacked`), batch after batch, so
+    its numbers do not depend on the other models. ``net``: `FunctionalNet(models[0])`, built once by a
+    caller that evaluates often."""
+    net = net or FunctionalNet(models[0])
+    runs = len(models)
+    contexts = own_rng or [contextlib.nullcontext] * runs
+    params = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
+    buffers = [
+        {k: v.detach().clone() for k, v in m.named_buffers()} for m in models
+    ]  # train mode writes them
+    if runs == 1:
+        forward, params, buffers = net, params[0], buffers[0]
+    else:
+        forward = vmap(net, in_dims=(0, 0, 0, None), randomness="error")
+        params, buffers = ({k: torch.stack([d[k] for d in ds]) for k in ds[0]} for ds in (params, buffers))
+    correct = torch.zeros(runs, device=fed.test_labels.device)
+    loss = torch.zeros(runs, device=fed.test_labels.device)
+    net.template.train(train_mode)
+    try:
+        with torch.no_grad():
+            for x, y in fed.test_batches(batch_size):
+                masks: dict[str, Tensor] = {}
+                if train_mode and net.dropouts:
+                    drawn = []
+                    for context in contexts:
+                        with context():
+                            drawn.append(net.masks(x[None]))
+                    masks = {k: torch.cat([d[k] for d in drawn]) for k in drawn[0]}  # (R, B, ...)
+                    masks = {k: v[0] for k, v in masks.items()} if runs == 1 else masks
+                out = forward(params, buffers, masks, x).reshape(runs, len(y), -1)
+                loss += F.cross_entropy(out.transpose(1, 2), y.expand(runs, -1), reduction="none").sum(dim=1)
+                correct += (out.argmax(dim=2) == y).sum(dim=1)
+    finally:
+        net.template.train()
     total = len(fed.test_labels)
-    return 100.0 * correct.item() / total, loss.item() / total
+    return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
+
+
+def eval_due(cfg: RunConfig, r: int) -> bool:
+    """Whether round r ends with an evaluation: every `eval_every` rounds and after the last."""
+    return r % cfg.eval_every == 0 or r == cfg.rounds
 
 
 def diverged_accuracy(fed: Federation, variant: str) -> float:
@@ -676,6 +738,9 @@ __all__ = [
     "RunResult",
     "run",
     "evaluate",
+    "evaluate_runs",
+    "eval_due",
+    "FunctionalNet",
     "diverged_accuracy",
     "local_momentum",
     "server_input",

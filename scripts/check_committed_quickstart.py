@@ -1,6 +1,6 @@
 """Regenerate the quickstart from scratch and compare it with the committed figures/quickstart_digits.*.
 
-    python scripts/check_committed_quickstart.py [--jobs N]    # exit 1 and list the cells that differ
+    python scripts/check_committed_quickstart.py               # exit 1 and list the cells that differ
     python scripts/check_committed_quickstart.py --update      # then copy the new files into figures/
 
 Every run is trained anew (a temporary results folder: nothing is loaded from results/), with the code of
@@ -26,15 +26,12 @@ COMMITTED = Path(__file__).resolve().parents[1] / "figures"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel")
     parser.add_argument("--update", action="store_true", help="copy the regenerated files into figures/")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="quickstart-check-") as tmp:
         out = Path(tmp) / "figures"
-        argv = [
+        argv = [  # the quickstart's default --jobs auto: one thread per run, as for the committed table
             "quickstart",
-            "--jobs",
-            str(args.jobs),
             "--results-dir",
             f"{tmp}/results",
             "--out-dir",

@@ -2,6 +2,7 @@
 where the behaviour under test is the store, the real one where it is the executor)."""
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -478,8 +479,8 @@ report: {rows: defense, columns: attack}
 def test_run_grid_stores_skips_finished_and_records_failures(tmp_path, fake_training):
     experiment = small_grid(tmp_path)
     assert len(experiment.configs) == 6  # smoke: seed 0 only
-    df = run_grid(experiment, results_dir=tmp_path / "res", progress=False)
-    assert group_sizes == [6]  # digits stand-ins on a CPU: one batched group (batch_runs="auto")
+    df = run_grid(experiment, results_dir=tmp_path / "res", progress=False, batch_runs=6)
+    assert group_sizes == [6]  # digits stand-ins, batch_runs=6: one batched group
     folder = tmp_path / "res" / "small-smoke"
     ok = [c for c in experiment.configs if c.attack != "lf"]
     assert sorted(calls) == sorted(c.key() for c in ok)
@@ -519,9 +520,43 @@ def test_a_run_claimed_by_another_live_process_is_left_alone(tmp_path, fake_trai
     assert calls.count(busy.key()) == 1
 
 
+def test_batch_runs_auto_trains_one_run_at_a_time_on_a_cpu(tmp_path, fake_training):
+    experiment = small_grid(tmp_path)  # digits stand-ins on the CPU: stacking would only be slower there
+    run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    assert group_sizes == [] and len(calls) == 4  # every run alone (the fake fails the 2 LF runs early)
+
+
+def test_jobs_auto_is_one_single_threaded_process_per_core_on_a_cpu(tmp_path, monkeypatch):
+    import torch
+
+    from prodigy_core import seeding
+
+    configs = small_grid(tmp_path).configs
+    monkeypatch.setattr(experiments.os, "cpu_count", lambda: 16)
+    assert experiments.auto_jobs(configs, 3) == (3, 1)  # at most one process per work item
+    assert experiments.auto_jobs(configs, 40) == (16, 1)
+    monkeypatch.setattr(seeding, "resolve_device", lambda device: torch.device("cuda"))
+    assert experiments.auto_jobs(configs, 40) == (1, None)  # a GPU: one process, its groups fill the card
+
+
+def test_jobs_auto_trains_every_run_with_one_thread(tmp_path):
+    experiment = experiment_from_spec({
+        "experiment": "auto", "base": {"dataset": "digits", "n_clients": 5, "n_byzantine": 2, "rounds": 1,
+                                       "local_steps": 1, "device": "cpu"},
+        "grid": {"attack": ["alie", "sf"]}})  # fmt: skip
+    df = run_grid(experiment, jobs="auto", results_dir=tmp_path, progress=False)
+    folder = tmp_path / "auto"
+    threads = [
+        json.loads((folder / f"{key}.json").read_text())["environment"]["threads"] for key in df["key"]
+    ]
+    assert threads == [1, 1]
+
+
 def test_executor_and_jobs_are_checked(tmp_path):
     experiment = small_grid(tmp_path)
     with pytest.raises(ValueError, match="executor='slurm' is unknown; valid: local, ray"):
         run_grid(experiment, executor="slurm", results_dir=tmp_path)
     with pytest.raises(ValueError, match="jobs=0"):
         run_grid(experiment, jobs=0, results_dir=tmp_path)
+    with pytest.raises(ValueError, match="jobs='all' must be 'auto' or an integer"):
+        run_grid(experiment, jobs="all", results_dir=tmp_path)

@@ -158,3 +158,60 @@ def test_grid_records_are_the_same_batched_or_one_at_a_time(tmp_path):
     assert list(one["key"]) == list(batched["key"]) and len(one) == 4
     assert list(one["final_accuracy"]) == list(batched["final_accuracy"])
     assert list(one["final_loss"]) == pytest.approx(list(batched["final_loss"]), abs=1e-10)
+
+
+def _own_rng(seed: int):
+    """A context manager factory that makes a private RNG state (seeded with `seed`) the global one while it
+    is entered, as a group member's `own_rng`."""
+    import contextlib
+
+    state = {"rng": torch.Generator().manual_seed(seed).get_state()}
+
+    @contextlib.contextmanager
+    def context():
+        outside = torch.get_rng_state()
+        torch.set_rng_state(state["rng"])
+        try:
+            yield
+        finally:
+            state["rng"] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+    return context
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_evaluate_runs_gives_each_model_what_its_own_forward_pass_gives(train_mode):
+    # The reference is each model's own nn.Module forward (nn.Dropout drawing from the global generator,
+    # nn.BatchNorm in the mode asked), batch after batch, not the functional path under test.
+    from prodigy_core.data import load_federation
+    from prodigy_core.models import make_model
+
+    fed = load_federation("digits", 4, seed=0)
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = make_model("digits")
+        with torch.no_grad():  # distinct running statistics in every model
+            model.train()(fed.normalise(fed.train_images[seed * 50 : seed * 50 + 40]))
+        models.append(model)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
+    batched = training.evaluate_runs(models, fed, train_mode, [_own_rng(100 + i) for i in range(3)],
+                                     batch_size=128)  # fmt: skip
+    for i, model in enumerate(models):
+        for k, v in model.state_dict().items():  # the models' buffers are left as they were
+            torch.testing.assert_close(v, before[i][k], rtol=0, atol=0)
+        torch.manual_seed(100 + i)
+        correct, loss = 0, 0.0
+        with torch.no_grad():
+            for x, y in fed.test_batches(128):
+                out = model.train(train_mode)(x)
+                correct += int((out.argmax(dim=1) == y).sum())
+                loss += float(torch.nn.functional.cross_entropy(out, y, reduction="sum"))
+        model.load_state_dict(before[i])  # train mode moved the reference's running statistics
+        total = len(fed.test_labels)
+        assert batched[i][0] == pytest.approx(100.0 * correct / total, abs=1e-12)
+        assert batched[i][1] == pytest.approx(loss / total, abs=1e-10)
+        if not train_mode:  # one model alone: the same numbers (train mode would need its RNG state again)
+            assert training.evaluate(model, fed, 128) == pytest.approx(batched[i], abs=1e-10)
+    assert len({round(s[1], 6) for s in batched}) == 3  # three different models, three different losses
