@@ -395,3 +395,30 @@ def test_committed_quickstart_cells_are_what_the_code_trains_now(tmp_path):
     for row in df.itertuples():
         cell = (report.display_value("defense", row.defense), report.display_value("attack", row.attack))
         assert f"{row.final_accuracy:.2f}" == table[cell], cell
+
+
+def test_mini_provenance_lists_every_mini_record_with_its_machine_and_time(tmp_path):
+    import importlib.util
+
+    import torch
+
+    from prodigy_core.experiments import experiment_from_spec, run_grid
+
+    script = Path(report.__file__).resolve().parents[1] / "scripts" / "mini_provenance.py"
+    spec = importlib.util.spec_from_file_location("mini_provenance", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    experiment = experiment_from_spec({
+        "experiment": "tiny", "base": {"dataset": "digits", "n_clients": 5, "n_byzantine": 2, "rounds": 9,
+                                       "local_steps": 1, "device": "cpu"},
+        "grid": {"defense": ["prodigy", "none"]}, "mini": {"rounds": 2}}, scale="mini")  # fmt: skip
+    df = run_grid(experiment, results_dir=tmp_path, progress=False)
+    rows = module.rows(tmp_path)
+    assert len(rows) == len(df) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        match = df[df["defense"] == cells[1]].iloc[0]
+        assert cells[0] == "tiny-mini" and cells[5] == "2"  # the mini rounds, from its own folder
+        assert cells[7] == f"{match['final_accuracy']:.2f}"
+        assert cells[9].startswith("cpu, ") and cells[9].endswith("thread(s)")
+        assert cells[10] == torch.__version__

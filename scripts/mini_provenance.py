@@ -1,0 +1,93 @@
+"""Write figures/mini/PROVENANCE.md: the machine, torch, code, date and wall time of every run behind the
+committed mini-scale tables, read from their records.
+
+    python scripts/mini_provenance.py [--results-dir DIR] [--note TEXT ...]
+
+One row per record of every `<experiment>-mini` folder under the results folder: its table, defense, attack,
+beta, variant, rounds, data source, final accuracy, wall time (the sum of its per-round times: training,
+attack and aggregation; evaluations excluded), device, engine and threads, and the date its record was
+written. `--note` adds a line under the machine (e.g. that other jobs shared it: its timings are then upper
+bounds). Run it after `prodigy-fl report ... --mini`, in the commit that adds the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from prodigy_core import paths
+from prodigy_core import results as store
+
+OUT = Path(__file__).resolve().parents[1] / "figures" / "mini" / "PROVENANCE.md"
+
+
+def rows(results_dir: Path) -> list[str]:
+    out = []
+    for folder in sorted(results_dir.glob("*-mini")):
+        records = store.read_records(folder)  # valid records of finished runs only
+        order = [(r["config"]["local_momentum"], r["config"]["variant"], r["config"]["defense"],
+                  r["config"]["attack"], i) for i, r in enumerate(records)]  # fmt: skip
+        for *_, i in sorted(order):
+            record = records[i]
+            c, env = record["config"], record["environment"]
+            written = (folder / f"{record['key']}.json").stat().st_mtime
+            day = datetime.datetime.fromtimestamp(written, datetime.timezone.utc).date()
+            minutes = sum(t for t in record.get("round_times") or [] if t) / 60
+            cells = [
+                folder.name,
+                c["defense"],
+                c["attack"],
+                c["local_momentum"],
+                c["variant"],
+                c["rounds"],
+                c["data_source"],
+                f"{record['final_accuracy']:.2f}",
+                f"{minutes:.0f}",
+                f"{env['device']}, {env['engine']}, {env['threads']} thread(s)",
+                env["torch"],
+                day,
+            ]
+            out.append("| " + " | ".join(str(x) for x in cells) + " |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results-dir", type=Path, default=None, help="default: the project's results/")
+    parser.add_argument("--note", action="append", default=[], help="a line about the machine or the runs")
+    args = parser.parse_args(argv)
+    results_dir = args.results_dir or paths.results_dir()
+    table = rows(results_dir)
+    if not table:
+        print(f"no mini records under {results_dir}", file=sys.stderr)
+        return 1
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=OUT.parent).stdout.strip()  # fmt: skip
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()  # fmt: skip
+    notes = "".join(f"{note}\n" for note in args.note)
+    curves = "".join(f"\n## `{path.name}`\n" + "".join(line.removeprefix("# ") + "\n" for line in
+                     path.read_text().splitlines() if line.startswith("#"))
+                     for path in sorted(OUT.parent.glob("*.csv")))  # fmt: skip
+    text = (
+        "# Provenance of the mini-scale outputs in this folder\n\n"
+        f"Written by `scripts/mini_provenance.py` at commit {commit} (each run's code: the commits up to "
+        f"this one; its record names its torch and engine). Machine: {cpu}, Python "
+        f"{platform.python_version()}.\n{notes}{curves}\n## Runs behind the tables\n\n"
+        "Wall time: the sum of a run's per-round times (training, attack and aggregation; evaluations "
+        "excluded). Date: when its record was written (UTC).\n\n"
+        "| results | defense | attack | beta | variant | rounds | data source | accuracy (%) | minutes | "
+        "where | torch | date |\n" + "|---" * 12 + "|\n" + "\n".join(table) + "\n"
+    )
+    OUT.write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
