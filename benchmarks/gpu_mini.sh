@@ -34,7 +34,7 @@ for variant in paper authors; do
   step "table2-$variant" "${CAP_TABLE2:-100}" $cli grid "${table2[@]}" --set variant=$variant ${EXTRA:-}
 done
 # figures/: the paper variant's tables, each *_vs_paper.md with both variants beside the paper's numbers;
-# figures/authors/: the authors variant's tables
+# figures/authors/mini/: the authors variant's tables
 for table in table1_cifar10 table2_femnist_n20; do
   step report "${CAP_REPORT:-20}" $cli report $table --mini
   step report "${CAP_REPORT:-20}" $cli report $table --mini --set variant=authors --out-dir "$out/figures/authors"
