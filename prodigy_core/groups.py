@@ -1,8 +1,8 @@
 """Many runs as one batched computation: R runs' clients stacked (R x N models) in one vmapped local step.
 
 Runs of one grid block share the dataset, the model, N, E and b and differ in defense, attack, seed, momentum
-and schedule; on a GPU one run's step (N=10 clients) is far too small for the card, on a CPU it is
-overhead-bound. A group trains R compatible runs (`group_key`) together:
+and schedule; on a GPU one run's step (N=10 clients) is far too small for the card (on a CPU it is compute-
+bound already, and `batch_size_for` does not stack). A group trains R compatible runs (`group_key`) together:
 
 - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at its
   own learning rate, on its own batches and dropout masks;
