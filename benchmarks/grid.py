@@ -58,8 +58,8 @@ def cpu_quickstart(rounds: int | None, runs: int | None, batch_runs: int) -> Non
     jobs = dict(zip(df["key"], df["final_accuracy"], strict=True))
     for name, seconds, accuracy in [("one at a time", t_alone, None), (f"groups of {batch_runs}", t_batched,
                                     batched), ("jobs auto", t_jobs, jobs)]:  # fmt: skip
-        same = "" if accuracy is None else sum(accuracy[k] == r.final_accuracy for k, r in alone.items())
-        same = "" if accuracy is None else f"   (final accuracy equal in {same}/{len(configs)})"
+        equal = 0 if accuracy is None else sum(accuracy[k] == r.final_accuracy for k, r in alone.items())
+        same = "" if accuracy is None else f"   (final accuracy equal in {equal}/{len(configs)})"
         print(f"  {name:<14}: {seconds:8.1f} s  {t_alone / seconds:5.2f}x{same}")
 
 

@@ -29,10 +29,8 @@ def rows(results_dir: Path) -> list[str]:
     out = []
     for folder in sorted(results_dir.glob("*-mini")):
         records = store.read_records(folder)  # valid records of finished runs only
-        order = [(r["config"]["local_momentum"], r["config"]["variant"], r["config"]["defense"],
-                  r["config"]["attack"], i) for i, r in enumerate(records)]  # fmt: skip
-        for *_, i in sorted(order):
-            record = records[i]
+        setting = ("local_momentum", "variant", "defense", "attack")
+        for record in sorted(records, key=lambda r: tuple(r["config"][k] for k in setting)):
             c, env = record["config"], record["environment"]
             written = (folder / f"{record['key']}.json").stat().st_mtime
             day = datetime.datetime.fromtimestamp(written, datetime.timezone.utc).date()
