@@ -24,6 +24,10 @@ ENGINES = ("auto", "batched", "sequential", "compiled")  # compiled: batched und
 # RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.
 DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jpeg"),
                 "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
+# Part of every ``authors`` result key: bumped whenever the authors variant's numbers change, so that a record
+# made before is never read as current. 2: fidelity round 2 (test batches of 64 in an interleaved order,
+# stop at a NaN test loss).
+AUTHORS_REVISION = 2
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 
@@ -135,6 +139,8 @@ class RunConfig:
             d.pop("dirichlet_alpha")
         if d["dataset"] != "femnist":
             d.pop("femnist_min_writer_samples")
+        if d["variant"] == "authors":
+            d["authors_revision"] = AUTHORS_REVISION
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -68,6 +68,11 @@ CIFAR10_BATCH_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_PER_CLASS = {"train": 5000, "test": 1000}
 CIFAR10_JPEG_FILE = Path("cifar10-jpeg") / "cifar10-jpeg-uint8.pt"  # under the data root
+# The JPEG copy's test set is stored class by class; it is read in one fixed order that interleaves the
+# classes, as torchvision's test batch does: torch.randperm(10000) under this seed, the same for every run.
+# (The ``authors`` variant evaluates in training mode, where each test batch's own BatchNorm statistics
+# make the order matter: a one-class batch would have its class's mean offsets removed.)
+CIFAR10_JPEG_TEST_ORDER_SEED = 0
 PAPER_MIN_WRITER_SAMPLES = 350  # the paper's LEAF -k (femnist_min_writer_samples in params/table2, table3)
 # How to make a LEAF FEMNIST folder with enough writers (LEAF's data/femnist; --tf 0.9 is LEAF's default and
 # the "_train_9" of the authors' file names; -k 350 keeps writers with >= 350 samples before the split).
@@ -565,7 +570,8 @@ def _read_cifar10(root: Path, download: bool) -> tuple[Tensor, Tensor, Tensor, T
 
 
 def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The decoded JPEG copy (`decode_cifar10_jpeg`): uint8 (M, 3, 32, 32) images and int64 labels."""
+    """The decoded JPEG copy (`decode_cifar10_jpeg`): uint8 (M, 3, 32, 32) images and int64 labels, the test
+    set in the fixed interleaved order of `CIFAR10_JPEG_TEST_ORDER_SEED`."""
     path = root / CIFAR10_JPEG_FILE
     if not path.is_file():
         raise DataError(
@@ -573,7 +579,9 @@ def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             f"`prodigy-fl data cifar10 {root} --from {CIFAR10_JPEG_ARCHIVE}`"
         )
     arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return arrays["train_images"], arrays["train_labels"], arrays["test_images"], arrays["test_labels"]
+    test_labels = arrays["test_labels"]
+    order = torch.randperm(len(test_labels), generator=torch.Generator().manual_seed(CIFAR10_JPEG_TEST_ORDER_SEED))
+    return arrays["train_images"], arrays["train_labels"], arrays["test_images"][order], test_labels[order]
 
 
 def decode_cifar10_jpeg(

@@ -7,7 +7,7 @@ bound already, and `batch_size_for` does not stack). A group trains R compatible
 - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at its
   own learning rate, on its own batches and dropout masks;
 - the evaluation: the members due evaluate their server models in one vmapped forward pass per test batch
-  (`training.evaluate_runs`; eval-mode and the authors' train-mode members in two passes);
+  (`training.evaluate_runs`; one pass per variant);
 - everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
   flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
   state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
@@ -230,16 +230,16 @@ def iter_group(
 
 def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[int, tuple[float, float]]:
     """{member index: (accuracy, loss)} of the members whose round ends with an evaluation, evaluated
-    together (`training.evaluate_runs`): one pass for the eval-mode members, one for the train-mode
-    (``authors``) ones, each member drawing its dropout masks from its own RNG state."""
+    together (`training.evaluate_runs`): one pass per variant (`training.eval_settings`: the ``authors``
+    ones in training mode), each member drawing its dropout masks from its own RNG state."""
     due = [m for m in members if training.eval_due(m.st.cfg, m.r)]
     scores: dict[int, tuple[float, float]] = {}
-    for train_mode in (False, True):
-        part = [m for m in due if (m.st.cfg.variant == "authors") == train_mode]
-        if part:
-            models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
-            found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, net=net)
-            scores.update({m.index: score for m, score in zip(part, found, strict=True)})
+    for variant in sorted({m.st.cfg.variant for m in due}):
+        part = [m for m in due if m.st.cfg.variant == variant]
+        train_mode, batch_size = training.eval_settings(variant)
+        models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
+        found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
+        scores.update({m.index: score for m, score in zip(part, found, strict=True)})
     return scores
 
 

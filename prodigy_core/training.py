@@ -16,8 +16,9 @@ One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and
 4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t = `config.lr_at(t)`.
 
 ``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see `make_aggregator`,
-`make_attack`): evaluation runs the network in training mode (`evaluate`), a run whose test loss is not
-finite is diverged, and a diverged run's accuracy is the share of class 0 in the test set.
+`make_attack`): evaluation runs the network in training mode in test batches of 64 (`eval_settings`), a run
+stops at the first evaluation whose test loss is NaN and keeps that evaluation's accuracy, and a run whose
+model became non-finite scores the share of class 0 in the test set (what argmax gives on NaN logits).
 
 The update vector holds the trainable parameters only (BatchNorm buffers and `num_batches_tracked` are not
 part of it).
@@ -50,10 +51,11 @@ ProDiGy detection: when the rule is `ProDiGy` and its scores have one entry per 
 weight 0 are logged each round. Precision and recall against the true Byzantine ids {0..f-1} are
 micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t |Z_t & B| / (T f).
 
-A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is not finite)
+A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is NaN)
 stops with its model frozen and is recorded as diverged, with no loss and the accuracy
 `diverged_accuracy`: chance level 100 / num_classes (``paper``), or what a NaN network predicts in the
-authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set.
+authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set;
+an ``authors`` run stopped by a NaN test loss keeps the accuracy that evaluation measured.
 Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`) hold
 the model, the momentum, the pipeline state and every RNG state, so a resumed run reproduces the uninterrupted
 one; the checkpoint is deleted when the run completes. They hold tensors and plain Python values only and
@@ -100,9 +102,11 @@ from prodigy_core.seeding import resolve_device, seed_everything
 # vs 7.2-7.5 (vmap turns convolutions into grouped ones, slower than plain ones on a CPU once they are large);
 # digits N=10 E=10 0.55-0.63 vs 0.51-0.72, a tie within noise: batched, so that CI exercises that path.
 AUTO_CPU_ENGINE = {"digits": "batched", "femnist": "sequential", "cifar10": "sequential"}
-# Test batch size. Under the authors' variant the BatchNorm statistics come from each test batch, so this size
-# matters there: 1000 is an assumption (not read from the authors' code).
+# Test batch size of the paper variant: eval mode gives every batch size the same numbers.
 EVAL_BATCH_SIZE = 1000
+# The authors' server tests in training mode over DataLoader(test_set, batch_size=64, shuffle=False)
+# (server.py): each batch's own BatchNorm statistics make this size, and the test set's order, matter.
+AUTHORS_EVAL_BATCH_SIZE = 64
 
 
 @dataclass
@@ -210,6 +214,7 @@ class RunState:
     ckpt: Path | None
     start: int = 0  # rounds already done (restored from the checkpoint)
     hits: int = 0  # ProDiGy: zeroed clients that are Byzantine, summed over rounds
+    stopped_at_nan_loss: bool = False  # authors: diverged at an evaluation, whose accuracy the record keeps
 
 
 def start_run(
@@ -315,11 +320,14 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     cfg, result = st.cfg, st.result
     if eval_due(cfg, r):
         if scores is None:
-            scores = evaluate(st.model, st.fed, train_mode=cfg.variant == "authors")
+            train_mode, batch_size = eval_settings(cfg.variant)
+            scores = evaluate(st.model, st.fed, batch_size, train_mode)
         result.final_accuracy, result.final_loss = scores
         result.accuracy_curve.append([r, result.final_accuracy])
-        if cfg.variant == "authors" and not math.isfinite(result.final_loss):  # the authors' divergence
-            result.diverged, result.diverged_at = True, r
+        # The authors' code stops at a NaN test loss and repeats that evaluation's accuracy (what argmax gave
+        # on that network); an infinite loss goes on.
+        if cfg.variant == "authors" and math.isnan(result.final_loss):
+            result.diverged, result.diverged_at, st.stopped_at_nan_loss = True, r, True
             return False
     if st.ckpt is not None and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
         state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
@@ -337,7 +345,9 @@ def finish_run(st: RunState) -> RunResult:
     """The final record once the run completed or diverged; its checkpoint is deleted."""
     result, f = st.result, st.cfg.n_byzantine
     if result.diverged:
-        result.final_accuracy, result.final_loss = diverged_accuracy(st.fed, st.cfg.variant), None
+        if not st.stopped_at_nan_loss:
+            result.final_accuracy = diverged_accuracy(st.fed, st.cfg.variant)
+        result.final_loss = None
     if result.zeroed_clients and f > 0:
         flagged = sum(len(z) for z in result.zeroed_clients)
         result.detection_precision = st.hits / flagged if flagged else None
@@ -667,6 +677,12 @@ def evaluate_runs(
     return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
 
 
+def eval_settings(variant: str) -> tuple[bool, int]:
+    """(train_mode, batch size) of a run's test evaluation: eval mode in batches of `EVAL_BATCH_SIZE`
+    (``paper``), or the authors' training mode in batches of `AUTHORS_EVAL_BATCH_SIZE` (``authors``)."""
+    return (True, AUTHORS_EVAL_BATCH_SIZE) if variant == "authors" else (False, EVAL_BATCH_SIZE)
+
+
 def eval_due(cfg: RunConfig, r: int) -> bool:
     """Whether round r ends with an evaluation: every `eval_every` rounds and after the last."""
     return r % cfg.eval_every == 0 or r == cfg.rounds
@@ -740,6 +756,7 @@ __all__ = [
     "evaluate",
     "evaluate_runs",
     "eval_due",
+    "eval_settings",
     "FunctionalNet",
     "diverged_accuracy",
     "local_momentum",

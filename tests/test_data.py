@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
 from prodigy_core.data import (
@@ -156,10 +157,61 @@ def test_cifar10_jpeg_folder_decodes_with_labels_in_class_order(tmp_path, jpeg_f
     fed = load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data")
     assert fed.source == "cifar10-jpeg" and fed.train_images.dtype == torch.uint8
     assert fed.train_labels.tolist() == [c for c in range(10) for _ in range(2)]
+    # the test set is read in the stated fixed order: torch.randperm(n) under seed 0, classes interleaved
+    test_order = torch.randperm(20, generator=torch.Generator().manual_seed(0)).tolist()
+    assert fed.test_labels.tolist() == [test_order[j] // 2 for j in range(20)]
     for split, images in (("train", fed.train_images), ("test", fed.test_images)):
         for row, (cls, i) in enumerate((c, i) for c in CLASSES for i in range(2)):
             expected = pillow_decode((source / split / cls / f"{i:04d}.jpg").read_bytes())
-            assert torch.equal(images[row], expected), (split, cls, i)
+            at = test_order.index(row) if split == "test" else row
+            assert torch.equal(images[at], expected), (split, cls, i)
+
+
+def _single_class_batches(fed, batch_size: int) -> list[int]:
+    return [i for i, (_, y) in enumerate(fed.test_batches(batch_size)) if y.unique().numel() == 1]
+
+
+def test_no_evaluation_batch_of_either_variant_is_one_class(tmp_path, jpeg_folder):
+    from prodigy_core.names import VARIANTS
+    from prodigy_core.training import eval_settings
+
+    source = jpeg_folder(tmp_path / "jpeg", per_class=20)  # stored class by class, 20 per class
+    decode_cifar10_jpeg(source, tmp_path / "data", per_class=20, progress=False)
+    feds = [load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data"), load_federation("digits", 10)]
+    for fed in feds:
+        for variant in VARIANTS:
+            assert _single_class_batches(fed, eval_settings(variant)[1]) == [], (fed.name, variant)
+
+
+def test_authors_numbers_move_when_the_test_set_is_class_sorted():
+    """The reason for the interleaved order: in training mode each batch's BatchNorm statistics remove a
+    one-class batch's own mean, so the same network scores differently on the class-sorted test set."""
+    import dataclasses
+
+    from prodigy_core.models import make_model
+    from prodigy_core.training import evaluate, eval_settings
+
+    torch.manual_seed(0)
+    fed = load_federation("digits", 1, "iid")
+    model = make_model("digits")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = fed.normalise(fed.train_images), fed.train_labels
+    for step in range(60):  # a few epochs of plain training: a network that has learnt the task
+        idx = torch.arange(step * 64, step * 64 + 64) % len(y)
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    order = fed.test_labels.argsort(stable=True)
+    sorted_fed = dataclasses.replace(fed, test_images=fed.test_images[order], test_labels=fed.test_labels[order])
+    assert max(y.unique().numel() for _, y in sorted_fed.test_batches(64)) <= 3  # ~36 test images a class
+    train_mode, batch_size = eval_settings("authors")
+    torch.manual_seed(1)
+    interleaved = evaluate(model, fed, batch_size, train_mode)
+    torch.manual_seed(1)
+    class_sorted = evaluate(model, sorted_fed, batch_size, train_mode)
+    # measured: 96.4% / loss 0.150 interleaved, 95.3% / 0.180 class-sorted
+    assert interleaved[0] > 80 and class_sorted[0] < interleaved[0], (interleaved, class_sorted)
+    assert class_sorted[1] > 1.1 * interleaved[1], (interleaved, class_sorted)
 
 
 def test_cifar10_jpeg_wrong_counts_classes_or_sizes_are_clear_errors(tmp_path, jpeg_folder):
@@ -221,6 +273,7 @@ def test_cifar10_jpeg_archive_decodes_whole_through_the_cli(cifar10_jpeg_archive
     assert fed.train_images.shape == (50000, 3, 32, 32) and fed.test_images.shape == (10000, 3, 32, 32)
     assert fed.train_labels.bincount().tolist() == [5000] * 10
     assert fed.test_labels.bincount().tolist() == [1000] * 10
+    assert _single_class_batches(fed, 64) == _single_class_batches(fed, 1000) == []  # read interleaved
     # the archive README's pixel statistics of the decoded training images
     x = fed.train_images.float().div(255)
     torch.testing.assert_close(x.mean((0, 2, 3)), torch.tensor([0.4913, 0.4821, 0.4465]), atol=1e-4, rtol=0)

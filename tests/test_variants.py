@@ -251,6 +251,55 @@ def test_diverged_accuracy_is_the_class_0_share_under_authors():
     assert torch.full((2, 3), math.nan).argmax(dim=1).tolist() == [0, 0]  # what a NaN network predicts
 
 
+class _FixedLogits(nn.Module):
+    """A 'network' whose logits for test sample i are row i of `logits` (x holds the sample indices)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return self.logits[x.long().flatten()] + self.w
+
+
+def test_nan_and_overflowing_logits_give_argmax_accuracy_and_a_nan_loss():
+    inf, nan = math.inf, math.nan
+    logits = torch.tensor([[nan, 1.0, 2.0],  # a partly-NaN row: argmax is the NaN, class 0
+                           [3e38, -3e38, 0.0],  # overflow: argmax class 0; its loss for label 1 is inf
+                           [0.0, inf, -inf],  # argmax class 1; its loss is inf - inf = NaN
+                           [1.0, 2.0, 3.0]])  # fmt: skip
+    labels = torch.tensor([0, 1, 1, 2])
+    fed = _fake_federation(torch.arange(4.0)[:, None], labels)
+    acc, loss = evaluate(_FixedLogits(logits), fed, batch_size=2)
+    assert acc == 75.0  # samples 0, 2 and 3 by hand; not the class-0 share (25%)
+    assert math.isnan(loss)
+    assert evaluate(_FixedLogits(logits[3:]), _fake_federation(torch.zeros(1, 1), labels[3:]))[1] < inf
+    acc_inf, loss_inf = evaluate(_FixedLogits(logits[1:2]), _fake_federation(torch.zeros(1, 1), labels[1:2]))
+    assert acc_inf == 0.0 and loss_inf == inf  # an infinite, not-NaN loss
+
+
+@pytest.mark.parametrize("loss, stops", [(math.nan, True), (math.inf, False)])
+def test_authors_run_stops_at_a_nan_test_loss_and_keeps_that_evaluations_accuracy(monkeypatch, loss, stops):
+    calls = []
+
+    def fake_evaluate(model, fed, batch_size, train_mode):
+        calls.append((batch_size, train_mode))
+        return (37.5, loss) if len(calls) == 2 else (50.0, 1.0)
+
+    monkeypatch.setattr(training, "evaluate", fake_evaluate)
+    result = run(tiny(variant="authors", rounds=12), progress=False)  # evaluations at rounds 4, 8, 12
+    assert set(calls) == {(64, True)}  # the authors' test loader: batches of 64, training mode
+    if stops:
+        assert result.diverged and result.diverged_at == 8 and result.rounds_completed == 8
+        assert result.final_accuracy == 37.5 and result.final_loss is None  # what that evaluation measured
+        assert [r for r, _ in result.accuracy_curve] == [4, 8]
+    else:
+        assert not result.diverged and result.rounds_completed == 12 and len(calls) == 3
+    paper = run(tiny(rounds=12), progress=False)  # paper: never stopped by the test loss
+    assert not paper.diverged and set(calls[-3:]) == {(1000, False)}
+
+
 @pytest.mark.filterwarnings("ignore:Average.*non-finite:RuntimeWarning")
 def test_diverged_authors_run_scores_the_class_0_share():
     result = run(tiny(lr=1e38, rounds=3, variant="authors"), progress=False)
