@@ -580,7 +580,9 @@ def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         )
     arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     test_labels = arrays["test_labels"]
-    order = torch.randperm(len(test_labels), generator=torch.Generator().manual_seed(CIFAR10_JPEG_TEST_ORDER_SEED))
+    order = torch.randperm(
+        len(test_labels), generator=torch.Generator().manual_seed(CIFAR10_JPEG_TEST_ORDER_SEED)
+    )
     return arrays["train_images"], arrays["train_labels"], arrays["test_images"][order], test_labels[order]
 
 

@@ -33,6 +33,14 @@ def set_deterministic(enabled: bool = True) -> None:
     torch.backends.cudnn.benchmark = not enabled
 
 
+def precision_flags() -> dict[str, bool]:
+    """The settings that change a CUDA run's rounding or its kernels' choice, as recorded in every CUDA run's
+    `environment`: TF32 for matmuls and convolutions, cuDNN's autotuner, deterministic algorithms."""
+    return {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32, "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "deterministic": torch.are_deterministic_algorithms_enabled()}  # fmt: skip
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """`auto` picks CUDA when available, else CPU; other names go to torch.device, with a clear error."""
     if device == "auto":

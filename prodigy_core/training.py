@@ -95,7 +95,7 @@ from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
 from prodigy_core.safe_io import atomic_write, quarantine
-from prodigy_core.seeding import resolve_device, seed_everything
+from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
 
 # engine="auto" on a CPU, per dataset, from benchmarks/training.py on 2 CPU cores (torch 2.14, b=64), batched
 # vs sequential seconds per round: FEMNIST CNN N=20 E=2 3.4-3.9 vs 2.2-2.4; CIFAR-10 CNN N=10 E=2 11.5-12.9
@@ -712,6 +712,7 @@ def _environment(device: torch.device, engine: str) -> dict[str, Any]:
            "threads": torch.get_num_threads()}  # fmt: skip
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+        env.update(precision_flags())
     return env
 
 

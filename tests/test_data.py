@@ -189,7 +189,7 @@ def test_authors_numbers_move_when_the_test_set_is_class_sorted():
     import dataclasses
 
     from prodigy_core.models import make_model
-    from prodigy_core.training import evaluate, eval_settings
+    from prodigy_core.training import eval_settings, evaluate
 
     torch.manual_seed(0)
     fed = load_federation("digits", 1, "iid")
@@ -202,7 +202,9 @@ def test_authors_numbers_move_when_the_test_set_is_class_sorted():
         F.cross_entropy(model(x[idx]), y[idx]).backward()
         opt.step()
     order = fed.test_labels.argsort(stable=True)
-    sorted_fed = dataclasses.replace(fed, test_images=fed.test_images[order], test_labels=fed.test_labels[order])
+    sorted_fed = dataclasses.replace(
+        fed, test_images=fed.test_images[order], test_labels=fed.test_labels[order]
+    )
     assert max(y.unique().numel() for _, y in sorted_fed.test_batches(64)) <= 3  # ~36 test images a class
     train_mode, batch_size = eval_settings("authors")
     torch.manual_seed(1)

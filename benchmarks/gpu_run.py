@@ -1,0 +1,462 @@
+"""One GPU session's work as one command whose results come home, then their import here (issue 24).
+
+    python benchmarks/gpu_run.py [--data DIR] [--out DIR] [--deadline S] [--profile mini|paper] [--simulate]
+    python benchmarks/gpu_run.py import TARBALL [--env ENV_TXT] [--summary SUMMARY_TXT]
+
+The run: preflight (CUDA, both data sets, $OUT writable; else exit 2 with one line), env.txt, a CUDA probe
+(a 2-member group x 2 rounds of each dataset; if it fails, one run at a time), then the profile's steps in
+priority order as groups of at most --group-size runs, each group started only while its estimated time fits
+the --deadline. After every group $OUT holds at most 3 files: results.tar.gz (records, failures, the log; no
+checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status; what never
+started) and env.txt. Exit 0 when every started step finished without a failed run, 1 otherwise, 2 for a
+failed preflight. --simulate runs the same driver on the CPU over a tiny digits grid (the CI test).
+
+The import unpacks the records into results/gpu/ (apart from the CPU's results/), writes the reports of both
+variants beside the paper into figures/gpu/ and figures/gpu/PROVENANCE.md (GPU, precision, date). Steps and
+what to commit: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runs from a source tree, no install needed
+
+EXIT_FAILED, EXIT_PREFLIGHT = 1, 2
+CIFAR10_ARCHIVE = Path("cifar10-jpeg") / "cifar10-jpeg.tar.gz"  # under --data
+FEMNIST_FOLDER = Path("femnist-leaf-24")
+TABLE1_ROWS = ["prodigy", "nnm+trimmed_mean"]
+TABLE1_REST = ["none", "nnm+median", "nnm+geomed", "nnm+krum", "nnm+cclip"]
+TABLE1_BLOCK = {"distribution": ["dirichlet"], "local_momentum": [0.9], "local_steps": [10]}
+TABLE2_CELLS = {"defense": ["prodigy", "nnm+trimmed_mean", "none"], "attack": ["none", "alie", "sf"],
+                "local_momentum": [0.9]}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Step:
+    """Some runs of one params file: `only` selects rows and columns (experiments.select)."""
+
+    name: str
+    params: str
+    scale: str  # "mini", "paper" or "smoke"
+    only: dict[str, list[Any]]
+    variant: str = "paper"
+
+
+def plan(profile: str, simulate: bool) -> list[Step]:
+    """The steps of a profile, most wanted first (issue 24's priorities)."""
+    if simulate:  # the same shape on the embedded digits: two variants, a second table, the rest of a block
+        quick = "quickstart_digits"
+        return [
+            Step(f"rows-{v}", quick, "smoke", {"defense": ["prodigy"]}, v) for v in ("paper", "authors")
+        ] + [
+            Step("rest-paper", quick, "smoke", {"defense": ["none", "nnm+trimmed_mean"]}),
+        ]
+    if profile == "paper":  # Table I's central pair at T=1000, when the mini profile showed it fits
+        pair = {**TABLE1_BLOCK, "defense": TABLE1_ROWS, "attack": ["alie"]}
+        return [Step("table1-paper-pair", "table1_cifar10", "paper", pair)]
+    steps = [Step(f"table1-rows-{v}", "table1_cifar10", "mini", {**TABLE1_BLOCK, "defense": TABLE1_ROWS}, v)
+             for v in ("paper", "authors")]  # fmt: skip
+    steps.append(Step("table2-authors", "table2_femnist_n20", "mini", TABLE2_CELLS, "authors"))
+    steps += [Step(f"table1-rest-{v}", "table1_cifar10", "mini", {**TABLE1_BLOCK, "defense": TABLE1_REST}, v)
+              for v in ("paper", "authors")]  # fmt: skip
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------- precision
+def set_precision() -> dict[str, Any]:
+    """Full float32 and deterministic kernels, set before any run: TF32 rounds matmul and convolution inputs
+    to 10 mantissa bits, and rounding alone moved quickstart cells by up to 11.7 points, so GPU numbers are
+    made at the CPU's precision; cuDNN's autotuner picks kernels by timing (other numbers on a rerun), so it
+    is off. Returns the flags as recorded in env.txt (every record's `environment` has them too)."""
+    import torch
+
+    from prodigy_core.seeding import precision_flags, set_deterministic
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    set_deterministic(True)  # also cudnn.benchmark = False, CUBLAS_WORKSPACE_CONFIG
+    return precision_flags()
+
+
+def environment_text(flags: dict[str, Any], simulate: bool) -> str:
+    import torch
+
+    lines = [f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+             f"python: {platform.python_version()}", f"torch: {torch.__version__}",
+             f"cuda: {torch.version.cuda}", f"cudnn: {torch.backends.cudnn.version()}",
+             f"simulate: {simulate}"]  # fmt: skip
+    if torch.cuda.is_available():
+        lines.append(f"gpu: {torch.cuda.get_device_name(0)}")
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            query = [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+            lines.append(
+                f"nvidia-smi: {subprocess.run(query, capture_output=True, text=True).stdout.strip()}"
+            )
+    lines += [f"{k}: {v}" for k, v in flags.items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- the run
+class Driver:
+    """The steps, the deadline and $OUT; `run_step` trains one step group by group."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args, self.work, self.out = args, work, args.out
+        self.results = work / "results"
+        self.log_path = work / "log.txt"
+        self.start = time.monotonic()
+        self.group_size = args.group_size
+        self.rates: dict[str, float] = {}  # dataset -> seconds per run-round, from the last group
+        self.rows: list[dict[str, Any]] = []  # summary rows
+        self.notes: list[str] = []
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        with self.log_path.open("a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+    def experiment(self, step: Step) -> Any:
+        from prodigy_core.experiments import load_experiment, select
+
+        exp = load_experiment(step.params, scale=step.scale)
+        if step.only:
+            exp = select(exp, step.only)
+        exp = exp.with_variant(step.variant)
+        if self.args.simulate:  # a few rounds of CPU work per run
+            configs = [c.replace(rounds=4, eval_every=2, device="cpu") for c in exp.configs]
+            exp = dataclasses.replace(exp, configs=configs, stand_ins={})
+        return exp
+
+    def probe(self) -> None:
+        """A 2-member group x 2 rounds of each dataset the plan uses, in a scratch results folder."""
+        from prodigy_core import groups
+
+        datasets = {}
+        for step in plan(self.args.profile, self.args.simulate):
+            c = self.experiment(step).configs[0]
+            datasets.setdefault(c.dataset, c)
+        for dataset, c in datasets.items():
+            pair = [
+                c.replace(rounds=2, eval_every=1, attack="none", defense=d) for d in ("average", "prodigy")
+            ]
+            tic = time.monotonic()
+            try:
+                outcomes = groups.run_group(pair)
+                bad = [o for o in outcomes if isinstance(o, BaseException)]
+                if bad:
+                    raise bad[0]
+            except Exception as e:  # noqa: BLE001 - any failure of the grouped path: go on one at a time
+                self.group_size = 1
+                note = (
+                    f"probe {dataset}: the 2-member group failed ({type(e).__name__}: {e}); one run at a time"
+                )
+                self.notes.append(note)
+                self.log(note)
+                continue
+            seconds = time.monotonic() - tic
+            self.rates.setdefault(
+                dataset, seconds / 4
+            )  # 2 runs x 2 rounds, start-up included: an upper bound
+            self.log(f"probe {dataset}: 2-member group x 2 rounds in {seconds:.1f} s")
+
+    def run_step(self, step: Step) -> None:
+        from prodigy_core import experiments, groups
+        from prodigy_core import results as store
+
+        row = {
+            "step": step.name,
+            "planned": 0,
+            "done": 0,
+            "failed": 0,
+            "seconds": 0.0,
+            "status": "not started",
+        }
+        self.rows.append(row)
+        try:
+            exp = self.experiment(step)
+        except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
+            row["status"] = f"failed: {type(e).__name__}: {e}"
+            self.log(f"== {step.name}: {row['status']}")
+            return
+        folder = store.experiment_dir(exp.results_name, self.results)
+        todo = [c for c in exp.configs if store.stored_record(folder, c.key()) is None]
+        row["planned"] = len(exp.configs)
+        row["done"] = len(exp.configs) - len(todo)
+        batches = groups.make_groups(todo, self.group_size) if todo else []
+        self.log(f"== {step.name}: {len(todo)} runs in {len(batches)} groups (t = {self.elapsed():.0f} s)")
+        for batch in batches:
+            rounds = sum(c.rounds for c in batch)
+            rate = self.rates.get(batch[0].dataset)
+            estimate = rate * rounds if rate is not None else 0.0
+            if self.elapsed() + estimate > self.args.deadline:
+                row["status"] = f"stopped by the deadline ({self.args.deadline:.0f} s)"
+                self.log(f"   deadline: the next group needs ~{estimate:.0f} s, {self.elapsed():.0f} s used")
+                break
+            row["status"] = "running"
+            tic = time.monotonic()
+            sub = dataclasses.replace(exp, configs=batch)
+            experiments.run_grid(sub, results_dir=self.results, batch_runs=len(batch), progress=False)
+            seconds = time.monotonic() - tic
+            row["seconds"] += seconds
+            self.rates[batch[0].dataset] = seconds / rounds
+            for c in batch:
+                what = f"{c.variant} {c.defense} / {c.attack} beta={c.local_momentum} T={c.rounds}"
+                record = store.stored_record(folder, c.key())
+                if record is not None:
+                    row["done"] += 1
+                    self.log(f"   done   {what}: {record['final_accuracy']:.2f}%")
+                else:
+                    row["failed"] += 1
+                    failure = store.failure_path(folder, c.key())
+                    error = (
+                        json.loads(failure.read_text()).get("error", "?") if failure.exists() else "no record"
+                    )
+                    self.log(f"   FAILED {what}: {error}")
+            self.log(f"   group of {len(batch)} in {seconds:.1f} s (t = {self.elapsed():.0f} s)")
+            self.refresh_out()
+        else:
+            row["status"] = "failed" if row["failed"] else "done"
+        if row["failed"] and not row["status"].startswith("failed"):
+            row["status"] = f"failed ({row['status']})"
+
+    # --------------------------------------------------------------------------------- what comes home
+    def refresh_out(self) -> None:
+        """Rewrite $OUT's files: the tarball (written aside, then renamed: a kill never leaves half of
+        one), summary.txt."""
+        tmp = self.out / "results.tar.gz.part"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path in sorted(self.results.rglob("*.json")):
+                tar.add(path, arcname=f"results/{path.relative_to(self.results)}")
+            if self.log_path.exists():
+                tar.add(self.log_path, arcname="log.txt")
+            for name in ("env.txt", "summary.txt", "throughput.json"):
+                if (self.work / name).exists():
+                    tar.add(self.work / name, arcname=name)
+        tmp.replace(self.out / "results.tar.gz")
+        self.write_summary()
+
+    def write_summary(self, final: bool = False) -> None:
+        lines = [f"elapsed: {self.elapsed():.0f} s of a {self.args.deadline:.0f} s deadline; "
+                 f"group size {self.group_size}; profile {self.args.profile}"
+                 + (" (simulated on the CPU)" if self.args.simulate else "")]  # fmt: skip
+        lines += self.notes
+        lines.append("step | planned | done | failed | seconds | status")
+        fields = ("step", "planned", "done", "failed", "seconds", "status")
+        lines += [" | ".join(f"{r[k]:.0f}" if k == "seconds" else str(r[k]) for k in fields)
+                  for r in self.rows]  # fmt: skip
+        started = {r["step"] for r in self.rows}
+        never = [s.name for s in plan(self.args.profile, self.args.simulate) if s.name not in started]
+        never += [r["step"] for r in self.rows if r["status"] == "not started"]
+        if final or never:
+            lines.append("never started: " + (", ".join(never) if never else "none"))
+        text = "\n".join(lines) + "\n"
+        (self.work / "summary.txt").write_text(text, encoding="utf-8")
+        (self.out / "summary.txt").write_text(text, encoding="utf-8")
+
+    def failed(self) -> bool:
+        return any(r["status"].startswith("failed") for r in self.rows)
+
+
+def throughput(driver: Driver, rounds: int = 5) -> None:
+    """Images per second of one CIFAR-10 run alone and of a group of 4 (no attack), written to
+    throughput.json and the log; skipped when the deadline leaves no room."""
+    from prodigy_core import groups
+    from prodigy_core.experiments import load_experiment, select
+
+    exp = select(load_experiment("table1_cifar10", scale="mini"), {**TABLE1_BLOCK, "defense": ["prodigy"],
+                                                                  "attack": ["none"]})  # fmt: skip
+    c = exp.configs[0].replace(rounds=rounds, eval_every=rounds)
+    if driver.args.simulate:
+        c = load_experiment("quickstart_digits", scale="smoke").configs[0].replace(rounds=2, eval_every=2)
+    rate = driver.rates.get(c.dataset, 1.0) * rounds * 5
+    if driver.elapsed() + rate > driver.args.deadline:
+        driver.log("throughput: skipped (deadline)")
+        return
+    images = c.rounds * c.n_clients * c.local_steps * c.batch_size
+    found = {}
+    for size in (1, 4):
+        configs = [c.replace(seed=s, data_seed=0) for s in range(size)]  # one split: one group
+        groups.run_group(configs[:1])  # warm-up (kernels, data load)
+        tic = time.monotonic()
+        groups.run_group(configs)
+        found[f"group_of_{size}"] = images * size / (time.monotonic() - tic)
+    found["note"] = f"{c.dataset} N={c.n_clients} E={c.local_steps} b={c.batch_size}, {c.rounds} rounds"
+    (driver.work / "throughput.json").write_text(json.dumps(found, indent=1), encoding="utf-8")
+    driver.log(f"throughput (images/s): {found}")
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    """The one-line reason the run cannot start, or None."""
+    import torch
+
+    if not args.simulate and not torch.cuda.is_available():
+        return "no CUDA device here (use --simulate for the CPU rehearsal)"
+    missing = [str(args.data / p) for p in (CIFAR10_ARCHIVE, FEMNIST_FOLDER) if not (args.data / p).exists()]
+    if missing:
+        return (f"data missing: {', '.join(missing)}; copy ../shared/data/cifar10-jpeg and femnist-leaf-24 "
+                f"into "
+                f"{args.data} (benchmarks/README.md)")  # fmt: skip
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        return f"$OUT={args.out} is not writable: {e.strerror or e}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    reason = preflight(args)
+    if reason:
+        print(f"gpu_run: error: {reason}", file=sys.stderr)
+        return EXIT_PREFLIGHT
+    work = Path(args.work or tempfile.mkdtemp(prefix="prodigy-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ["PRODIGY_DATA_DIR"] = str(work / "data")
+    os.environ["PRODIGY_FEMNIST_DIR"] = str(args.data / FEMNIST_FOLDER)
+    os.environ["PRODIGY_PROGRESS"] = "text"
+    flags = set_precision()
+    env = environment_text(flags, args.simulate)
+    for folder in (work, args.out):
+        (folder / "env.txt").write_text(env, encoding="utf-8")  # first, before any training
+    driver = Driver(args, work)
+    driver.log(env.rstrip())
+    if not args.simulate:
+        from prodigy_core.data import decode_cifar10_jpeg
+
+        tic = time.monotonic()
+        decode_cifar10_jpeg(args.data / CIFAR10_ARCHIVE, work / "data", progress=False)
+        driver.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s")
+    driver.probe()
+    for step in plan(args.profile, args.simulate):
+        if args.fail_step == step.name:  # the CI test's failing step
+            step = dataclasses.replace(step, only={"defense": ["no-such-rule"]})
+        driver.run_step(step)
+        driver.refresh_out()
+        if driver.rows[-1]["status"].startswith("stopped"):
+            break
+    if args.profile == "mini" and not args.fail_step:
+        throughput(driver)
+    driver.refresh_out()
+    driver.write_summary(final=True)
+    driver.log((work / "summary.txt").read_text().rstrip())
+    return EXIT_FAILED if driver.failed() else 0
+
+
+# ---------------------------------------------------------------------------------------------- import
+def import_results(tarball: Path, results_root: Path, figures_root: Path) -> list[Path]:
+    """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/."""
+    from prodigy_core import results as store
+    from prodigy_core.experiments import load_experiment
+    from prodigy_core.report import write_report
+
+    results_dir, figures_dir = results_root / "gpu", figures_root / "gpu"
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball) as tar:
+        for member in tar.getmembers():
+            name = Path(member.name)
+            if not member.isfile() or ".." in name.parts or name.is_absolute():
+                continue
+            target = (
+                results_dir / name.relative_to("results")
+                if name.parts[0] == "results"
+                else figures_dir / name
+            )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tar.extractfile(member).read())
+    written = []
+    for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        name, _, scale = folder.name.partition("-")
+        exp = load_experiment(name, scale=scale or "paper")
+        for variant in ("paper", "authors"):
+            v = exp.with_variant(variant)
+            df = store.load(v, results_dir)
+            if df.empty:
+                continue
+            out = figures_dir if variant == "paper" else figures_dir / "authors"
+            written += write_report(v, df, out, results_dir=results_dir)
+    written.append(write_provenance(results_dir, figures_dir))
+    return written
+
+
+def write_provenance(results_dir: Path, figures_dir: Path) -> Path:
+    from prodigy_core import results as store
+
+    env = (figures_dir / "env.txt").read_text() if (figures_dir / "env.txt").exists() else "(no env.txt)\n"
+    summary = (figures_dir / "summary.txt").read_text() if (figures_dir / "summary.txt").exists() else ""
+    rows = []
+    for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        records = store.read_records(folder)
+        for r in sorted(
+            records, key=lambda r: tuple(r["config"][k] for k in ("variant", "defense", "attack"))
+        ):
+            c, e = r["config"], r["environment"]
+            seconds = sum(t for t in r.get("round_times") or [] if t)
+            rows.append(
+                f"| {folder.name} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
+                f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
+                f"| {e['torch']} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} |"
+            )
+    path = figures_dir / "PROVENANCE.md"
+    path.write_text(
+        "# Provenance of the GPU outputs in this folder\n\n"
+        "Made by `benchmarks/gpu_run.py` on the device machine, imported with `gpu_run.py import`. "
+        "CIFAR-10 is the JPEG copy. The machine and precision as the run recorded them (env.txt):\n\n"
+        "```\n" + env + "```\n\nThe run's summary (summary.txt):\n\n```\n" + summary + "```\n\n"
+        "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded).\n\n"
+        "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | GPU | torch | "
+        "TF32 matmul/cudnn | deterministic |\n" + "|---" * 12 + "|\n" + "\n".join(rows) + "\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["import"]:
+        p = argparse.ArgumentParser(prog="gpu_run.py import", description="unpack, report, provenance")
+        p.add_argument("tarball", type=Path)
+        p.add_argument("--results-root", type=Path, default=ROOT / "results")
+        p.add_argument("--figures-root", type=Path, default=ROOT / "figures")
+        a = p.parse_args(argv[1:])
+        for path in import_results(a.tarball, a.results_root, a.figures_root):
+            print(path)
+        return 0
+    p = argparse.ArgumentParser(prog="gpu_run.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--data", type=Path, default=ROOT / "gpu-data", help="holds cifar10-jpeg/ and femnist-leaf-24/"
+    )
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")), help="default: $OUT")
+    p.add_argument("--work", type=Path, help="records, decoded data, log (default: a temporary folder)")
+    p.add_argument("--deadline", type=float, default=500.0, help="seconds of work before no group starts")
+    p.add_argument("--profile", choices=("mini", "paper"), default="mini")
+    p.add_argument(
+        "--group-size", type=int, default=4, help="runs per batched group (the deadline loses at most one)"
+    )
+    p.add_argument("--simulate", action="store_true", help="the CPU rehearsal over a tiny digits grid")
+    p.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

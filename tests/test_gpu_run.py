@@ -1,0 +1,132 @@
+"""benchmarks/gpu_run.py rehearsed on the CPU (--simulate): what comes home fits the device tool's limits and
+holds exactly the finished runs; the deadline, missing data and a failing step behave as the issue asks."""
+
+import importlib.util
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2**20  # the device tool's limits on $OUT
+
+
+@pytest.fixture(scope="module")
+def gpu_run():
+    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu_run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_run"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def data(tmp_path):
+    """The two data sets' paths as the preflight checks them (the simulation trains on digits)."""
+    root = tmp_path / "data"
+    (root / "cifar10-jpeg").mkdir(parents=True)
+    (root / "cifar10-jpeg" / "cifar10-jpeg.tar.gz").write_bytes(b"")
+    (root / "femnist-leaf-24").mkdir()
+    return root
+
+
+def simulate(gpu_run, tmp_path, data, *extra):
+    out, work = tmp_path / "out", tmp_path / "work"
+    code = gpu_run.main(["--simulate", "--data", str(data), "--out", str(out), "--work", str(work), *extra])
+    return code, out, work
+
+
+def tarball_keys(out: Path) -> set[str]:
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = [m.name for m in tar.getmembers() if m.isfile()]
+    assert not [n for n in names if n.endswith((".pt", ".lock"))]  # no checkpoints, no locks
+    return {
+        Path(n).name.removesuffix(".json") for n in names if n.startswith("results/") and ".failed" not in n
+    }
+
+
+def finished_keys(work: Path) -> set[str]:
+    return {p.stem for p in (work / "results").rglob("*.json") if ".failed" not in p.name}
+
+
+def summary_rows(out: Path) -> dict[str, list[str]]:
+    lines = (out / "summary.txt").read_text().splitlines()
+    head = lines.index("step | planned | done | failed | seconds | status")
+    rows = [line.split(" | ") for line in lines[head + 1 :] if " | " in line]
+    return {r[0]: r[1:] for r in rows}
+
+
+def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run, tmp_path, data):
+    code, out, work = simulate(gpu_run, tmp_path, data)
+    assert code == 0
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert sorted(p.name for p in files) == ["env.txt", "results.tar.gz", "summary.txt"]
+    assert len(files) <= MAX_FILES
+    assert all(len(p.relative_to(out).parts) - 1 <= MAX_DEPTH and p.stat().st_size < MAX_BYTES for p in files)
+    rows = summary_rows(out)
+    assert set(rows) == {s.name for s in gpu_run.plan("mini", simulate=True)}
+    assert all(r[4] == "done" and r[0] == r[1] for r in rows.values())  # planned == done
+    done = sum(int(r[1]) for r in rows.values())
+    assert tarball_keys(out) == finished_keys(work) and len(finished_keys(work)) == done
+    env = (out / "env.txt").read_text()
+    assert "tf32_matmul: False" in env and "deterministic: True" in env
+    with tarfile.open(out / "results.tar.gz") as tar:
+        record = json.load(
+            tar.extractfile(next(m for m in tar.getmembers() if m.name.startswith("results/")))
+        )
+    assert record["environment"]["device"] == "cpu"
+
+
+def test_a_short_deadline_stops_between_groups_and_keeps_what_finished(gpu_run, tmp_path, data, monkeypatch):
+    clock = iter(range(0, 10**6, 5))  # every reading of the clock is 5 s later: a slow, deterministic machine
+    monkeypatch.setattr(gpu_run.time, "monotonic", lambda: next(clock))
+    code, out, work = simulate(gpu_run, tmp_path, data, "--deadline", "60", "--group-size", "1")
+    assert code == 0  # stopping at the deadline is not a failure
+    rows = summary_rows(out)
+    done = sum(int(r[1]) for r in rows.values())
+    planned = sum(len(gpu_run.Driver(gpu_run_args(gpu_run, data), work).experiment(s).configs)
+                  for s in gpu_run.plan("mini", simulate=True))  # fmt: skip
+    assert 0 < done < planned
+    assert any(r[4].startswith("stopped by the deadline") for r in rows.values())
+    assert "never started:" in (out / "summary.txt").read_text()
+    assert tarball_keys(out) == finished_keys(work) and len(finished_keys(work)) == done
+
+
+def gpu_run_args(gpu_run, data):
+    import argparse
+
+    return argparse.Namespace(
+        simulate=True, profile="mini", out=Path("."), group_size=1, deadline=1.0, data=data
+    )
+
+
+def test_missing_data_exits_2_before_any_training(gpu_run, tmp_path, capsys):
+    code, out, work = simulate(gpu_run, tmp_path, tmp_path / "nowhere")
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "data missing" in err and "cifar10-jpeg.tar.gz" in err
+    assert not work.exists() and not (out / "results.tar.gz").exists()
+
+
+def test_a_failing_step_gives_a_non_zero_exit_and_the_others_still_run(gpu_run, tmp_path, data):
+    code, out, work = simulate(gpu_run, tmp_path, data, "--fail-step", "rows-authors")
+    assert code == 1
+    rows = summary_rows(out)
+    assert rows["rows-authors"][4].startswith("failed") and rows["rest-paper"][4] == "done"
+    assert tarball_keys(out) == finished_keys(work)
+
+
+def test_import_writes_the_records_apart_and_a_provenance(gpu_run, tmp_path, data):
+    code, out, work = simulate(gpu_run, tmp_path, data)
+    assert code == 0
+    written = gpu_run.import_results(out / "results.tar.gz", tmp_path / "results", tmp_path / "figures")
+    assert (tmp_path / "results" / "gpu").is_dir() and not (
+        tmp_path / "results" / "quickstart_digits-smoke"
+    ).exists()
+    imported = {p.stem for p in (tmp_path / "results" / "gpu").rglob("*.json")}
+    assert imported == finished_keys(work)
+    provenance = (tmp_path / "figures" / "gpu" / "PROVENANCE.md").read_text()
+    assert provenance.count("| quickstart_digits-smoke |") == len(imported)
+    assert "tf32_matmul: False" in provenance and written[-1].name == "PROVENANCE.md"
