@@ -168,7 +168,8 @@ class SignFlip(Attack):
     ``variant="authors"`` (the authors' code): the client negates its momentum buffer in place, so the buffer
     holds what it sent (``sent_is_momentum``) and s_t = -(beta s_{t-1} + (1 - beta) g_t). At beta = 0 the two
     agree; at beta = 0.9 and a steady g, s_t tends to the fixed point -(1 - beta)/(1 + beta) g = -0.053 g,
-    a flip about 19 times weaker than the text's -g (it converges, it does not oscillate).
+    a flip about 19 times weaker than the text's -g. Its sign never changes (it stays opposite to g); its
+    size oscillates while it converges: at beta = 0.9 and g = 1, s_t = -0.1, -0.01, -0.091, -0.018, -0.084...
     """
 
     name = "sf"
