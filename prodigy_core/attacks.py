@@ -12,7 +12,8 @@ an (N, d) matrix to the (d,) aggregate, usually a ``prodigy_core.aggregators.Pip
 Search attacks (ALIE, FOE, alie_spread) are tuned against the real defence: every candidate parameter goes
 through the full pipeline (pre-aggregation included) once, via ``server.peek`` when the server has one so that
 a stateful rule such as CClip is not advanced, and the candidate whose aggregate lands farthest (L2) from the
-honest mean wins; ties go to the first candidate, a non-finite aggregate counts as infinite damage. All
+honest mean wins; ties go to the first candidate, a non-finite aggregate counts as infinite damage (ALIE
+under ``variant="authors"`` compares as the authors' code does instead, see `ALIE`). All
 candidates are written into one preallocated (N, d) matrix whose honest rows are copied once per craft.
 ALIE's and FOE's candidates lie on one line, so one Gram matrix of the honest updates, the line's two
 end points and the pipeline's reference point (the origin, or CClip's start) holds every candidate's
@@ -78,6 +79,43 @@ def alie_grid(n: int, f: int) -> list[float]:
     return [k * unit for k in range(1, count + 1)]
 
 
+# The authors' ALIE z, typed in by hand per setting (senaergisi/prodigy main.py lines 24-30, comments of the
+# ALIE_optim branch; the code reads z from input() at line 31): {(n, f): z}.
+ALIE_AUTHORS_Z = {
+    (20, 2): 0.12,
+    (10, 2): 0.25,
+    (20, 4): 0.38,
+    (30, 6): 0.41,
+    (50, 10): 0.50,
+    (20, 6): 0.67,
+    (100, 30): 0.8,
+}
+
+
+def alie_authors_z(n: int, f: int) -> float:
+    """ALIE's z as the authors' code uses it (``variant="authors"``): their hand-typed value where main.py
+    lists one (`ALIE_AUTHORS_Z`), else z_max truncated to 2 decimals (`alie_z_max`).
+
+    Truncation, not rounding: it gives 5 of their 7 typed values (0.12, 0.25, 0.38, 0.67, 0.8 where z_max is
+    0.1257, 0.2533, 0.3853, 0.6745, 0.8064), rounding only 2; no rule gives their 0.41 (z_max 0.4307 at
+    N=30, f=6) or 0.50 (z_max 0.4677 at N=50, f=10), so the typed values are used as they are.
+    """
+    if (n, f) in ALIE_AUTHORS_Z:
+        return ALIE_AUTHORS_Z[n, f]
+    return math.trunc(round(alie_z_max(n, f) * 100, 6)) / 100  # round(.., 6): 0.29 * 100 = 28.999999...
+
+
+def alie_authors_grid(z: float) -> list[float]:
+    """The authors' ALIE candidates: ``np.arange(0.25 z, 2.01, 0.25 z)`` (malicious.py line 55), so up to 2.01
+    (10 candidates at N=100, f=30 where `alie_grid` has 9); empty when z < 0. z must not be 0 (their code
+    sends the honest update then, see `ALIE`)."""
+    import numpy as np  # the authors' own float arithmetic for the grid
+
+    if z == 0:
+        raise ValueError("alie_authors_grid: z = 0 has no grid (the authors' ALIE sends the honest update)")
+    return np.arange(ALIE_Z_STEP * z, 2.01, ALIE_Z_STEP * z).tolist()
+
+
 class Attack:
     """An attack: ``craft(honest, own, server) -> (f, d)`` Byzantine updates, plus what it chose.
 
@@ -130,7 +168,8 @@ class SignFlip(Attack):
     ``variant="authors"`` (the authors' code): the client negates its momentum buffer in place, so the buffer
     holds what it sent (``sent_is_momentum``) and s_t = -(beta s_{t-1} + (1 - beta) g_t). At beta = 0 the two
     agree; at beta = 0.9 and a steady g, s_t tends to the fixed point -(1 - beta)/(1 + beta) g = -0.053 g,
-    a flip about 19 times weaker than the text's -g (it converges, it does not oscillate).
+    a flip about 19 times weaker than the text's -g. Its sign never changes (it stays opposite to g); its
+    size oscillates while it converges: at beta = 0.9 and g = 1, s_t = -0.1, -0.01, -0.091, -0.018, -0.084...
     """
 
     name = "sf"
@@ -282,8 +321,16 @@ class LineSearchAttack(Attack):
     statistics and the Byzantine rows for a parameter; the search runs the pipeline once per candidate.
     """
 
+    # False: a non-finite aggregate counts as infinite damage (this package); True: the damage as computed,
+    # so a NaN never wins the ``damage > best`` comparison (the authors' code, `ALIE` under ``authors``).
+    raw_damage: bool = False
+
     def grid(self, n: int, f: int) -> list[Any]:
         raise NotImplementedError
+
+    def _start(self, n: int, f: int) -> tuple[Any, float]:
+        """The choice and damage a candidate must beat: none, -inf (the first candidate always wins)."""
+        return None, -math.inf
 
     def _prepare(self, honest: Tensor, f: int) -> dict[str, Tensor]:
         # population std (Baruch et al.); the mean is honest.mean(0) itself, so FOE sends exactly -eps* mu_H
@@ -304,7 +351,7 @@ class LineSearchAttack(Attack):
         grams = self._candidate_grams(honest, f, stats, server)
         evaluate = server.peek if hasattr(server, "peek") else server
         candidates = None
-        best, best_damage = None, -math.inf
+        best, best_damage = self._start(f + h, f)
         for param in self.grid(f + h, f):
             gram = weights = None
             if grams is not None:
@@ -318,7 +365,7 @@ class LineSearchAttack(Attack):
                     candidates[f:] = honest
                 candidates[:f] = self._rows(param, stats)
                 aggregate = evaluate(candidates) if gram is None else evaluate(candidates, gram=gram)
-                damage = _damage(aggregate, stats["mean"], self.name)
+                damage = _damage(aggregate, stats["mean"], self.name, raw=self.raw_damage)
             self.last_search.append((param, damage))
             if damage > best_damage:
                 best, best_damage = param, damage
@@ -376,12 +423,44 @@ class ALIE(LineSearchAttack):
     """A Little Is Enough (Baruch, Baruch and Goldberg, NeurIPS 2019): every Byzantine client sends
     mu_H - z* sigma_H (honest mean and per-coordinate population std), z* from `alie_grid` (multiples of
     0.25 z_max up to 2, z_max from `alie_z_max`) chosen against the real defence (ProDiGy paper).
+
+    ``variant="authors"`` (the authors' ``ALIE_optim``, malicious.py lines 44-72): z is `alie_authors_z`
+    (hand-typed, or ``z`` if given), the candidates `alie_authors_grid` (``arange(0.25 z, 2.01, 0.25 z)``),
+    and a candidate wins when its damage is ``> max_dist``, starting from max_dist = 0 with z itself chosen:
+    ties keep the first, a NaN damage never wins (an infinite one does), and z is sent when no candidate's
+    damage exceeds 0. With z = 0 the Byzantine clients send their honest update (their early return).
     """
 
     name = "alie"
 
+    def __init__(self, variant: str = "paper", z: float | None = None) -> None:
+        super().__init__()
+        self.variant = check_variant("alie", variant)
+        if z is not None and variant != "authors":
+            raise ValueError(f"alie: z={z} is the authors' typed z; it needs variant='authors'")
+        self.z = None if z is None else float(z)
+        self.raw_damage = variant == "authors"
+
+    def authors_z(self, n: int, f: int) -> float:
+        """The z the authors' code would use at (n, f): ``z`` if given, else `alie_authors_z`."""
+        return alie_authors_z(n, f) if self.z is None else self.z
+
     def grid(self, n: int, f: int) -> list[float]:
+        if self.variant == "authors":
+            return alie_authors_grid(self.authors_z(n, f))
         return alie_grid(n, f)
+
+    def _start(self, n: int, f: int) -> tuple[Any, float]:
+        if self.variant == "authors":
+            return self.authors_z(n, f), 0.0  # malicious.py lines 57-58: max_dist = 0, best_z = z
+        return super()._start(n, f)
+
+    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+        f = own.shape[0]
+        if self.variant == "authors" and self.authors_z(f + honest.shape[0], f) == 0:
+            self.last_param = 0.0  # malicious.py lines 52-53: no attack, the honest update goes out
+            return own
+        return super()._craft(honest, own, server)
 
     def _rows(self, z: float, stats: dict[str, Tensor]) -> Tensor:
         return stats["mean"] - z * stats["sigma"]
@@ -473,7 +552,7 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
 
 def make_attack(name: str, variant: str = "paper", **params: Any) -> Attack:
     """Build the attack called ``name`` (a key of `ATTACKS`) with keyword ``params`` (e.g. ``generator``).
-    ``variant``: ``paper`` (the text) or ``authors`` (the authors' code; it changes SF only)."""
+    ``variant``: ``paper`` (the text) or ``authors`` (the authors' code; it changes SF and ALIE)."""
     given, name = name, str(name).strip().lower()  # case-insensitive, like make_aggregator
     if name not in ATTACKS:
         hint = did_you_mean(name, ATTACKS)
@@ -528,14 +607,14 @@ def _mean_std(honest: Tensor) -> tuple[Tensor, Tensor]:
     return mean, (honest - mean).square_().mean(0).sqrt_()
 
 
-def _damage(aggregate: Tensor, honest_mean: Tensor, name: str) -> float:
-    """norm(aggregate - mu_H); a non-finite aggregate is infinite damage."""
+def _damage(aggregate: Tensor, honest_mean: Tensor, name: str, raw: bool = False) -> float:
+    """norm(aggregate - mu_H); a non-finite aggregate is infinite damage (``raw``: NaN stays NaN)."""
     if aggregate.shape != honest_mean.shape:
         raise ValueError(
             f"{name}: the server returned shape {tuple(aggregate.shape)}, expected {tuple(honest_mean.shape)}"
         )
     damage = torch.linalg.vector_norm(aggregate.to(honest_mean.dtype) - honest_mean).item()
-    return damage if math.isfinite(damage) else math.inf
+    return damage if math.isfinite(damage) or raw else math.inf
 
 
 def _randn(shape: tuple[int, ...] | torch.Size, like: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -7,7 +7,8 @@ per-sample PIL transform in the training loop (design-notes section 2; benchmark
 
 Splits (cifar10, digits): `iid` (a seeded random partition into near-equal parts) and `dirichlet` (the
 NIID-Bench recipe, `dirichlet_split`). FEMNIST is `natural`: one writer per client. Splits are drawn on the
-CPU from a generator seeded with the data seed, so a seed gives the same federation on every device.
+CPU from a generator seeded with the data seed, so a seed gives the same federation on every device; under
+``variant="authors"`` from numpy's, as the authors' code draws them (`dirichlet_split_numpy`).
 
 Data sources (`RunConfig.data_source`, part of every result key, named in every table): CIFAR-10 comes from
 torchvision's binary batches (`cifar10-binary`, `prodigy-fl data cifar10` with internet) or else from the
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 
 from prodigy_core import paths
-from prodigy_core.names import DATASETS, DISTRIBUTIONS
+from prodigy_core.names import DATASETS, DISTRIBUTIONS, check_variant
 from prodigy_core.safe_io import atomic_write
 from prodigy_core.seeding import resolve_device
 
@@ -299,6 +300,71 @@ def dirichlet_split(
     )
 
 
+def dirichlet_split_numpy(
+    labels: Tensor, n_clients: int, alpha: float, seed: int, min_size: int = 10, max_tries: int = 1000
+) -> list[Tensor]:
+    """The authors' Dirichlet split (``variant="authors"``): numpy's draw exactly as their code makes it.
+
+    Their main.py calls ``np.random.seed(seed)`` and then datasets.py's ``find_distribution_map``; this uses
+    ``np.random.RandomState(seed)``, whose stream is the global one's after ``np.random.seed(seed)``, so it
+    takes the same draws without touching numpy's global state. Per try, for each class c = 0, 1, ...:
+    shuffle the class's indices (ascending, as ``np.where`` gives them), draw p ~ Dir_N(alpha), zero p_k for
+    every client already holding >= n/N samples, renormalise, cut at ``(cumsum(p) * n_c).astype(int)[:-1]``
+    and append the pieces; redraw everything until every client has >= min_size samples. Then each client's
+    list is shuffled once, clients 0..N-1 in turn, and that order is kept (their dataset's order). Same
+    recipe as `dirichlet_split` (the ``paper`` variant, on torch's generator): other draws, other splits.
+    Which images the indices name depends on the training set's order: torchvision's binary batches are the
+    authors' order; the JPEG copy is stored class by class, so its per-client class counts are theirs but
+    not its images.
+    """
+    import numpy as np  # the authors' random stream is numpy's (the rest of the package is torch)
+
+    if not alpha > 0:
+        raise ValueError(f"dirichlet_alpha={alpha} must be > 0 (0.1 is the paper's; larger is closer to iid)")
+    y = labels.cpu().numpy()
+    n = len(y)
+    if n_clients < 1 or n < n_clients * min_size:
+        raise ValueError(
+            f"cannot give each of n_clients={n_clients} clients at least {min_size} of {n} samples; "
+            f"use fewer clients"
+        )
+    rs = np.random.RandomState(seed)
+    for _ in range(max_tries):
+        parts: list[list[int]] = [[] for _ in range(n_clients)]
+        for c in range(int(y.max()) + 1):  # their `for k in range(K)`, K = 10 on CIFAR-10
+            idx_c = np.flatnonzero(y == c)
+            rs.shuffle(idx_c)
+            p = rs.dirichlet(np.full(n_clients, alpha))
+            p = p * np.array([len(part) < n / n_clients for part in parts])
+            cuts = (np.cumsum(p / p.sum()) * len(idx_c)).astype(int)[:-1]
+            for part, chunk in zip(parts, np.split(idx_c, cuts), strict=True):
+                part.extend(chunk.tolist())
+        if min(len(part) for part in parts) >= min_size:
+            break
+    else:
+        raise ValueError(
+            f"dirichlet_split_numpy found no split with every client >= {min_size} samples in {max_tries} "
+            f"draws (n={n}, n_clients={n_clients}, alpha={alpha}); use a larger alpha or fewer clients"
+        )
+    out = []
+    for part in parts:
+        order = np.array(part, dtype=np.int64)
+        rs.shuffle(order)
+        out.append(torch.from_numpy(order))
+    return out
+
+
+def iid_split_numpy(n: int, n_clients: int, seed: int) -> list[Tensor]:
+    """The authors' iid split (``variant="authors"``): ``np.array_split(np.random.permutation(n), N)`` after
+    ``np.random.seed(seed)`` (their datasets.py), each part in the permutation's order."""
+    import numpy as np
+
+    if not 1 <= n_clients <= n:
+        raise ValueError(f"n_clients={n_clients} must be between 1 and the number of samples ({n})")
+    perm = np.random.RandomState(seed).permutation(n)
+    return [torch.from_numpy(part.astype(np.int64)) for part in np.array_split(perm, n_clients)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The federation
 
@@ -463,6 +529,7 @@ def load_federation(
     download: bool = False,
     min_writer_samples: int = 0,
     source: str | None = None,
+    variant: str = "paper",
 ) -> Federation:
     """Load dataset `name` and split it among `n_clients` clients (see the module docstring).
 
@@ -472,7 +539,10 @@ def load_federation(
     test are not eligible as clients. source: the data source to use (`RunConfig.data_source`; None: the
     first one found, see `resolve_data_source`); a femnist source names the writers, and a folder whose
     first eligible writers differ is an error. The returned federation's `source` says which one was used.
+    variant: ``paper`` splits on torch's generator (`iid_split`, `dirichlet_split`); ``authors`` on numpy's,
+    seeded with `seed` as the authors' main.py seeds it (`iid_split_numpy`, `dirichlet_split_numpy`).
     """
+    check_variant("load_federation", variant)
     if name not in DATASETS:
         raise ValueError(f"dataset={name!r} is unknown; valid: {', '.join(DATASETS)}")
     if distribution not in DISTRIBUTIONS[name]:
@@ -515,7 +585,13 @@ def load_federation(
         else:
             train_x, train_y, test_x, test_y = _read_digits(rng)
             num_classes, mean, std, augment, source = 10, DIGITS_MEAN, DIGITS_STD, False, DIGITS_SOURCE
-        if distribution == "iid":
+        if variant == "authors":
+            parts = (
+                iid_split_numpy(len(train_y), n_clients, seed)
+                if distribution == "iid"
+                else dirichlet_split_numpy(train_y, n_clients, dirichlet_alpha, seed)
+            )
+        elif distribution == "iid":
             parts = iid_split(len(train_y), n_clients, rng)
         else:
             parts = dirichlet_split(train_y, n_clients, dirichlet_alpha, rng)

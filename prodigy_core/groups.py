@@ -24,9 +24,10 @@ side; `environment.group_size` records R.
 
 Compatibility: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
 data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the batched
-engine alone (`training.pick_engine`). `variant` is not part of the key: it changes the server side (rules,
-SF written into the momentum, CClip from theta_t), the evaluation (train mode) and the diverged accuracy,
-all of which run per member in `server_round`, `end_round` and `finish_run`. Runs with
+engine alone (`training.pick_engine`). `variant` is part of the key only where it changes the split (iid
+and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`); otherwise it changes
+the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode) and
+the diverged accuracy, all of which run per member in `server_round`, `end_round` and `finish_run`. Runs with
 different splits are not stacked (it would need per-run index tables and width groups); they go to other
 groups. A member that diverges is frozen and recorded as diverged, one whose server side raises is reported
 with its error; the others go on. Runs may be at different rounds (resumed from checkpoints of different
@@ -65,7 +66,9 @@ def group_key(config: RunConfig) -> tuple | None:
         return None
     if training.pick_engine(cfg.engine, device, cfg.dataset) != "batched":
         return None
-    return tuple(getattr(cfg, name) for name in GROUP_FIELDS)
+    # which RNG draws the split (`data.load_federation`): numpy's under ``authors``, except FEMNIST's writers
+    split_rng = "numpy" if cfg.variant == "authors" and cfg.distribution != "natural" else "torch"
+    return (*(getattr(cfg, name) for name in GROUP_FIELDS), split_rng)
 
 
 def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[list[RunConfig]]:

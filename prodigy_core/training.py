@@ -703,7 +703,7 @@ def _load_federation(cfg: RunConfig, device: torch.device) -> Federation:
                            dirichlet_alpha=cfg.dirichlet_alpha, seed=cfg.data_seed, device=device,
                            data_dir=cfg.data_dir, download=cfg.download,
                            min_writer_samples=cfg.femnist_min_writer_samples,
-                           source=cfg.data_source)  # fmt: skip
+                           source=cfg.data_source, variant=cfg.variant)  # fmt: skip
 
 
 def _environment(device: torch.device, engine: str) -> dict[str, Any]:

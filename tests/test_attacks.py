@@ -378,3 +378,119 @@ def test_line_search_reads_candidates_from_one_gram_matrix(defense, name, monkey
         assert seen == {"peek": [True] * candidates, "weights": candidates, "geometry": 1}
     else:
         assert seen == {"peek": [], "weights": candidates, "geometry": 1}
+
+
+# ------------------------------------------------------------------------------ ALIE, the authors' variant
+# senaergisi/prodigy main.py lines 24-30: the z they typed per setting, as comments of the ALIE_optim branch.
+AUTHORS_TYPED_Z = {
+    (20, 2): 0.12,
+    (10, 2): 0.25,
+    (20, 4): 0.38,
+    (30, 6): 0.41,
+    (50, 10): 0.50,
+    (20, 6): 0.67,
+    (100, 30): 0.8,
+}
+
+
+def test_alie_authors_z_is_their_typed_value_else_z_max_truncated():
+    assert attacks.ALIE_AUTHORS_Z == AUTHORS_TYPED_Z
+    assert {k: attacks.alie_authors_z(*k) for k in AUTHORS_TYPED_Z} == AUTHORS_TYPED_Z
+    # which rule they typed by: truncating z_max to 2 decimals gives 5 of the 7, rounding 2 of the 7
+    truncated = {k for k, v in AUTHORS_TYPED_Z.items() if math.floor(100 * independent_z_max(*k)) / 100 == v}
+    rounded = {k for k, v in AUTHORS_TYPED_Z.items() if round(independent_z_max(*k), 2) == v}
+    assert set(AUTHORS_TYPED_Z) - truncated == {(30, 6), (50, 10)}  # 0.4307 -> 0.41, 0.4677 -> 0.50
+    assert rounded == {(10, 2), (20, 6)}
+    # elsewhere the truncation: z_max(10, 3) = 0.5244, z_max(30, 9) = 0.7279, z_max(20, 5) = 0.5244
+    assert attacks.alie_authors_z(10, 3) == 0.52
+    assert attacks.alie_authors_z(30, 9) == 0.72
+    assert attacks.alie_authors_z(10, 1) == 0.0  # z_max = Phi^-1(0.5) = 0
+
+
+@pytest.mark.parametrize(
+    "n,f,step,count,paper_count",
+    [
+        (10, 3, 0.13, 15, 15),  # z = 0.52: 15 * 0.13 = 1.95, 16 * 0.13 = 2.08
+        (30, 9, 0.18, 11, 10),  # z = 0.72: 11 * 0.18 = 1.98 < 2.01; the paper grid's unit 0.182 fits 10
+        (100, 30, 0.2, 10, 9),  # z = 0.8: 2.0 < 2.01 is in; the paper grid's unit 0.2016 fits 9
+        (30, 6, 0.1025, 19, 18),  # z = 0.41: 19 * 0.1025 = 1.9475, 20 * 0.1025 = 2.05
+        (20, 2, 0.03, 66, 63),  # z = 0.12: 66 * 0.03 = 1.98, 67 * 0.03 = 2.01 is not < 2.01
+    ],
+)
+def test_alie_authors_grid_is_arange_quarter_z_to_2_01(n, f, step, count, paper_count):
+    grid = make_attack("alie", variant="authors").grid(n, f)
+    assert len(grid) == count
+    assert grid == pytest.approx([k * step for k in range(1, count + 1)], abs=1e-12)
+    assert make_attack("alie").grid(n, f) == alie_grid(n, f)  # the paper variant unchanged
+    assert len(alie_grid(n, f)) == paper_count
+
+
+def scripted_server(mean: torch.Tensor, damages: list[float]):
+    """A server whose i-th call returns mean + damages[i] * e_0: damage exactly |damages[i]| (NaN, inf)."""
+    calls = iter(damages)
+
+    def server(X):
+        out = mean.clone()
+        out[0] += next(calls)
+        return out
+
+    return server
+
+
+@pytest.mark.parametrize(
+    "damages,authors,paper",
+    [
+        ([1, 2, 5, 5, 3], 2, 2),  # a tie keeps the first, in both
+        ([1, math.nan, 0.5], 0, 1),  # NaN never wins under authors; it is infinite damage under paper
+        ([math.nan, 2, 2], 1, 0),
+        ([0.0] * 15, None, 0),  # nothing beats max_dist = 0: the authors keep z itself
+        ([math.nan] * 15, None, 0),
+        ([1, math.inf, math.nan, 7], 1, 1),  # an infinite damage wins in both
+    ],
+)
+def test_alie_authors_comparison_ties_nan_and_the_initial_choice(damages, authors, paper):
+    honest, own = make_updates(4)
+    honest, own = honest.double(), own.double()
+    mean, sigma = honest.mean(0), honest.std(0, unbiased=False)
+    damages = damages + [0.0] * (15 - len(damages))  # (N, f) = (10, 3): 15 candidates
+    grids = {
+        "authors": [k * 0.13 for k in range(1, 16)],
+        "paper": [k * 0.25 * independent_z_max(N, F) for k in range(1, 16)],
+    }
+    for variant, index in (("authors", authors), ("paper", paper)):
+        attack = make_attack("alie", variant=variant)
+        rows = attack.craft(honest, own, scripted_server(mean, damages))
+        chosen = 0.52 if index is None else grids[variant][index]  # z = 0.52 is the authors' start
+        assert attack.last_param == pytest.approx(chosen, abs=1e-12), variant
+        if index is None:
+            assert attack.last_param == 0.52  # z itself, not the grid's 4th point
+        torch.testing.assert_close(rows, (mean - attack.last_param * sigma).expand(F, D))
+        seen = [d for _, d in attack.last_search]
+        if variant == "authors":  # the damages as computed, NaN included
+            assert [str(d) for d in seen] == [str(float(d)) for d in damages]
+
+
+def test_alie_authors_zero_z_sends_the_honest_update_and_a_given_z():
+    honest, own = make_updates(5, n=10, f=1)
+    attack = make_attack("alie", variant="authors")
+    rows = attack.craft(honest, own, make_aggregator("median", 1))
+    assert torch.equal(rows, own) and attack.last_param == 0.0 and attack.last_search == []
+    given = make_attack("alie", variant="authors", z=0.5)
+    assert given.grid(10, 3) == pytest.approx([0.125 * k for k in range(1, 17)])
+    with pytest.raises(ValueError, match="variant='authors'"):
+        make_attack("alie", z=0.5)
+
+
+@pytest.mark.parametrize("defense", PIPELINES)
+def test_alie_authors_search_matches_brute_force_on_their_grid(defense):
+    honest, own = make_updates(0)
+    mean, sigma = honest.mean(0), honest.std(0, unbiased=False)
+    grid = [k * 0.13 for k in range(1, 16)]
+    best, damages = brute_force(lambda z: mean - z * sigma, grid, honest, F, defense)
+    assert max(damages) > 0
+    attack = make_attack("alie", variant="authors")
+    rows = attack.craft(honest, own, make_aggregator(defense, F))
+    assert [p for p, _ in attack.last_search] == pytest.approx(grid, abs=1e-12)
+    assert [d for _, d in attack.last_search] == pytest.approx(damages, rel=1e-4, abs=1e-6)
+    assert attack.last_param == pytest.approx(best, abs=1e-12)
+    torch.testing.assert_close(rows[0], mean - best * sigma)

@@ -22,11 +22,14 @@ from prodigy_core.data import (
     DIGITS_MEAN,
     DIGITS_STD,
     DataError,
+    _read_digits,
     decode_cifar10_jpeg,
     default_femnist_dir,
     dirichlet_split,
+    dirichlet_split_numpy,
     eligible_writers,
     iid_split,
+    iid_split_numpy,
     leaf_writer_counts,
     load_federation,
 )
@@ -476,6 +479,126 @@ def test_iid_split_is_a_balanced_partition():
     parts = iid_split(103, 10, torch.Generator().manual_seed(0))
     assert torch.equal(torch.cat(parts).sort().values, torch.arange(103))
     assert {len(p) for p in parts} == {10, 11}
+
+
+# ------------------------------------------------------------------------- partitions, the authors' variant
+
+
+def authors_recipe(labels: np.ndarray, n_clients: int, alpha: float, seed: int) -> list[list[int]]:
+    """The NIID-Bench split as the authors' code draws it, written here from the recipe on numpy's global
+    RNG (main.py: np.random.seed(seed), then datasets.py find_distribution_map): per class 0..9, shuffle the
+    class's indices, draw Dirichlet proportions, zero those of clients already at >= n/N, renormalise, cut
+    at (cumsum * n_c).astype(int)[:-1]; redraw until every client has >= 10; shuffle each client's list."""
+    saved = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        n, smallest = len(labels), 0
+        while smallest < 10:
+            clients = [[] for _ in range(n_clients)]
+            for k in range(10):
+                members = np.where(labels == k)[0]
+                np.random.shuffle(members)
+                share = np.random.dirichlet(np.repeat(alpha, n_clients))
+                share = np.array(
+                    [q if len(c) < n / n_clients else 0.0 for q, c in zip(share, clients, strict=True)]
+                )
+                ends = (np.cumsum(share / share.sum()) * len(members)).astype(int)
+                starts = np.concatenate([[0], ends[:-1]])
+                ends[-1] = len(members)
+                clients = [c + members[a:b].tolist() for c, a, b in zip(clients, starts, ends, strict=True)]
+            smallest = min(len(c) for c in clients)
+        for c in clients:
+            np.random.shuffle(c)  # a list, as theirs: the same draws as shuffling an array
+        return clients
+    finally:
+        np.random.set_state(saved)
+
+
+def cifar_like_labels() -> np.ndarray:
+    """50,000 labels, 5,000 per class, interleaved (a fixed shuffle), like CIFAR-10's training set."""
+    return np.random.RandomState(2024).permutation(np.repeat(np.arange(10), 5000))
+
+
+@pytest.mark.parametrize("n_clients", [10, 20])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_authors_dirichlet_split_is_numpys_draw_after_np_random_seed(n_clients, seed):
+    labels = cifar_like_labels()
+    expected = authors_recipe(labels, n_clients, 0.1, seed)
+    before = np.random.get_state()[1].copy()
+    parts = dirichlet_split_numpy(torch.from_numpy(labels), n_clients, 0.1, seed)
+    assert np.array_equal(np.random.get_state()[1], before)  # numpy's global state is left alone
+    assert [len(p) for p in parts] == [len(c) for c in expected]
+    assert [p.tolist() for p in parts] == expected  # the same indices, in the same (shuffled) order
+    assert all(p.dtype == torch.int64 for p in parts)
+    assert sorted(torch.cat(parts).tolist()) == list(range(len(labels)))
+    # the paper variant's torch draw is another split
+    torch_parts = dirichlet_split(
+        torch.from_numpy(labels), n_clients, 0.1, torch.Generator().manual_seed(seed)
+    )
+    assert [len(p) for p in torch_parts] != [len(p) for p in parts]
+
+
+def test_authors_split_reaches_clients_under_64_samples_at_n30_as_issue_25_says():
+    """With the authors' split a client at N=30 has fewer than 64 samples (a batch) in each of seeds 0-2."""
+    labels = torch.from_numpy(cifar_like_labels())
+    assert all(min(len(p) for p in dirichlet_split_numpy(labels, 30, 0.1, s)) < 64 for s in (0, 1, 2))
+
+
+def test_authors_iid_split_is_numpys_permutation():
+    saved = np.random.get_state()
+    np.random.seed(5)
+    expected = [part.tolist() for part in np.array_split(np.random.permutation(103), 10)]
+    np.random.set_state(saved)
+    assert [p.tolist() for p in iid_split_numpy(103, 10, 5)] == expected
+
+
+def test_load_federation_splits_by_variant(cifar_root):
+    root, _ = cifar_root
+    # paper (the default): the torch split, unchanged; rng as load_federation uses it (digits' split first)
+    rng = torch.Generator().manual_seed(3)
+    train_y = _read_digits(rng)[1]
+    expected = dirichlet_split(train_y, 6, 0.5, rng)
+    for fed in (
+        load_federation("digits", 6, "dirichlet", 0.5, seed=3),
+        load_federation("digits", 6, "dirichlet", 0.5, seed=3, variant="paper"),
+    ):
+        assert [p.tolist() for p in fed.client_indices] == [p.tolist() for p in expected]
+    # authors: numpy's draw on the training labels as read (digits, and CIFAR-10 through torchvision)
+    fed = load_federation("digits", 6, "dirichlet", 0.5, seed=3, variant="authors")
+    assert [p.tolist() for p in fed.client_indices] == authors_recipe(fed.train_labels.numpy(), 6, 0.5, 3)
+    cifar = load_federation("cifar10", 2, "dirichlet", 0.5, seed=1, data_dir=root, variant="authors")
+    assert [p.tolist() for p in cifar.client_indices] == authors_recipe(cifar.train_labels.numpy(), 2, 0.5, 1)
+    iid = load_federation("digits", 4, "iid", seed=2, variant="authors")
+    assert [p.tolist() for p in iid.client_indices] == [
+        p.tolist() for p in iid_split_numpy(len(train_y), 4, 2)
+    ]
+    with pytest.raises(ValueError, match="variant"):
+        load_federation("digits", 4, "iid", variant="author")
+
+
+def test_a_runs_federation_follows_its_variant():
+    from prodigy_core import training
+    from prodigy_core.config import RunConfig
+
+    def split(variant):
+        cfg = RunConfig(
+            dataset="digits",
+            n_clients=6,
+            n_byzantine=2,
+            distribution="dirichlet",
+            dirichlet_alpha=0.1,
+            seed=1,
+            variant=variant,
+        )
+        fed = training._load_federation(cfg.resolved(), torch.device("cpu"))
+        return fed, [p.tolist() for p in fed.client_indices]
+
+    fed, authors = split("authors")
+    assert authors == authors_recipe(fed.train_labels.numpy(), 6, 0.1, 1)  # data_seed = seed
+    fed, paper = split("paper")
+    rng = torch.Generator().manual_seed(1)
+    _read_digits(rng)
+    assert paper == [p.tolist() for p in dirichlet_split(fed.train_labels, 6, 0.1, rng)]
 
 
 # ------------------------------------------------------------------------------------------------- batches
