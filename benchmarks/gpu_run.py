@@ -341,6 +341,15 @@ def run(args: argparse.Namespace) -> int:
         (folder / "env.txt").write_text(env, encoding="utf-8")  # first, before any training
     driver = Driver(args, work)
     driver.log(env.rstrip())
+    if args.resume:  # an earlier command's records: its finished runs are not run again
+        with tarfile.open(args.resume) as tar:
+            for member in tar.getmembers():
+                name = Path(member.name)
+                if member.isfile() and name.parts[0] == "results" and ".." not in name.parts:
+                    target = work / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(tar.extractfile(member).read())
+        driver.log(f"resumed from {args.resume}: {len(list((work / 'results').rglob('*.json')))} records")
     if not args.simulate:
         from prodigy_core.data import decode_cifar10_jpeg
 
@@ -387,7 +396,10 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     written = []
     for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         name, _, scale = folder.name.partition("-")
-        exp = load_experiment(name, scale=scale or "paper")
+        # the records' data source, not this machine's (which may have no CIFAR-10): their keys' source
+        sources = sorted({r["config"]["data_source"] for r in store.read_records(folder)})
+        fields = {"data_source": sources[0]} if len(sources) == 1 else None
+        exp = load_experiment(name, scale=scale or "paper", fields=fields)
         for variant in ("paper", "authors"):
             v = exp.with_variant(variant)
             df = store.load(v, results_dir)
@@ -422,7 +434,9 @@ def write_provenance(results_dir: Path, figures_dir: Path) -> Path:
         "# Provenance of the GPU outputs in this folder\n\n"
         "Made by `benchmarks/gpu_run.py` on the device machine, imported with `gpu_run.py import`. "
         "CIFAR-10 is the JPEG copy. The machine and precision as the run recorded them (env.txt):\n\n"
-        "```\n" + env + "```\n\nThe run's summary (summary.txt):\n\n```\n" + summary + "```\n\n"
+        "```\n" + env + "```\n\nThe run's summary (summary.txt; a command started with `--resume` counts the "
+        "runs of the commands before it as done; their logs: log-earlier-commands.txt, when there is one):"
+        "\n\n```\n" + summary + "```\n\n"
         "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded).\n\n"
         "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | GPU | torch | "
         "TF32 matmul/cudnn | deterministic |\n" + "|---" * 12 + "|\n" + "\n".join(rows) + "\n",
@@ -454,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         "--group-size", type=int, default=4, help="runs per batched group (the deadline loses at most one)"
     )
     p.add_argument("--simulate", action="store_true", help="the CPU rehearsal over a tiny digits grid")
+    p.add_argument("--resume", type=Path, help="an earlier command's results.tar.gz: skip its finished runs")
     p.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     return run(p.parse_args(argv))
 
