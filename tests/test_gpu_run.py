@@ -130,3 +130,21 @@ def test_import_writes_the_records_apart_and_a_provenance(gpu_run, tmp_path, dat
     provenance = (tmp_path / "figures" / "gpu" / "PROVENANCE.md").read_text()
     assert provenance.count("| quickstart_digits-smoke |") == len(imported)
     assert "tf32_matmul: False" in provenance and written[-1].name == "PROVENANCE.md"
+
+
+def test_resume_skips_the_runs_an_earlier_command_finished(gpu_run, tmp_path, data, monkeypatch):
+    clock = iter(range(0, 10**6, 5))
+    monkeypatch.setattr(gpu_run.time, "monotonic", lambda: next(clock))
+    code, first, work1 = simulate(gpu_run, tmp_path / "1", data, "--deadline", "60", "--group-size", "1")
+    monkeypatch.undo()
+    before = finished_keys(work1)
+    assert code == 0 and before
+    code, out, work = simulate(gpu_run, tmp_path / "2", data, "--resume", str(first / "results.tar.gz"))
+    assert code == 0
+    rows = summary_rows(out)
+    assert all(r[4] == "done" and r[0] == r[1] for r in rows.values())  # every run done in the end
+    log = (work / "log.txt").read_text()
+    assert f"resumed from {first / 'results.tar.gz'}: {len(before)} records" in log
+    trained = {line for line in log.splitlines() if line.strip().startswith("done ")}
+    assert len(trained) == len(finished_keys(work)) - len(before)  # only the runs not finished before
+    assert tarball_keys(out) == finished_keys(work) >= before
