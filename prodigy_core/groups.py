@@ -237,9 +237,9 @@ def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[i
     ones in training mode), each member drawing its dropout masks from its own RNG state."""
     due = [m for m in members if training.eval_due(m.st.cfg, m.r)]
     scores: dict[int, tuple[float, float]] = {}
-    for variant in sorted({m.st.cfg.variant for m in due}):
+    for variant in sorted({m.st.cfg.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
         part = [m for m in due if m.st.cfg.variant == variant]
-        train_mode, batch_size = training.eval_settings(variant)
+        train_mode, batch_size = training.eval_settings(part[0].st.cfg)
         models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
         found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
         scores.update({m.index: score for m, score in zip(part, found, strict=True)})

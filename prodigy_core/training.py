@@ -16,7 +16,7 @@ One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and
 4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t = `config.lr_at(t)`.
 
 ``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see `make_aggregator`,
-`make_attack`): evaluation runs the network in training mode in test batches of 64 (`eval_settings`), a run
+`make_attack`): evaluation runs the network in training mode in test batches of b (`eval_settings`), a run
 stops at the first evaluation whose test loss is NaN and keeps that evaluation's accuracy, and a run whose
 model became non-finite scores the share of class 0 in the test set (what argmax gives on NaN logits).
 
@@ -102,11 +102,9 @@ from prodigy_core.seeding import precision_flags, resolve_device, seed_everythin
 # vs 7.2-7.5 (vmap turns convolutions into grouped ones, slower than plain ones on a CPU once they are large);
 # digits N=10 E=10 0.55-0.63 vs 0.51-0.72, a tie within noise: batched, so that CI exercises that path.
 AUTO_CPU_ENGINE = {"digits": "batched", "femnist": "sequential", "cifar10": "sequential"}
-# Test batch size of the paper variant: eval mode gives every batch size the same numbers.
+# Test batch size of the paper variant: eval mode gives every batch size the same numbers. (The authors' test
+# loader takes the clients' batch size: `eval_settings`.)
 EVAL_BATCH_SIZE = 1000
-# The authors' server tests in training mode over DataLoader(test_set, batch_size=64, shuffle=False)
-# (server.py): each batch's own BatchNorm statistics make this size, and the test set's order, matter.
-AUTHORS_EVAL_BATCH_SIZE = 64
 
 
 @dataclass
@@ -320,7 +318,7 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     cfg, result = st.cfg, st.result
     if eval_due(cfg, r):
         if scores is None:
-            train_mode, batch_size = eval_settings(cfg.variant)
+            train_mode, batch_size = eval_settings(cfg)
             scores = evaluate(st.model, st.fed, batch_size, train_mode)
         result.final_accuracy, result.final_loss = scores
         result.accuracy_curve.append([r, result.final_accuracy])
@@ -677,10 +675,12 @@ def evaluate_runs(
     return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
 
 
-def eval_settings(variant: str) -> tuple[bool, int]:
+def eval_settings(cfg: RunConfig) -> tuple[bool, int]:
     """(train_mode, batch size) of a run's test evaluation: eval mode in batches of `EVAL_BATCH_SIZE`
-    (``paper``), or the authors' training mode in batches of `AUTHORS_EVAL_BATCH_SIZE` (``authors``)."""
-    return (True, AUTHORS_EVAL_BATCH_SIZE) if variant == "authors" else (False, EVAL_BATCH_SIZE)
+    (``paper``), or as the authors' server tests (``authors``): training mode over DataLoader(test_set,
+    batch_size=<the clients' batch size>, shuffle=False) (server.py l.29, l.51-68), where each test batch's
+    own BatchNorm statistics make the batch size and the test set's order matter."""
+    return (True, cfg.batch_size) if cfg.variant == "authors" else (False, EVAL_BATCH_SIZE)
 
 
 def eval_due(cfg: RunConfig, r: int) -> bool:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
+from prodigy_core.config import RunConfig
 from prodigy_core.data import (
     CIFAR10_CLASSES,
     CIFAR10_MEAN,
@@ -183,7 +184,8 @@ def test_no_evaluation_batch_of_either_variant_is_one_class(tmp_path, jpeg_folde
     feds = [load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data"), load_federation("digits", 10)]
     for fed in feds:
         for variant in VARIANTS:
-            assert _single_class_batches(fed, eval_settings(variant)[1]) == [], (fed.name, variant)
+            batch_size = eval_settings(RunConfig(variant=variant))[1]  # 1000, and the authors' 64
+            assert _single_class_batches(fed, batch_size) == [], (fed.name, variant)
 
 
 def test_authors_numbers_move_when_the_test_set_is_class_sorted():
@@ -209,7 +211,7 @@ def test_authors_numbers_move_when_the_test_set_is_class_sorted():
         fed, test_images=fed.test_images[order], test_labels=fed.test_labels[order]
     )
     assert max(y.unique().numel() for _, y in sorted_fed.test_batches(64)) <= 3  # ~36 test images a class
-    train_mode, batch_size = eval_settings("authors")
+    train_mode, batch_size = eval_settings(RunConfig(variant="authors"))
     torch.manual_seed(1)
     interleaved = evaluate(model, fed, batch_size, train_mode)
     torch.manual_seed(1)

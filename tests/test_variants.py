@@ -289,7 +289,7 @@ def test_authors_run_stops_at_a_nan_test_loss_and_keeps_that_evaluations_accurac
 
     monkeypatch.setattr(training, "evaluate", fake_evaluate)
     result = run(tiny(variant="authors", rounds=12), progress=False)  # evaluations at rounds 4, 8, 12
-    assert set(calls) == {(64, True)}  # the authors' test loader: batches of 64, training mode
+    assert set(calls) == {(32, True)}  # the authors' test loader: the clients' batch size, training mode
     if stops:
         assert result.diverged and result.diverged_at == 8 and result.rounds_completed == 8
         assert result.final_accuracy == 37.5 and result.final_loss is None  # what that evaluation measured
