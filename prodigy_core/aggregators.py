@@ -644,8 +644,9 @@ class ProDiGy(Rule):
     s(k) = s_p(k) s_d(k); every client whose score is <= the f-th lowest gets weight 0 (ties too);
     output = sum_k s(k) g^k / sum_k s(k) over the kept clients.
 
-    Guards: a zero distance sum is floored at 1e-12 x the largest one and a zero mean norm at 1e-12 x the
-    largest client norm, so that clusters of identical vectors get large but finite scores; if every kept
+    Guards: a zero distance sum is floored at 1e-12 x the median one and a zero mean norm at 1e-12 x the
+    median client norm (medians over the good clients, which no Byzantine vector of any size can move out
+    of the honest range), so that clusters of identical vectors get large but finite scores; if every kept
     score is 0 (a degenerate input, e.g. all vectors equal), the output is the coordinate-wise median.
     Needs 2 <= f < N/2 (f = 1 makes every s_d zero). A call (not a ``peek``) keeps the scores of its input
     in ``last_scores``, on the CPU (logging them waits for no device); ``scores(G)`` returns them on G's
@@ -672,16 +673,14 @@ class ProDiGy(Rule):
         N, f = D.shape[0], self.f
         delta, index = _sort_without_self(D)
         spread = delta[:, f - 1 : N - f - 1].sum(dim=1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
-        largest = spread.masked_fill(bad, 0.0).max()  # guards as tensors: valid on any device
-        proximity = 1.0 / spread.clamp(min=torch.where(largest > 0, _FLOOR * largest, 1.0))
+        proximity = 1.0 / spread.clamp(min=_floor(spread, bad))
         A = _neighbourhood(index, f, torch.float64)
         D_good = D.masked_fill(torch.isinf(D), 0.0)  # neighbourhoods of good clients hold good clients only
         sigma = (0.5 * ((A @ D_good) * A).sum(dim=1)).clamp(min=0).sqrt()
         AK = A @ K[:N]
         mean_norm = ((AK[:, :N] * A).sum(dim=1) - 2 * AK[:, N] + K[N, N]).clamp(min=0).sqrt()
         norms = (K.diagonal()[:N] - 2 * K[:N, N] + K[N, N]).clamp(min=0).sqrt()
-        top_norm = norms.masked_fill(bad, 0.0).max()
-        dissimilarity = sigma / mean_norm.clamp(min=torch.where(top_norm > 0, _FLOOR * top_norm, 1.0))
+        dissimilarity = sigma / mean_norm.clamp(min=_floor(norms, bad))
         proximity, dissimilarity = proximity.masked_fill(bad, 0.0), dissimilarity.masked_fill(bad, 0.0)
         composite = proximity * dissimilarity
         kept = torch.where(composite > composite.kthvalue(f).values, composite, 0.0)
@@ -704,6 +703,16 @@ class ProDiGy(Rule):
 
     def reset(self) -> None:
         self.last_scores = None
+
+
+def _floor(values: Tensor, bad: Tensor) -> Tensor:
+    """ProDiGy's guard for a division by `values`: `_FLOOR` x their median over the good clients (1 when it
+    is 0). A median, not the largest value: with f < N/2 it lies within the honest clients' range, so a
+    Byzantine client cannot raise the floor with a huge vector and push every honest score down to its own.
+    A tensor, so the guard runs on any device without a sync."""
+    good = values[~bad]
+    median = good.median() if good.numel() else values.new_tensor(0.0)
+    return torch.where(median > 0, _FLOOR * median, 1.0)
 
 
 # --------------------------------------------------------------------------------------- pre-aggregators

@@ -350,6 +350,38 @@ def test_non_finite_rows_give_finite_output(name):
         close(out, bf_krum_without(G, f, bad_rows), tol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1e10, 1e25, 1e38])
+@pytest.mark.parametrize("n_huge", ["one", "f"])
+@pytest.mark.parametrize("name", [n for n in AGGREGATOR_NAMES if not n.endswith(("average", "none"))])
+def test_huge_finite_byzantine_rows_leave_the_aggregate_near_the_honest_mean(name, n_huge, scale):
+    """Finite Byzantine rows of any size (up to float32's 3.4e38) cannot move a robust rule's output far from
+    the honest vectors: its distance to the honest mean stays within the honest vectors' own spread (the
+    largest distance of an honest vector to their mean, x2 for the randomised and iterative rules' slack).
+    CClip's clipping radius tau is an absolute length, so its bound adds what L clipped steps can move:
+    L tau (at most one clipped vector of tau per client per step, averaged), whatever the Byzantine scale."""
+    N, d = 20, 50
+    f = {"bucketing+bulyan": 1}.get(name, 2 if name.startswith("bucketing+") else 4)
+    gen = torch.Generator().manual_seed(7)
+    honest = 1e-3 * (1.0 + torch.randn(N - f, d, generator=gen))  # honest updates of a late round: ~1e-3
+    byzantine = torch.full((f, d), scale)
+    byzantine[1::2] *= -1  # mixed signs: no cancellation trick helps a rule
+    if n_huge == "one":
+        byzantine[1:] = honest[: f - 1] + 1e-4  # the others look honest
+    G = torch.cat([byzantine, honest])
+    out = make_aggregator(name, f, n_clients=N)(G)
+    mean = honest.double().mean(dim=0)
+    radius = (honest.double() - mean).norm(dim=1).max()
+    assert torch.isfinite(out).all(), name
+    if name.endswith("cclip"):
+        rule = make_aggregator(name, f, n_clients=N).rule
+        radius = radius + rule.L * rule.tau / 2
+    assert (out.double() - mean).norm() <= 2 * radius, (
+        name,
+        float((out.double() - mean).norm()),
+        float(radius),
+    )
+
+
 def test_non_finite_distances_and_nnm():
     G = torch.randn(8, 4)
     G[2, 1] = math.nan
