@@ -425,7 +425,8 @@ class AuthorsBatchStream:
         sizes = [len(ix) for ix in fed.client_indices]
         small = [k for k, n in enumerate(sizes) if n < batch_size]
         if small:
-            k, more = small[0], f" (and {len(small) - 1} more clients)" if len(small) > 1 else ""
+            k, others = small[0], len(small) - 1
+            more = f" (and {others} more client{'s' * (others > 1)})" if others else ""
             raise ClientTooSmallError(
                 f"variant: authors: client {k} has {sizes[k]} samples, fewer than batch_size={batch_size}"
                 f"{more}: its DataLoader(drop_last=True) yields no batch and the authors' code would never "
