@@ -5,7 +5,8 @@ and schedule; on a GPU one run's step (N=10 clients) is far too small for the ca
 bound already, and `batch_size_for` does not stack). A group trains R compatible runs (`group_key`) together:
 
 - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at its
-  own learning rate, on its own batches and dropout masks;
+  own learning rate, on its own batches (an ``authors`` run's from its own `training.AuthorsBatchStream`,
+  whose epoch orders it draws from its own data generator) and dropout masks;
 - the evaluation: the members due evaluate their server models in one vmapped forward pass per test batch
   (`training.evaluate_runs`; one pass per variant);
 - everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
@@ -26,8 +27,11 @@ Compatibility: same data split (dataset, distribution, alpha, N, resolved data s
 data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the batched
 engine alone (`training.pick_engine`). `variant` is part of the key only where it changes the split (iid
 and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`); otherwise it changes
-the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode) and
-the diverged accuracy, all of which run per member in `server_round`, `end_round` and `finish_run`. Runs with
+the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`, which needs every client
+to hold a full batch: a member whose client is smaller is reported with its `training.ClientTooSmallError`
+before the group starts, and the others go on), the server side (rules, SF written into the momentum, CClip
+from theta_t), the evaluation (train mode) and the diverged accuracy, all of which run per member in
+`local_steps_stacked`, `server_round`, `end_round` and `finish_run`. Runs with
 different splits are not stacked (it would need per-run index tables and width groups); they go to other
 groups. A member that diverges is frozen and recorded as diverged, one whose server side raises is reported
 with its error; the others go on. Runs may be at different rounds (resumed from checkpoints of different
@@ -177,9 +181,15 @@ def iter_group(
     try:
         fed = training._load_federation(first, device)
         for i, config in enumerate(configs):
-            st = training.start_run(config, device, "batched", checkpoint_dir, fed=fed)
+            try:
+                st = training.start_run(config, device, "batched", checkpoint_dir, fed=fed)
+            except training.ClientTooSmallError as e:  # an authors member that cannot start; the others can
+                yield i, e
+                continue
             st.result.environment["group_size"] = len(configs)
             members.append(_Member(i, st, training._get_rng_states(st.data_gen), st.start + 1))
+        if not members:
+            return
         grad_fn = training.per_client_grad(members[0].st.model)
         eval_net = training.FunctionalNet(members[0].st.model)
         steps = max(m.st.cfg.rounds - m.st.start for m in members)
@@ -192,6 +202,7 @@ def iter_group(
                 outs = training.local_steps_stacked(
                     [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
                     [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
+                    streams=[m.st.stream for m in active],
                 )  # fmt: skip
                 shared = _elapsed(tic, device) / len(active)
                 served, still = [], []

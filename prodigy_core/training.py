@@ -4,7 +4,8 @@ One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and
 `config.record_distances_at`, so round 1 is the first server step):
 
 1. every client k starts from the server model theta_t and runs E local SGD steps at lr gamma_t on batches of
-   b = min(batch_size, |D_k|) samples drawn without replacement, with weight decay in the step
+   b = min(batch_size, |D_k|) samples drawn anew without replacement at every step (``paper``; ``authors``:
+   `AuthorsBatchStream`), with weight decay in the step
    (g <- grad + wd * theta; theta <- theta - gamma_t g) and no client-side SGD momentum;
 2. it forms the pseudo-gradient g_t^k = (theta_t - theta_t^{k,(E)}) / gamma_t and its local momentum
    m_t^k = beta m_{t-1}^k + (1 - beta) g_t^k, m_{-1}^k = 0 (beta = `local_momentum`; m_t = g_t when beta = 0),
@@ -16,7 +17,11 @@ One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and
 4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t = `config.lr_at(t)`.
 
 ``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see `make_aggregator`,
-`make_attack`): evaluation runs the network in training mode in test batches of b (`eval_settings`), a run
+`make_attack`): every client's batches come from its own epoch shuffles, b = batch_size consecutive samples
+per step, the last partial batch of an epoch dropped, the position carried across rounds and checkpointed
+(`AuthorsBatchStream`, client.py's cycled DataLoader with drop_last=True), and a client with fewer than
+batch_size samples stops the run before it starts (`ClientTooSmallError`: the authors' code would never
+return); evaluation runs the network in training mode in test batches of b (`eval_settings`), a run
 stops at the first evaluation whose test loss is NaN and keeps that evaluation's accuracy, and a run whose
 model became non-finite scores the share of class 0 in the test set (what argmax gives on NaN logits).
 
@@ -36,8 +41,8 @@ Engines (same semantics, same batches drawn from the same generator):
   BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn before the
   step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout), and passed in
   (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this way. Clients
-  smaller than batch_size are vmapped in groups of equal batch width, so every client's loss and BatchNorm
-  batch statistics use exactly its own b_k samples.
+  smaller than batch_size (``paper`` only) are vmapped in groups of equal batch width, so every client's loss
+  and BatchNorm batch statistics use exactly its own b_k samples.
 - ``sequential``: the reference, one model copy trained client after client on exactly its valid entries.
 - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per run
   (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
@@ -57,11 +62,12 @@ stops with its model frozen and is recorded as diverged, with no loss and the ac
 authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set;
 an ``authors`` run stopped by a NaN test loss keeps the accuracy that evaluation measured.
 Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`) hold
-the model, the momentum, the pipeline state and every RNG state, so a resumed run reproduces the uninterrupted
-one; the checkpoint is deleted when the run completes. They hold tensors and plain Python values only and
-are read with `torch.load(weights_only=True)`, so a crafted file on a shared disk cannot run code; a
-checkpoint that cannot be read or restored (garbage, truncated, crafted, another version's) is named in a
-warning, moved aside (`safe_io.quarantine`) and the run restarts from round 0.
+the model, the momentum, the pipeline state, every RNG state and (``authors``) the batch stream, so a
+resumed run reproduces the uninterrupted one; the checkpoint is deleted when the run completes. They hold
+tensors and plain Python values only and are read with `torch.load(weights_only=True)`, so a crafted file on
+a shared disk cannot run code; a checkpoint that cannot be read or restored (garbage, truncated, crafted,
+another version's) is named in a warning, moved aside (`safe_io.quarantine`) and the run restarts from round
+0.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ from tqdm.auto import tqdm
 import prodigy_core
 from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
 from prodigy_core.attacks import Attack, make_attack
-from prodigy_core.config import RunConfig
+from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
 from prodigy_core.safe_io import atomic_write, quarantine
@@ -178,7 +184,7 @@ def run(
             tic = time.perf_counter()
             gamma = cfg.lr_at(r - 1)
             pseudo_grads, client_buffers = local_steps(
-                st.model, st.fed, cfg.local_steps, gamma, cfg, st.data_gen
+                st.model, st.fed, cfg.local_steps, gamma, cfg, st.data_gen, stream=st.stream
             )
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
@@ -213,6 +219,7 @@ class RunState:
     start: int = 0  # rounds already done (restored from the checkpoint)
     hits: int = 0  # ProDiGy: zeroed clients that are Byzantine, summed over rounds
     stopped_at_nan_loss: bool = False  # authors: diverged at an evaluation, whose accuracy the record keeps
+    stream: AuthorsBatchStream | None = None  # authors: the clients' batch stream (`make_batch_stream`)
 
 
 def start_run(
@@ -230,6 +237,7 @@ def start_run(
     cfg = config.resolved()
     n, f = cfg.n_clients, cfg.n_byzantine
     fed = loaded = _load_federation(cfg, device) if fed is None else fed
+    stream = make_batch_stream(cfg, fed)  # before anything else: a too small authors client stops here
     seed_everything(cfg.seed)
     model = make_model(cfg.dataset).to(device).train()
     pipeline = make_aggregator(cfg.defense, f, n_clients=n, variant=cfg.variant)
@@ -246,7 +254,7 @@ def start_run(
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
     result.environment = _environment(device, engine)
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
-    st = RunState(config, cfg, fed, model, pipeline, attack, data_gen, momentum, result, ckpt)
+    st = RunState(config, cfg, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream)
     if resume and ckpt is not None and ckpt.exists():
         try:
             state = torch.load(ckpt, map_location=device, weights_only=True)
@@ -261,6 +269,8 @@ def start_run(
             st.result = RunResult.from_dict(state["result"])
             st.hits = int(state["hits"])
             _set_rng_states(state["rng"], data_gen)
+            if stream is not None:
+                stream.load_state_dict(state["batch_stream"])
         except Exception as e:  # whatever is wrong with it, the run is still there to be done from scratch
             moved, why = quarantine(ckpt, "unreadable"), str(e).split("\n")[0][:200]
             warnings.warn(
@@ -331,6 +341,8 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
         state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
                  "rng": _get_rng_states(st.data_gen)}  # fmt: skip
+        if st.stream is not None:  # authors: every client's epoch order and position
+            state["batch_stream"] = st.stream.state_dict()
         try:
             with atomic_write(st.ckpt, "wb") as fh:  # a kill never leaves a half-written checkpoint
                 torch.save(state, fh)
@@ -381,9 +393,89 @@ def server_input(momentum: Tensor, f: int, attack: Any, pipeline: Any) -> Tensor
 
 
 # ---------------------------------------------------------------------------------------------- local steps
-def _draw_batch(fed: Federation, batch_size: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """One local step's data for all clients: images (N,B,C,H,W), labels (N,B), mask (N,B)."""
-    idx, mask = fed.sample_batch(batch_size, gen)
+class ClientTooSmallError(ConfigError):
+    """An ``authors`` run with a client smaller than batch_size: the authors' code would never return."""
+
+
+class AuthorsBatchStream:
+    """The authors' client batch stream (``variant="authors"``), for all N clients at once.
+
+    The authors' client (senaergisi/prodigy client.py:46-47) holds ``DataLoader(data_set, batch_size,
+    shuffle=True, drop_last=True)`` and one ``iter(cycle(train_loader))`` made in ``__init__`` and kept
+    across rounds; each of its local steps takes ``next`` of it (client.py:68-73; every client steps every
+    round, server.py:38-40). ``cycle`` (client.py:11-14) re-enters the loader when an epoch is exhausted,
+    which draws a new shuffle of the client's own samples; ``drop_last`` leaves out the last |D_k| mod b
+    samples of each epoch. A client with fewer than b samples has an empty loader, on which ``cycle`` loops
+    forever without yielding (the ``except StopIteration`` there never fires): `ClientTooSmallError` here.
+
+    Here client k keeps its current epoch order (global row indices, the first |D_k| entries of row k of
+    `perms`) and the position `pos[k]` of its next batch. `next(gen)` gives one local step's (idx (N, b),
+    mask (N, b) all True): first, for k = 0, 1, ..., N-1 in that order, a client whose epoch cannot give a
+    full batch (pos[k] + b > |D_k|) starts a new one, ``client_indices[k][torch.randperm(|D_k|,
+    generator=gen)]``, at position 0; then row k is the epoch's entries pos[k] .. pos[k] + b - 1 and pos[k]
+    grows by b. Every client starts "exhausted" (pos[k] = |D_k|), so the first step draws every client's first
+    epoch. These randperm calls are the only draws from `gen` (the run's data generator, which augmentation
+    draws from after them in each step). The random numbers cannot be the authors' own (their RandomSampler
+    seeds a fresh generator from torch's global one, which their dropout and augmentation also draw from);
+    the structure of the batch sequence is theirs. `state_dict` (tensors) goes into the checkpoint."""
+
+    def __init__(self, fed: Federation, batch_size: int) -> None:
+        sizes = [len(ix) for ix in fed.client_indices]
+        small = [k for k, n in enumerate(sizes) if n < batch_size]
+        if small:
+            k, others = small[0], len(small) - 1
+            more = f" (and {others} more client{'s' * (others > 1)})" if others else ""
+            raise ClientTooSmallError(
+                f"variant: authors: client {k} has {sizes[k]} samples, fewer than batch_size={batch_size}"
+                f"{more}: its DataLoader(drop_last=True) yields no batch and the authors' code would never "
+                "return here (client.py cycles an empty loader); use variant: paper (batches of "
+                "min(batch_size, client size)), or fewer clients (n_clients) or a smaller batch_size"
+            )
+        self.fed, self.batch_size, self.sizes = fed, batch_size, sizes
+        self.perms = torch.zeros(fed.n_clients, max(sizes), dtype=torch.int64, device=fed.device)
+        self.pos = list(sizes)
+        self._width = torch.arange(batch_size, device=fed.device)
+        self._mask = torch.ones(fed.n_clients, batch_size, dtype=torch.bool, device=fed.device)
+
+    def next(self, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """One local step's (idx (N, b), mask (N, b) all True), drawing new epochs from `gen` (see above)."""
+        b = self.batch_size
+        for k, n in enumerate(self.sizes):
+            if self.pos[k] + b > n:
+                order = torch.randperm(n, generator=gen, device=self.fed.device)
+                self.perms[k, :n] = self.fed.client_indices[k][order]
+                self.pos[k] = 0
+        offsets = torch.tensor(self.pos, device=self.fed.device)
+        idx = self.perms.gather(1, offsets[:, None] + self._width)
+        self.pos = [p + b for p in self.pos]
+        return idx, self._mask
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"perms": self.perms.clone(), "pos": torch.tensor(self.pos, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        perms, pos = state["perms"], [int(p) for p in state["pos"]]
+        if tuple(perms.shape) != tuple(self.perms.shape) or len(pos) != len(self.sizes):
+            raise ValueError(
+                f"batch stream of shape {tuple(perms.shape)} does not fit {tuple(self.perms.shape)}"
+            )
+        if any(not 0 <= p <= n for p, n in zip(pos, self.sizes, strict=True)):
+            raise ValueError(f"batch stream positions {pos} do not fit the client sizes {self.sizes}")
+        self.perms, self.pos = perms.to(self.fed.device, torch.int64).clone(), pos
+
+
+def make_batch_stream(cfg: RunConfig, fed: Federation) -> AuthorsBatchStream | None:
+    """The run's batch stream: `AuthorsBatchStream` under ``authors`` (raises `ClientTooSmallError` for a
+    client smaller than batch_size), None under ``paper`` (every step draws `Federation.sample_batch`)."""
+    return AuthorsBatchStream(fed, cfg.batch_size) if cfg.variant == "authors" else None
+
+
+def _draw_batch(
+    fed: Federation, batch_size: int, gen: torch.Generator, stream: AuthorsBatchStream | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One local step's data for all clients: images (N,B,C,H,W), labels (N,B), mask (N,B); the indices from
+    `stream` when given (``authors``), else `Federation.sample_batch` (``paper``)."""
+    idx, mask = fed.sample_batch(batch_size, gen) if stream is None else stream.next(gen)
     return fed.train_batch(idx, gen), fed.train_labels[idx], mask
 
 
@@ -487,12 +579,16 @@ def _local_steps_batched(
     cfg: RunConfig,
     gen: torch.Generator,
     grad_fn: ClientGrad | None = None,
+    stream: AuthorsBatchStream | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """All N clients' E local SGD steps as one vmapped computation; returns the pseudo-gradients (N, d) and
     the clients' BatchNorm buffers {name: (N, ...)}. ``grad_fn``: `per_client_grad(model)` built once by the
-    caller (compiled or not); None builds an eager one."""
+    caller (compiled or not); None builds an eager one. ``stream``: the run's `AuthorsBatchStream`
+    (``authors``), None: `Federation.sample_batch` (``paper``)."""
     step = grad_fn or per_client_grad(model)
-    ((pseudo_grads, buffers),) = local_steps_stacked([model], [fed], steps, [lr], cfg, [gen], step)
+    ((pseudo_grads, buffers),) = local_steps_stacked(
+        [model], [fed], steps, [lr], cfg, [gen], step, streams=[stream]
+    )
     return pseudo_grads, buffers
 
 
@@ -505,19 +601,22 @@ def local_steps_stacked(
     gens: list[torch.Generator],
     grad_fn: ClientGrad,
     own_rng: list[Callable[[], Any]] | None = None,
+    streams: list[AuthorsBatchStream | None] | None = None,
 ) -> list[tuple[Tensor, dict[str, Tensor]]]:
     """The E local SGD steps of R runs' N clients each (R = len(models), same architecture, same client
     data sizes, same E, batch size and weight decay `cfg`) as one vmapped computation over R x N clients;
     returns every run's (pseudo-gradients (N, d), BatchNorm buffers {name: (N, ...)}).
 
-    Run i draws its batches from `gens[i]` and, within `own_rng[i]()` (a context manager that makes run i's
-    RNG state the global one; None: the global state as it is), its dropout masks, in the order a run alone
-    draws them, so its numbers do not depend on the other runs. Clients with fewer than batch_size samples
+    Run i draws its batches from `gens[i]` (through its `streams[i]` when it has one: ``authors``) and,
+    within `own_rng[i]()` (a context manager that makes run i's RNG state the global one; None: the global
+    state as it is), its dropout masks, in the order a run alone draws them, so its numbers do not depend on
+    the other runs. Clients with fewer than batch_size samples
     form one vmapped group per batch width, so that every client trains on exactly its b_k valid samples
     (padding would enter BatchNorm's batch statistics); with IID data or large clients there is a single
     group and no indexing."""
     runs, n = len(models), feds[0].n_clients
     contexts = own_rng or [contextlib.nullcontext] * runs
+    streams = streams or [None] * runs
 
     def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
         return torch.stack([t.detach() for t in tensors]).repeat_interleave(n, dim=0)
@@ -534,7 +633,7 @@ def local_steps_stacked(
         parts = []  # per run, per width group: (images, labels, dropout masks)
         for i in range(runs):
             with contexts[i]():
-                x, y, _ = _draw_batch(feds[i], cfg.batch_size, gens[i])
+                x, y, _ = _draw_batch(feds[i], cfg.batch_size, gens[i], streams[i])
                 sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
                 parts.append([(xg, yg, grad_fn.masks(xg)) for xg, yg in sub])
         for g, ids in enumerate(stacked):
@@ -575,13 +674,19 @@ def _cat_runs(parts: list[tuple[Tensor, Tensor, dict[str, Tensor]]]) -> tuple[Te
 
 
 def _local_steps_sequential(
-    model: nn.Module, fed: Federation, steps: int, lr: float, cfg: RunConfig, gen: torch.Generator
+    model: nn.Module,
+    fed: Federation,
+    steps: int,
+    lr: float,
+    cfg: RunConfig,
+    gen: torch.Generator,
+    stream: AuthorsBatchStream | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Reference: the same E local steps on the same batches, one client after another on one model copy.
 
     The copy runs in channels-last memory format (1.2-1.5x faster convolutions on a CPU, native for cuDNN);
     flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
-    batches = [_draw_batch(fed, cfg.batch_size, gen) for _ in range(steps)]
+    batches = [_draw_batch(fed, cfg.batch_size, gen, stream) for _ in range(steps)]
     server_state = copy.deepcopy(model.state_dict())
     client = copy.deepcopy(model).to(memory_format=torch.channels_last)
     weights = list(client.parameters())

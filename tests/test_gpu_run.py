@@ -3,6 +3,7 @@ holds exactly the finished runs; the deadline, missing data and a failing step b
 
 import importlib.util
 import json
+import os
 import sys
 import tarfile
 from pathlib import Path
@@ -20,6 +21,15 @@ def gpu_run():
     sys.modules["gpu_run"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """The driver sets PRODIGY_* variables for its own process; a test calls it in pytest's."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture

@@ -49,6 +49,9 @@ def _assert_same_run(a, b, tol=1e-10):
     for name, value in a["model"].items():
         torch.testing.assert_close(value, b["model"][name], rtol=0, atol=tol, msg=name)
     torch.testing.assert_close(a["momentum"], b["momentum"], rtol=0, atol=tol)
+    assert ("batch_stream" in a) == ("batch_stream" in b)  # authors: each run's own epochs and positions
+    for name, value in a.get("batch_stream", {}).items():
+        assert torch.equal(value, b["batch_stream"][name]), name
     ra, rb = a["result"], b["result"]
     for field in ("accuracy_curve", "zeroed_clients", "rounds_completed", "diverged"):
         assert ra[field] == rb[field], field
@@ -120,6 +123,39 @@ def test_authors_variant_members_equal_their_solo_runs(tmp_path):
     paper = AUTHORS[0].replace(variant="paper")
     honest = _solo_states([paper], tmp_path / "paper")[paper.key()]["momentum"]
     assert not torch.allclose(group[AUTHORS[0].key()]["momentum"][:2], honest[:2])
+
+
+def test_authors_members_draw_their_own_batch_streams(tmp_path):
+    group = _group_states(AUTHORS, tmp_path / "group")
+    states = [group[c.key()]["batch_stream"] for c in AUTHORS]
+    # one split, one batch size: after STOP rounds of 2 steps every member is equally far into its epochs
+    sizes = [
+        len(ix) for ix in training._load_federation(AUTHORS[0].resolved(), torch.device("cpu")).client_indices
+    ]
+    steps, b = STOP * BASE["local_steps"], BASE["batch_size"]
+    for state in states:
+        assert state["pos"].tolist() == [((steps - 1) % (n // b) + 1) * b for n in sizes]
+    # ... but in epochs of its own: seeds 0 and 1 shuffle differently, and two members of seed 1 alike
+    assert not torch.equal(states[0]["perms"], states[1]["perms"])
+    assert torch.equal(states[1]["perms"], states[2]["perms"])
+
+
+def test_authors_member_with_a_too_small_client_fails_alone(tmp_path, monkeypatch):
+    # a paper run and an authors run on one split (possible in a group with FEMNIST's natural split; forced
+    # here on digits, where the group takes its first member's split): the authors member cannot start
+    # (client 0 holds 64 < 100 samples), the other goes on
+    paper = RunConfig(**{**BASE, "batch_size": 100}, defense="average", attack="none", seed=0)
+    authors = paper.replace(variant="authors")
+    fed = training._load_federation(paper.resolved(), torch.device("cpu"))
+    assert len(fed.client_indices[0]) == 64
+    monkeypatch.setattr(groups, "group_key", lambda config: ("one group",))
+    outcomes = list(groups.iter_group([paper, authors], checkpoint_dir=tmp_path / "group", _stop_after=STOP))
+    assert len(outcomes) == 1 and outcomes[0][0] == 1  # reported before the group's first step
+    assert isinstance(outcomes[0][1], training.ClientTooSmallError) and "client 0 has 64" in str(
+        outcomes[0][1]
+    )
+    group = torch.load(tmp_path / "group" / f"{paper.key()}.pt", weights_only=False)
+    _assert_same_run(group, _solo_states([paper], tmp_path / "solo")[paper.key()])
 
 
 @pytest.mark.filterwarnings("ignore:.*non-finite:RuntimeWarning")

@@ -17,7 +17,7 @@ from prodigy_core import training
 from prodigy_core.aggregators import CClip, TrimmedMean, make_aggregator
 from prodigy_core.attacks import make_attack
 from prodigy_core.config import ConfigError, RunConfig
-from prodigy_core.data import load_federation
+from prodigy_core.data import Federation, load_federation
 from prodigy_core.experiments import load_experiment
 from prodigy_core.training import diverged_accuracy, evaluate, local_momentum, run, server_input
 
@@ -307,6 +307,147 @@ def test_diverged_authors_run_scores_the_class_0_share():
     labels = load_federation("digits", 6, distribution="dirichlet", seed=0).test_labels
     share = 100.0 * (labels == 0).sum().item() / len(labels)
     assert result.final_accuracy == pytest.approx(share) and share != pytest.approx(10.0)
+
+
+# ------------------------------------------------------------------------------------ client batch streams
+def _two_client_federation() -> Federation:
+    """Client 0 holds rows [10, 3, 7, 0, 5] and client 1 rows [1, 2, 4, 6, 8, 9, 11] of 12 samples."""
+    images = torch.zeros(12, 1, 2, 2)
+    own = [torch.tensor([10, 3, 7, 0, 5]), torch.tensor([1, 2, 4, 6, 8, 9, 11])]
+    return Federation(name="two", train_images=images, train_labels=torch.arange(12) % 2, client_indices=own,
+                      test_images=images[:2], test_labels=torch.tensor([0, 1]), num_classes=2, mean=(0.0,),
+                      std=(1.0,))  # fmt: skip
+
+
+def test_authors_stream_takes_consecutive_slices_of_each_clients_epoch_shuffles_tail_dropped():
+    fed, b, steps = _two_client_federation(), 2, 7
+    stream = training.AuthorsBatchStream(fed, b)
+    gen = torch.Generator().manual_seed(4)
+    got = []
+    for _ in range(steps):
+        idx, mask = stream.next(gen)
+        assert idx.shape == (2, b) and mask.shape == (2, b) and bool(mask.all())
+        got.append(idx.tolist())
+    # By hand: client 0 (5 samples) gives 2 batches an epoch, its 5th sample dropped; client 1 (7) gives 3.
+    # New epochs start at steps 0, 2, 4, 6 (client 0) and 0, 3, 6 (client 1), drawn client by client within
+    # a step, each as the client's rows in the order of one torch.randperm from the generator.
+    ref = torch.Generator().manual_seed(4)
+    own = [ix.tolist() for ix in fed.client_indices]
+    epochs: dict[int, list[list[int]]] = {0: [], 1: []}
+    for _step, k in [(0, 0), (0, 1), (2, 0), (3, 1), (4, 0), (6, 0), (6, 1)]:
+        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=ref).tolist()])
+    for t in range(steps):
+        (e0, p0), (e1, p1) = divmod(t, 2), divmod(t, 3)
+        assert got[t] == [epochs[0][e0][b * p0 : b * p0 + b], epochs[1][e1][b * p1 : b * p1 + b]], t
+    # every complete epoch: distinct samples of the client's own, all but |D_k| mod b of them
+    for k, per_epoch, complete in ((0, 2, 3), (1, 3, 2)):
+        for e in range(complete):
+            seen = [i for t in range(e * per_epoch, (e + 1) * per_epoch) for i in got[t][k]]
+            assert len(set(seen)) == len(seen) == len(own[k]) - len(own[k]) % b and set(seen) <= set(own[k])
+        assert len({tuple(ep) for ep in epochs[k]}) > 1  # a new shuffle each epoch
+    # the state round-trips: a stream restored from it (with the generator's state) goes on identically
+    saved, gen_state = stream.state_dict(), gen.get_state()
+    after = [stream.next(gen)[0].tolist() for _ in range(4)]
+    restored = training.AuthorsBatchStream(fed, b)
+    restored.load_state_dict(saved)
+    gen.set_state(gen_state)
+    assert [restored.next(gen)[0].tolist() for _ in range(4)] == after
+
+
+def _recorded_batches(monkeypatch, config):
+    """Run `config` and return the (N, b) training indices of every local step, in order."""
+    seen = []
+    train_batch = Federation.train_batch
+
+    def recording(self, idx, generator):
+        seen.append(idx.clone())
+        return train_batch(self, idx, generator)
+
+    monkeypatch.setattr(Federation, "train_batch", recording)
+    run(config, progress=False)
+    monkeypatch.undo()
+    return seen
+
+
+@pytest.mark.parametrize("engine", ["batched", "sequential", "compiled"])
+def test_authors_runs_draw_every_clients_epochs_across_rounds(monkeypatch, engine):
+    cfg = tiny(variant="authors", rounds=3, local_steps=3, eval_every=3, engine=engine)  # 9 steps, b=32
+    if engine == "compiled":  # the compiled engine's own path to its batches, without paying the compiler
+        monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    monkeypatch.setattr(Federation, "sample_batch", lambda *a: pytest.fail("authors drew sample_batch"))
+    seen = _recorded_batches(monkeypatch, cfg)
+    assert len(seen) == 9
+    # expected, written from the rule: client k's epoch e covers steps e q_k .. (e + 1) q_k - 1 with
+    # q_k = |D_k| // b; epochs are drawn from the run's data generator (seeded with the seed; digits draws
+    # nothing else from it) in the order of their first step, clients in id order within a step
+    own = [
+        ix.tolist()
+        for ix in load_federation("digits", 6, "dirichlet", seed=0, variant="authors").client_indices
+    ]
+    b, q = cfg.batch_size, [len(ix) // cfg.batch_size for ix in own]
+    assert min(q) < 9 and max(q) > 3  # epochs end inside a round and the position crosses rounds
+    starts = sorted((e * q[k], k) for k in range(6) for e in range(-(-9 // q[k])))
+    gen, epochs = torch.Generator().manual_seed(cfg.seed), {k: [] for k in range(6)}
+    for _, k in starts:
+        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=gen).tolist()])
+    for t, idx in enumerate(seen):
+        expected = [epochs[k][t // q[k]][b * (t % q[k]) : b * (t % q[k]) + b] for k in range(6)]
+        assert idx.tolist() == expected, t
+
+
+def test_paper_runs_still_draw_sample_batch_anew_every_step(monkeypatch):
+    cfg = tiny(rounds=3, local_steps=3, eval_every=3)  # paper
+    seen = _recorded_batches(monkeypatch, cfg)
+    fed = load_federation("digits", 6, "dirichlet", seed=0)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    assert len(seen) == 9
+    for idx in seen:
+        assert torch.equal(idx, fed.sample_batch(cfg.batch_size, gen)[0])
+    assert training.make_batch_stream(cfg.resolved(), fed) is None
+
+
+@pytest.mark.parametrize("engine", ["batched", "sequential"])
+def test_killed_authors_run_resumes_its_batch_stream(tmp_path, engine):
+    cfg = tiny(variant="authors", n_byzantine=2, defense="cclip", attack="alie", local_momentum=0.9, rounds=6,
+               eval_every=2, checkpoint_every=2, engine=engine)  # fmt: skip
+    reference = run(cfg, progress=False)
+    partial = run(cfg, progress=False, checkpoint_dir=tmp_path, _stop_after=5)  # "killed" after round 5
+    state = torch.load(tmp_path / f"{cfg.key()}.pt", weights_only=True)
+    assert state["round"] == 4
+    # after 16 steps of b=32 every client is inside an epoch: (16 - 1) mod q_k + 1 batches into it
+    sizes = [
+        len(ix) for ix in load_federation("digits", 6, "dirichlet", seed=0, variant="authors").client_indices
+    ]
+    expected = [((16 - 1) % (n // 32) + 1) * 32 for n in sizes]
+    assert state["batch_stream"]["pos"].tolist() == expected != sizes
+    resumed = run(cfg, progress=False, checkpoint_dir=tmp_path)
+    assert resumed.round_times[:4] == partial.round_times[:4]  # restored from the checkpoint, not rerun
+    for name in ("final_accuracy", "final_loss", "accuracy_curve", "attack_params", "rounds_completed"):
+        assert getattr(resumed, name) == getattr(reference, name), name
+
+
+def test_authors_client_smaller_than_a_batch_stops_the_run_before_it_starts(tmp_path, capsys):
+    sizes = [
+        len(ix) for ix in load_federation("digits", 6, "dirichlet", seed=0, variant="authors").client_indices
+    ]
+    assert sizes[:3] == [249, 184, 151]  # clients 1 and 2 are below a batch of 200
+    with pytest.raises(ConfigError) as caught:
+        run(tiny(variant="authors", batch_size=200), progress=False, checkpoint_dir=tmp_path)
+    message = str(caught.value)
+    assert isinstance(caught.value, ValueError) and "\n" not in message
+    for part in ("client 1 has 184 samples", "batch_size=200", "(and 1 more client)",
+                 "authors' code would never return", "variant: paper", "smaller batch_size"):  # fmt: skip
+        assert part in message, part
+    assert not any(tmp_path.iterdir())  # stopped before its first round
+    assert run(tiny(batch_size=200, rounds=1, local_steps=1), progress=False).rounds_completed == 1  # paper
+    from prodigy_core.cli import main
+
+    code = main(
+        ["run", "--set", "variant=authors", "--set", "batch_size=200", "--results-dir", str(tmp_path)]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("prodigy-fl: error: ") and "would never return" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------------------------------- reports
