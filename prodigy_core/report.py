@@ -688,38 +688,70 @@ def format_parameter(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, int | float) else str(value)
 
 
+# A damage below ABOUT_ZERO x the scale (the honest mean's norm) is float noise: the aggregate is the honest
+# mean; damages within TIED x the largest of one another differ by rounding only. Either way no candidate is
+# more damaging than another, and a plot of them would draw noise.
+ABOUT_ZERO, TIED = 1e-5, 1e-6
+
+
+def flat_damage(search: Sequence[tuple[Any, float]], scale: float | None = None) -> str | None:
+    """A sentence for a search whose damages are all about 0 against ``scale`` (the explorer passes the honest
+    mean's norm) or tie within rounding; None when they differ or there is no search."""
+    damage = [d for _, d in search]
+    if not damage or not all(math.isfinite(d) for d in damage):
+        return None
+    top = max(abs(d) for d in damage)
+    if scale is not None and math.isfinite(scale) and top <= ABOUT_ZERO * scale:
+        return "damage about 0 for every candidate (the defense removes the attack; no candidate chosen)"
+    if max(damage) - min(damage) <= TIED * top:
+        return f"damage {top:.3g} for every candidate (equal within rounding; no candidate chosen)"
+    return None
+
+
 def damage_plot(
-    search: Sequence[tuple[Any, float]], attack: str, title: str | None = None, defense: str | None = None
+    search: Sequence[tuple[Any, float]],
+    attack: str,
+    title: str | None = None,
+    defense: str | None = None,
+    scale: float | None = None,
 ) -> Figure:
     """Damage (distance of the aggregate to the honest mean) against the attack's candidate parameter,
     from ``attack.last_search``, under ``defense``; the chosen (most damaging) candidate is marked. The axes
-    print plain numbers (no offset: a flat curve must not look steep)."""
+    print plain numbers (no offset: a flat curve must not look steep). Damages that tie within rounding
+    (`flat_damage`, against ``scale``) and an attack without a search are a sentence, not empty or noisy
+    axes."""
     symbol = SEARCH_PARAMETERS.get(attack, "parameter")
+    against = f" against {display_value('defense', defense)}" if defense else ""
+    title = title or f"Damage of {display_value('attack', attack)} per candidate{against}"
+    flat = flat_damage(search, scale)
     with figure_style():
+        if not search or flat is not None:
+            fig = Figure(figsize=(4.2, 1.0), layout="constrained")
+            ax = fig.subplots()
+            ax.set_axis_off()
+            what = flat if search else f"{display_value('attack', attack)} has no parameter search"
+            ax.text(0.5, 0.5, wrap(what[0].upper() + what[1:], fig), ha="center", va="center",
+                    transform=ax.transAxes)  # fmt: skip
+            fig.suptitle(wrap(title, fig))
+            return fig
         fig = Figure(figsize=(4.2, 2.8), layout="constrained")
         ax = fig.subplots()
-        if search:
-            params, damage = zip(*search, strict=True)
-            numeric = all(isinstance(p, int | float) for p in params)  # alie_spread's are (z, rho) pairs
-            x = list(params) if numeric else list(range(len(params)))
-            y = [d if math.isfinite(d) else np.nan for d in damage]  # an infinite damage is not drawable
-            best = max(range(len(damage)), key=damage.__getitem__)  # the first maximum, as the attack picks
-            ax.plot(x, y, marker="o", color=HONEST_COLOUR)
-            label = f"chosen: {symbol} = {format_parameter(params[best])}"
-            ax.plot([x[best]], [y[best]], marker="*", ms=14, color=BYZANTINE_COLOUR, ls="none", label=label)
-            if not numeric:
-                ax.set_xticks(x, [format_parameter(p) for p in params], rotation=90)
-            ax.legend()
-        else:
-            ax.text(0.5, 0.5, f"{display_value('attack', attack)} has no parameter search", ha="center",
-                    va="center", transform=ax.transAxes)  # fmt: skip
+        params, damage = zip(*search, strict=True)
+        numeric = all(isinstance(p, int | float) for p in params)  # alie_spread's are (z, rho) pairs
+        x = list(params) if numeric else list(range(len(params)))
+        y = [d if math.isfinite(d) else np.nan for d in damage]  # an infinite damage is not drawable
+        best = max(range(len(damage)), key=damage.__getitem__)  # the first maximum, as the attack picks
+        ax.plot(x, y, marker="o", color=HONEST_COLOUR)
+        label = f"chosen: {symbol} = {format_parameter(params[best])}"
+        ax.plot([x[best]], [y[best]], marker="*", ms=14, color=BYZANTINE_COLOUR, ls="none", label=label)
+        if not numeric:
+            ax.set_xticks(x, [format_parameter(p) for p in params], rotation=90)
+        ax.legend()
         for axis in (ax.xaxis, ax.yaxis):
             if isinstance(axis.get_major_formatter(), matplotlib.ticker.ScalarFormatter):
                 axis.set_major_formatter(matplotlib.ticker.ScalarFormatter(useOffset=False))
         ax.set_xlabel(f"candidate {symbol}")
         ax.set_ylabel("‖aggregate − honest mean‖")
-        against = f" against {display_value('defense', defense)}" if defense else ""
-        title = title or f"Damage of {display_value('attack', attack)} per candidate{against}"
         ax.set_title(wrap(title, fig))
         ax.grid(alpha=0.3)
     return fig
