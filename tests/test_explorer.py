@@ -188,3 +188,18 @@ def test_exploration_without_a_search_or_with_a_tie_says_so():
                                   "search": [(1.0, 3e-7), (10.0, 3e-7)], "scale": 1.0})  # fmt: skip
     line = explorer.exploration_summary(tie)
     assert "damage about 0 for every candidate" in line and "chosen ε" not in line
+
+
+def test_the_test_command_installs_what_the_explorer_tests_need():
+    # issue 28 row 12: the test command of README and .ci/run must not skip the widget tests
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pyproject = (root / "pyproject.toml").read_text()  # (tomllib is Python >= 3.11)
+    extras = {m[1]: re.findall(r'"([^"]+)"', m[2]) for m in re.finditer(r"(?m)^(\w+) = \[(.*)\]$", pyproject)}
+    command = 'pip install -e ".[dev,ray]" && pytest'
+    assert command in (root / "README.md").read_text() and command in (root / ".ci" / "run").read_text()
+    widgets = [r for r in extras["lab"] if r.startswith("ipywidgets")]
+    assert widgets and set(widgets) <= set(extras["dev"])
+    assert not any(re.match(r"jupyterlab\b", r) for r in extras["dev"])  # CI stays light

@@ -60,7 +60,6 @@ def test_bar_class_is_the_widget_bar_only_in_a_kernel_with_ipywidgets(monkeypatc
     monkeypatch.setattr(progress, "widgets_available", lambda: False)
     assert progress.bar_class() is text_bar
     monkeypatch.setattr(progress, "widgets_available", lambda: True)
-    pytest.importorskip("ipywidgets")
     from tqdm.notebook import tqdm as widget_bar
 
     assert progress.bar_class() is widget_bar and progress.bar_class(text=True) is text_bar
