@@ -32,6 +32,10 @@ from prodigy_core import paths
 from prodigy_core.config import ConfigError, RunConfig, field_names, parse_value
 
 EXIT_USAGE = 2
+# JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
+LAB_HINT = "pip install 'prodigy-fl[lab]' && jupyter lab notebooks/"
+# The full quickstart's wall time as the README measures it ("What the quickstart shows").
+QUICKSTART_TIME = "about 15 minutes on a 2-core CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     results_dir(p)
     p.set_defaults(command=cmd_report)
 
-    p = sub.add_parser("quickstart", help="the digits grid (all defenses x all attacks), then its report")
-    p.add_argument("--smoke", action="store_true", help="a few seconds instead of a few minutes")
+    about = f"the digits grid (all defenses x all attacks, 42 runs; {QUICKSTART_TIME}), then its report"
+    p = sub.add_parser("quickstart", help=about, description=about[0].upper() + about[1:] + ".")
+    p.add_argument(
+        "--smoke", action="store_true", help=f"a shrunk grid on 6 runs: seconds instead of {QUICKSTART_TIME}"
+    )
     p.add_argument("--jobs", type=jobs_arg, default="auto",
                    help="worker processes running the grid (default auto: one per CPU core, one thread "
                    "each, so that its numbers do not depend on the core count)")  # fmt: skip
@@ -419,7 +426,8 @@ def cmd_init(args: argparse.Namespace) -> int:
         (root / name).mkdir(exist_ok=True)
     kept_note = f", {len(kept)} kept as they were" if kept else ""
     print(f"project folder {root}: {len(made)} files copied{kept_note}")
-    print(f"next: cd {root} && prodigy-fl quickstart   (or: jupyter lab notebooks/)")
+    print(f"next: cd {root} && prodigy-fl quickstart")
+    print(f"  or, for the notebooks and the attack explorer: {LAB_HINT}")
     return 0
 
 

@@ -46,6 +46,13 @@ from prodigy_core.seeding import resolve_device
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 CIFAR10_JPEG_ARCHIVE = SHARED_DATA_DIR / "cifar10-jpeg" / "cifar10-jpeg.tar.gz"
 
+
+def jpeg_copy_hint() -> str:
+    """What a message names as the JPEG copy to decode: the archive beside the clone where there is one, else
+    the placeholder of the documented `prodigy-fl data cifar10 --from PATH` (never a path the user lacks)."""
+    return str(CIFAR10_JPEG_ARCHIVE) if CIFAR10_JPEG_ARCHIVE.exists() else "PATH/cifar10-jpeg.tar.gz"
+
+
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # the paper's normalisation (design-notes section 1)
 CIFAR10_STD = (0.2023, 0.1994, 0.2010)
 FEMNIST_MEAN, FEMNIST_STD = (0.5,), (0.5,)
@@ -578,8 +585,8 @@ def load_federation(
                 raise DataError(
                     f"CIFAR-10 not found in {root} (neither torchvision's cifar-10-batches-py nor a decoded "
                     f"{CIFAR10_JPEG_FILE}); download it with `prodigy-fl data cifar10` (or download=True), "
-                    f"or offline decode the JPEG copy: `prodigy-fl data cifar10 --from "
-                    f"{CIFAR10_JPEG_ARCHIVE}` (data_dir={str(root)!r})"
+                    f"or offline decode the JPEG copy: `prodigy-fl data cifar10 --from {jpeg_copy_hint()}` "
+                    f"(data_dir={str(root)!r})"
                 )
             num_classes, mean, std, augment = 10, CIFAR10_MEAN, CIFAR10_STD, True
         else:
@@ -652,7 +659,7 @@ def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if not path.is_file():
         raise DataError(
             f"the decoded JPEG copy of CIFAR-10 is not in {path}; make it with "
-            f"`prodigy-fl data cifar10 {root} --from {CIFAR10_JPEG_ARCHIVE}`"
+            f"`prodigy-fl data cifar10 {root} --from {jpeg_copy_hint()}`"
         )
     arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     test_labels = arrays["test_labels"]

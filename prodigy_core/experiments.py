@@ -588,12 +588,13 @@ def run_grid(
     run's record is the one it gets alone), in this process, in a pool worker or in one Ray task; "auto"
     (default) stacks where it is faster (`groups.batch_size_for`), 1 trains one run at a time.
     """
-    if os.environ.get(PROGRESS_ENV) == "text":  # a kernel under papermill: a widget bar would go unseen
-        from tqdm.std import tqdm
-    else:  # a widget bar in JupyterLab, text in a terminal
-        from tqdm.auto import tqdm
-
     from prodigy_core import groups
+    from prodigy_core.progress import bar_class, line_stream
+
+    # a widget bar in JupyterLab with ipywidgets; text in a terminal, without ipywidgets, and under papermill
+    # (PROGRESS_ENV: a widget bar would go unseen); the per-run lines on stdout in a notebook, else stderr
+    tqdm = bar_class(text=os.environ.get(PROGRESS_ENV) == "text")
+    lines = line_stream()
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
@@ -625,7 +626,7 @@ def run_grid(
     finished = failed = 0
     total = len(experiment.configs)
     bar = tqdm(total=total, initial=total - len(todo), unit="run", desc=experiment.results_name,
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+               disable=not progress, file=lines, dynamic_ncols=True)  # fmt: skip
     try:
         if executor == "ray":
             outcomes = _ray_outcomes(tasks, batches, claims, jobs, address, num_cpus, num_gpus)
@@ -649,7 +650,7 @@ def run_grid(
             claims.release(key)
             bar.update(1)
             if progress:
-                bar.write(line, file=sys.stderr)
+                bar.write(line, file=lines)
     finally:
         claims.release_all()
         bar.close()
@@ -661,14 +662,20 @@ def run_grid(
             what = " ".join(f"{n}={getattr(c, n)}" for n in varying) or c.key()
             lock = folder / f"{c.key()}.lock"
             print(f"undone {what}: claimed by another process ({lock}); rerun when it is done",
-                  file=sys.stderr)  # fmt: skip
+                  file=lines)  # fmt: skip
         print(
-            f"{experiment.results_name}: {finished} run, {skipped} already done, {failed} failed"
+            f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
+            f"{failed} failed"
             + (f", {len(busy)} left undone (claimed by another process)" if busy else "")
             + f"; records in {folder}",
-            file=sys.stderr,
+            file=lines,
         )
     return store.load(experiment, results_dir)
+
+
+def plural(n: int, noun: str) -> str:
+    """ "1 run", "6 runs"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def auto_jobs(configs: Sequence[RunConfig], work_items: int) -> tuple[int, int | None]:

@@ -7,6 +7,7 @@ The figures themselves (`distance_heatmap`, `score_bars`, `damage_plot`) and the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from prodigy_core.report import (
     damage_plot,
     display_value,
     distance_heatmap,
+    flat_damage,
     format_parameter,
     output_dir,
     save_figure,
@@ -48,6 +50,7 @@ class Exploration:
     chosen: Any  # the attack's chosen parameter (None without a search)
     damage: float  # ||Agg(updates) - honest mean|| under the configured defense
     accuracy: float  # test accuracy (%) after the run
+    scale: float | None = None  # ||honest mean||: what a damage is small against (report.flat_damage)
 
 
 EXPLORE_DEFAULTS: dict[str, Any] = {"dataset": "digits", "rounds": 3, "eval_every": 3, "attack": "alie"}
@@ -78,6 +81,7 @@ def explore(
         seen["search"] = list(getattr(attack, "last_search", []) or [])
         seen["chosen"] = getattr(attack, "last_param", None)
         seen["damage"] = torch.linalg.vector_norm(pipeline.peek(updates) - honest_mean).item()
+        seen["scale"] = torch.linalg.vector_norm(honest_mean).item()
 
     result = training.run(config, progress=False, on_round=on_round)
     if not seen:
@@ -100,15 +104,22 @@ def exploration_summary(ex: Exploration) -> str:
     if ex.scores is not None:
         who = "kept by ProDiGy" if c.defense == "prodigy" else "ProDiGy would keep"
         parts.append(f"{who} {ex.kept}")
-    if ex.chosen is not None:
+    flat = flat_damage(ex.search, ex.scale)
+    if flat is not None:  # a tie within rounding: no candidate is "chosen" for a reason
+        parts.append(flat)
+    elif ex.chosen is not None:
         symbol = SEARCH_PARAMETERS.get(c.attack, "parameter")
         parts.append(f"chosen {symbol} = {format_parameter(ex.chosen)}")
+    elif c.attack != "none" and not ex.search:
+        parts.append(f"{attack} has no parameter search")
     parts.append(f"damage under {defense} {ex.damage:.4g}, test accuracy {ex.accuracy:.1f}%")
     return ", ".join(parts)
 
 
 def exploration_figures(ex: Exploration) -> dict[str, Figure]:
-    """The explorer's three views: distance heatmap, ProDiGy score bars, damage per attack candidate."""
+    """The explorer's views: distance heatmap, ProDiGy score bars (when ProDiGy can run: f >= 2), damage per
+    attack candidate (when the attack searches a parameter; a sentence when the damages tie within
+    rounding)."""
     c = ex.config
     attack, defense = display_value("attack", c.attack), display_value("defense", c.defense)
     setting = f"{c.dataset}, N={c.n_clients}, f={c.n_byzantine}, {attack} vs {defense}, round {ex.round}"
@@ -116,7 +127,8 @@ def exploration_figures(ex: Exploration) -> dict[str, Figure]:
     if ex.scores is not None:
         view = "" if c.defense == "prodigy" else ", ProDiGy's view"
         figures["scores"] = score_bars(ex.scores, ex.byzantine, f"ProDiGy scores ({setting}{view})")
-    figures["damage"] = damage_plot(ex.search, c.attack, defense=c.defense)
+    if ex.search:  # an attack without a parameter search (SF, LF, none) has nothing to draw
+        figures["damage"] = damage_plot(ex.search, c.attack, defense=c.defense, scale=ex.scale)
     return figures
 
 
@@ -124,45 +136,125 @@ EXPLORER_LABELS = {"dataset": "data set", "n_clients": "clients N", "n_byzantine
                    "distribution": "split", "dirichlet_alpha": "Dirichlet α", "attack": "attack",
                    "defense": "defense", "rounds": "rounds T", "seed": "seed", "data_dir": "data folder",
                    "download": "download CIFAR-10 if missing"}  # fmt: skip
-DATASET_LABELS = {"digits": "digits (embedded, offline)", "femnist": "FEMNIST (LEAF folder)",
-                  "cifar10": "CIFAR-10"}  # fmt: skip
+DATASET_LABELS = {"digits": "digits (offline)", "femnist": "FEMNIST (LEAF folder)", "cifar10": "CIFAR-10"}
+DATA_DIR_PLACEHOLDER = "empty: data/ or $PRODIGY_DATA_DIR"
+# The controls' grid: two columns of COLUMN_EM, each control filling its column, labels DESCRIPTION_EM wide.
+COLUMN_EM, DESCRIPTION_EM = 30, 9
+# One name per rule: "average" is "none" (the plain mean, "No defense") under another name.
+EXPLORER_DEFENSES = tuple(d for d in AGGREGATOR_NAMES if d.split("+")[-1] != "average")
+
+
+def explorer_defaults(**setting: Any) -> dict[str, Any]:
+    """The widget's first setting: ``EXPLORE_DEFAULTS`` and the explorer's own, then ``setting``."""
+    return {**EXPLORE_DEFAULTS, "n_clients": 10, "n_byzantine": 3, "distribution": "dirichlet",
+            "dirichlet_alpha": 0.1, "defense": "prodigy", "seed": 0, "data_dir": None, "download": False,
+            **setting}  # fmt: skip
+
+
+def runnable_options(field: str, options: Sequence[str], setting: dict[str, Any]) -> list[str]:
+    """The values of ``field`` (defense, attack) that can run with the rest of ``setting`` (N, f, the data
+    set): those RunConfig accepts, so that the rules and attacks keep one source of truth for their limits."""
+    base = {k: v for k, v in setting.items() if k in EXPLORER_LABELS}
+    ok = []
+    for option in options:
+        try:
+            RunConfig(**{**base, field: option})
+        except (ConfigError, ValueError, TypeError):
+            continue
+        ok.append(option)
+    return ok
+
+
+def max_byzantine(n_clients: int) -> int:
+    """The largest f below N/2 (every defense's and RunConfig's limit)."""
+    return max(0, (int(n_clients) - 1) // 2)
+
+
+def in_widget_words(message: str) -> str:
+    """An error message as the explorer's user reads it: field names as the controls' labels
+    ("n_byzantine=5" -> "Byzantine f=5"), ``download=True`` as the checkbox to tick."""
+    tick = f'tick "{EXPLORER_LABELS["download"]}"'
+    message = re.sub(r"(pass )?download=True", "\0", message)  # a placeholder, put back last
+    for field, label in EXPLORER_LABELS.items():
+        # a field name: an identifier with "_" anywhere, a plain word only as "field=value"
+        message = re.sub(rf"\b{field}\b" if "_" in field else rf"\b{field}(?==)", label, message)
+    return message.replace("\0", tick)
 
 
 def explorer(**setting: Any) -> Any:
     """The attack explorer for JupyterLab (needs ipywidgets, the ``lab`` extra): labelled controls starting
     at ``setting`` (``EXPLORER_LABELS``' fields), a "Train and show" button, a "round k / T" bar while it
-    trains, then the summary and the three views in place of the previous ones (cleared as training starts).
-    Returns the widget box; its ``.train()`` runs the current setting (what the button does)."""
+    trains, then the summary and the views in place of the previous ones (cleared as training starts).
+
+    The controls offer only what can run: f stays below N/2 as N moves, the defenses and attacks are those
+    RunConfig accepts at the current N, f and data set (one name per rule), the splits those of the data set;
+    the Dirichlet α, the data folder and the download box are greyed out where they do not apply. Errors are
+    in the controls' words (`in_widget_words`). Returns the widget box; its ``.train()`` runs the current
+    setting (what the button does) and ``.controls`` maps fields to their controls."""
     import ipywidgets as widgets
 
     def choices(field: str, values: Sequence[str]) -> list[tuple[str, str]]:
         return [(display_value(field, v), v) for v in values]
 
-    s = {**EXPLORE_DEFAULTS, "n_clients": 10, "n_byzantine": 3, "distribution": "dirichlet",
-         "dirichlet_alpha": 0.1, "defense": "prodigy", "seed": 0, "data_dir": None, "download": False,
-         **setting}  # fmt: skip
-    distributions = list(dict.fromkeys(d for ds in DISTRIBUTIONS.values() for d in ds))
+    s = explorer_defaults(**setting)
+    if s["distribution"] not in DISTRIBUTIONS[s["dataset"]]:
+        s["distribution"] = DISTRIBUTIONS[s["dataset"]][0]
+    if s["defense"] not in EXPLORER_DEFENSES:  # "average" and its prefixed forms: "none" under another name
+        s["defense"] = s["defense"].replace("average", "none")
+    fill = {"width": "100%"}
     controls = dict(
         dataset=widgets.Dropdown(options=[(DATASET_LABELS[d], d) for d in DATASETS], value=s["dataset"]),
         n_clients=widgets.IntSlider(value=s["n_clients"], min=4, max=50),
-        n_byzantine=widgets.IntSlider(value=s["n_byzantine"], min=0, max=24),
+        n_byzantine=widgets.IntSlider(value=s["n_byzantine"], min=0, max=max_byzantine(s["n_clients"])),
         distribution=widgets.Dropdown(
-            options=choices("distribution", distributions), value=s["distribution"]
+            options=choices("distribution", DISTRIBUTIONS[s["dataset"]]), value=s["distribution"]
         ),  # fmt: skip
         dirichlet_alpha=widgets.FloatLogSlider(value=s["dirichlet_alpha"], base=10, min=-2, max=2),
         attack=widgets.Dropdown(options=choices("attack", list(ATTACKS)), value=s["attack"]),
-        defense=widgets.Dropdown(options=choices("defense", AGGREGATOR_NAMES), value=s["defense"]),
+        defense=widgets.Dropdown(options=choices("defense", EXPLORER_DEFENSES), value=s["defense"]),
         rounds=widgets.IntSlider(value=s["rounds"], min=1, max=100),
         seed=widgets.IntText(value=s["seed"]),
-        data_dir=widgets.Text(value=s["data_dir"] or "", placeholder="default: data/ (env PRODIGY_DATA_DIR)"),
+        data_dir=widgets.Text(value=s["data_dir"] or "", placeholder=DATA_DIR_PLACEHOLDER),
         download=widgets.Checkbox(value=bool(s["download"]), indent=False),
     )
     for field, control in controls.items():
         control.description = EXPLORER_LABELS[field]
-        control.style = {"description_width": "10em"}
+        control.style = {"description_width": f"{DESCRIPTION_EM}em"}
+        control.layout = dict(fill)
+    controls["data_dir"].tooltip = "CIFAR-10 or the LEAF FEMNIST folder; empty: data/ or env PRODIGY_DATA_DIR"
     button = widgets.Button(description="Train and show", button_style="primary", icon="play")
     bar = widgets.IntProgress(value=0, min=0, max=1, description="", layout={"visibility": "hidden"})
     out = widgets.Output()
+
+    def current() -> dict[str, Any]:
+        return {k: c.value for k, c in controls.items()}
+
+    def offer(field: str, options: Sequence[str]) -> None:
+        """Show only ``options`` for ``field``, keeping its value when it is still there."""
+        control = controls[field]
+        value = control.value
+        if list(options) != [v for _, v in control.options]:
+            control.options = choices(field, options)
+        control.value = value if value in options else options[0]
+
+    def update(_: Any = None) -> None:
+        """Re-offer what can run after a change of the data set, N, f or the split."""
+        n_clients, f = controls["n_clients"], controls["n_byzantine"]
+        f.max = max_byzantine(n_clients.value)  # the slider clips its value to the new max
+        dataset = controls["dataset"].value
+        offer("distribution", DISTRIBUTIONS[dataset])
+        controls["dirichlet_alpha"].disabled = controls["distribution"].value != "dirichlet"
+        controls["data_dir"].disabled = dataset == "digits"
+        controls["download"].disabled = dataset != "cifar10"
+        values = current()
+        attacks = runnable_options("attack", list(ATTACKS), {**values, "defense": "none"})
+        offer("attack", attacks or ["none"])
+        defenses = runnable_options("defense", EXPLORER_DEFENSES, {**current(), "attack": "none"})
+        offer("defense", defenses or ["none"])
+
+    for field in ("dataset", "n_clients", "n_byzantine", "distribution"):
+        controls[field].observe(update, names="value")
+    update()
 
     def progress(k: int, total: int) -> None:
         bar.max, bar.value, bar.description = total, k, f"round {k} / {total}"
@@ -172,13 +264,13 @@ def explorer(**setting: Any) -> Any:
         button.disabled = True
         bar.layout.visibility = "visible"
         progress(0, controls["rounds"].value)
-        values = {k: c.value for k, c in controls.items()}
+        values = current()
         values["data_dir"] = values["data_dir"].strip() or None
         try:
             ex = explore(on_progress=progress, eval_every=values["rounds"], **values)
         except (ConfigError, ValueError, FileNotFoundError) as e:
             with out:
-                print(f"cannot run this setting: {e}")
+                print(f"cannot run this setting: {in_widget_words(str(e))}")
             return None
         finally:
             button.disabled = False
@@ -189,10 +281,11 @@ def explorer(**setting: Any) -> Any:
         return ex
 
     button.on_click(train)
-    box = widgets.VBox([widgets.GridBox(list(controls.values()),
-                                        layout={"grid_template_columns": "repeat(2, 26em)"}),
-                        widgets.HBox([button, bar]), out])  # fmt: skip
+    grid = widgets.GridBox(list(controls.values()),
+                           layout={"grid_template_columns": f"repeat(2, {COLUMN_EM}em)"})  # fmt: skip
+    box = widgets.VBox([grid, widgets.HBox([button, bar]), out])
     box.train = train
+    box.controls = controls
     return box
 
 
@@ -214,6 +307,7 @@ def write_exploration(
 
 __all__ = [
     "DATASET_LABELS",
+    "EXPLORER_DEFENSES",
     "EXPLORER_LABELS",
     "EXPLORE_DEFAULTS",
     "Exploration",
@@ -221,5 +315,8 @@ __all__ = [
     "exploration_summary",
     "explore",
     "explorer",
+    "explorer_defaults",
+    "in_widget_words",
+    "runnable_options",
     "write_exploration",
 ]

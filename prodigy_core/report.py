@@ -42,6 +42,7 @@ DIVERGED_MARK = "†"
 DIVERGED_NOTE = (
     "the model diverged (became non-finite) in at least one seed; such a run counts at chance accuracy"
 )
+DIVERGED_NOTE_ONE_SEED = "the model diverged (became non-finite); such a run counts at chance accuracy"
 
 # Names as the paper prints them; values not listed are shown as they are.
 DISPLAY_NAMES: dict[str, dict[Any, str]] = {
@@ -131,6 +132,68 @@ def split_title(title: str) -> tuple[str, str | None]:
 def join_title(headline: str, tag: str | None) -> str:
     """Inverse of :func:`split_title`."""
     return f"{headline} [{tag}]" if tag else headline
+
+
+def scale_label(tag: str | None) -> str | None:
+    """The short label of a title's tag that goes into the headline itself, so that smoke, stand-in and mini
+    outputs are never read as the paper's: "SMOKE: 3 rounds; digits (offline stand-in for cifar10)" ->
+    "SMOKE / stand-in", "MINI: 100 of 800 rounds, seed 0" -> "MINI"."""
+    if not tag:
+        return None
+    label = tag.split(":")[0].strip()
+    if "stand-in" in tag and "stand-in" not in label:
+        label += " / stand-in"
+    return label
+
+
+def labelled_headline(title: str) -> tuple[str, str | None]:
+    """A title's headline with its scale label in front ("SMOKE / stand-in — Table I: CIFAR-10"), and its
+    tag (the details, shown under it)."""
+    headline, tag = split_title(title)
+    label = scale_label(tag)
+    return (f"{label} — {headline}" if label else headline), tag
+
+
+def rounds_phrase(df: pd.DataFrame) -> str | None:
+    """How many rounds the runs trained: "70 rounds", "40-80 rounds" (None without a rounds column)."""
+    if "rounds" not in df.columns:
+        return None
+    rounds = sorted({int(r) for r in df["rounds"].dropna().tolist()})
+    if not rounds:
+        return None
+    return f"{rounds[0]} rounds" if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]} rounds"
+
+
+def diverged_note(seeds: str) -> str:
+    """The footnote of a diverged cell; "in at least one seed" only where a cell has several."""
+    return DIVERGED_NOTE_ONE_SEED if seeds == "one seed" else DIVERGED_NOTE
+
+
+def table_caption(
+    df: pd.DataFrame,
+    layout: Mapping[str, Any],
+    order: Mapping[str, Sequence[Any]] | None = None,
+    coverage: str | None = None,
+    curves: bool = False,
+) -> str:
+    """What a table figure shows, under its title: the accuracy after how many rounds, over how many seeds,
+    how many of the grid's cells were run (``coverage``, e.g. "9 of 84 cells run") and, for the heatmap,
+    what bold means ("Final test accuracy (%) after 70 rounds, one seed; bold: the worst case over the
+    attacks per defense")."""
+    rows, columns, _ = _layout(layout)
+    *_, seeds = _tables(df, layout, order)
+    seeds = seeds.replace("mean ± std", "mean")  # a figure shows the mean only
+    rounds = rounds_phrase(df)
+    if curves:
+        head = f"Test accuracy (%) over {rounds}" if rounds else "Test accuracy (%) over the rounds"
+    else:
+        head = f"Final test accuracy (%) after {rounds}" if rounds else "Final test accuracy (%)"
+    parts = [f"{head}, {seeds}"]
+    if coverage:
+        parts.append(coverage)
+    if not curves:
+        parts.append(f"bold: the worst case over the {columns}s per {rows}")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -272,13 +335,14 @@ def to_markdown(
     italic subtitle line."""
     rows, columns, blocks = _layout(layout)
     mean, std, worst, diverged, seeds = _tables(df, layout, order)
-    headline, tag = split_title(title)
+    headline, tag = labelled_headline(title)
     lines = [f"# {headline}", ""]
     if tag:
         lines += [f"*{tag}*", ""]
     if note:
         lines += [note, ""]
-    lines += [f"Final test accuracy (%), {seeds}; **bold**: worst case per {rows}.", ""]
+    after = f" after {rounds_phrase(df)}" if rounds_phrase(df) else ""
+    lines += [f"Final test accuracy (%){after}, {seeds}; **bold**: worst case per {rows}.", ""]
     for key, cols in _block_groups(mean.columns).items():
         if blocks:
             lines += [f"## {block_label(blocks, key)}", ""]
@@ -293,7 +357,8 @@ def to_markdown(
             lines.append("| " + " | ".join([display_value(rows, r)] + cells) + " |")
         lines.append("")
     if diverged.to_numpy().any():
-        lines += [f"{DIVERGED_MARK} {DIVERGED_NOTE[0].upper()}{DIVERGED_NOTE[1:]}.", ""]
+        note = diverged_note(seeds)
+        lines += [f"{DIVERGED_MARK} {note[0].upper()}{note[1:]}.", ""]
     return "\n".join(lines)
 
 
@@ -323,11 +388,13 @@ def to_latex(
     keys = [c if isinstance(c, tuple) else (c,) for c in cols]
     headline, tag = split_title(title)
     caption = latex_escape(headline) + (f" ({latex_escape(tag)})" if tag else "")
-    footnote = rf" $^\dagger$: {latex_escape(DIVERGED_NOTE)}." if diverged.to_numpy().any() else ""
+    after = f" after {rounds_phrase(df)}" if rounds_phrase(df) else ""
+    note = latex_escape(diverged_note(seeds))
+    footnote = rf" $^\dagger$: {note}." if diverged.to_numpy().any() else ""
     lines = [
         r"\begin{table}[t]",
         r"\centering",
-        rf"\caption{{{caption}: final test accuracy (\%), {latex_escape(seeds)}; "
+        rf"\caption{{{caption}: final test accuracy (\%){after}, {latex_escape(seeds)}; "
         rf"bold: worst case over attacks per {latex_escape(rows)}.{footnote}}}",
     ]
     if label:
@@ -406,20 +473,25 @@ def wrap(title: str, fig: Figure, size: float = 9) -> str:
     return "\n".join(textwrap.fill(line, width) for line in title.split("\n"))
 
 
-def set_title(fig: Figure, title: str) -> None:
-    """The figure's title: the headline, and under it, smaller and in italics, its smoke/stand-in tag
-    (:func:`split_title`)."""
-    headline, tag = split_title(title)
+def set_title(fig: Figure, title: str, caption: str | None = None) -> None:
+    """The figure's title: the headline with its scale label in front (:func:`labelled_headline`: "SMOKE /
+    stand-in — Table I"), and under it, smaller, the tag's details in italics and the ``caption`` (rounds,
+    seeds, cells, what bold means)."""
+    headline, tag = labelled_headline(title)
     head = wrap(headline, fig)
-    if not tag:
+    subs = [(wrap(text, fig, SUBTITLE_SIZE), style) for text, style in ((tag, "italic"), (caption, "normal"))
+            if text]  # fmt: skip
+    if not subs:
         fig.suptitle(head)
         return
-    sub = wrap(tag, fig, SUBTITLE_SIZE)
-    # the suptitle (which constrained layout makes room for) holds blank lines where the subtitle goes
-    suptitle = fig.suptitle(head + "\n" * (sub.count("\n") + 1))
+    # the suptitle (which constrained layout makes room for) holds blank lines where the subtitles go
+    blank = sum(text.count("\n") + 1 for text, _ in subs)
+    suptitle = fig.suptitle(head + "\n" * blank)
     size = suptitle.get_fontsize()
     top = suptitle.get_position()[1] - (head.count("\n") + 1) * 1.2 * size / 72 / fig.get_figheight()
-    fig.text(0.5, top, sub, ha="center", va="top", fontsize=SUBTITLE_SIZE, fontstyle="italic")
+    for text, style in subs:
+        fig.text(0.5, top, text, ha="center", va="top", fontsize=SUBTITLE_SIZE, fontstyle=style)
+        top -= (text.count("\n") + 1) * 1.2 * size / 72 / fig.get_figheight()
 
 
 def _grid(n: int, max_cols: int = 4) -> tuple[int, int]:
@@ -433,12 +505,16 @@ def heatmap(
     title: str = "",
     order: Mapping[str, Sequence[Any]] | None = None,
     limits: tuple[float, float] | None = (0.0, 100.0),
+    coverage: str | None = None,
 ) -> Figure:
     """Annotated heatmap of the mean accuracy table, one panel per column block; worst cases in bold,
-    diverged cells hatched with a dagger. ``limits``: the colour scale (None: the data's range, for smoke
-    runs whose accuracies all lie in a few points)."""
+    diverged cells hatched with a dagger; under the title, the rounds, the seeds, ``coverage`` ("9 of 84
+    cells run") and what bold means (:func:`table_caption`). ``limits``: the colour scale, 0-100 by default
+    (None: the data's range, flagged as a local scale on the colour bar, since a few points of noise would
+    look like contrast)."""
     rows, columns, blocks = _layout(layout)
-    mean, _, worst, diverged, _ = _tables(df, layout, order)
+    mean, _, worst, diverged, seeds = _tables(df, layout, order)
+    local = limits is None
     groups = _block_groups(mean.columns)
     nr, nc = _grid(len(groups))
     width = max(len(cols) for cols in groups.values())
@@ -476,13 +552,17 @@ def heatmap(
                 ax.set_title(block_label(blocks, key))
         for ax in axes.flat[len(groups) :]:
             ax.set_visible(False)
-        fig.colorbar(image, ax=axes, label="final test accuracy (%)", shrink=0.8)
+        label = "final test accuracy (%)"
+        if local:
+            label += f"\nLOCAL scale {limits[0]:.1f}-{limits[1]:.1f}, not 0-100"
+        fig.colorbar(image, ax=axes, label=label, shrink=0.8)
         if diverged.to_numpy().any():
-            label = f"{DIVERGED_MARK} diverged in at least one seed (counted at chance accuracy)"
+            where = "" if seeds == "one seed" else " in at least one seed"
+            label = f"{DIVERGED_MARK} diverged{where} (counted at chance accuracy)"
             hatch = matplotlib.patches.Patch(facecolor="white", edgecolor="0.5", hatch="xxx", label=label)
             fig.legend(handles=[hatch], loc="outside lower center", frameon=False, fontsize=7)
         if title:
-            set_title(fig, title)
+            set_title(fig, title, table_caption(df, layout, order, coverage))
     return fig
 
 
@@ -506,6 +586,7 @@ def accuracy_curves(
     layout: Mapping[str, Any],
     title: str = "",
     order: Mapping[str, Sequence[Any]] | None = None,
+    coverage: str | None = None,
 ) -> Figure:
     """Test accuracy over rounds, mean over seeds: a panel per (block, column value), a line per row value,
     panels in rows of ``CURVE_COLUMNS`` within ``PAPER_WIDTH``. A curve of one point is drawn as a point. A
@@ -562,7 +643,7 @@ def accuracy_curves(
             fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4),
                        title=field_title(rows), frameon=False)  # fmt: skip
         if title:
-            set_title(fig, title)
+            set_title(fig, title, table_caption(df, layout, order, coverage, curves=True))
     return fig
 
 
@@ -688,38 +769,70 @@ def format_parameter(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, int | float) else str(value)
 
 
+# A damage below ABOUT_ZERO x the scale (the honest mean's norm) is float noise: the aggregate is the honest
+# mean; damages within TIED x the largest of one another differ by rounding only. Either way no candidate is
+# more damaging than another, and a plot of them would draw noise.
+ABOUT_ZERO, TIED = 1e-5, 1e-6
+
+
+def flat_damage(search: Sequence[tuple[Any, float]], scale: float | None = None) -> str | None:
+    """A sentence for a search whose damages are all about 0 against ``scale`` (the explorer passes the honest
+    mean's norm) or tie within rounding; None when they differ or there is no search."""
+    damage = [d for _, d in search]
+    if not damage or not all(math.isfinite(d) for d in damage):
+        return None
+    top = max(abs(d) for d in damage)
+    if scale is not None and math.isfinite(scale) and top <= ABOUT_ZERO * scale:
+        return "damage about 0 for every candidate (the defense removes the attack; no candidate chosen)"
+    if max(damage) - min(damage) <= TIED * top:
+        return f"damage {top:.3g} for every candidate (equal within rounding; no candidate chosen)"
+    return None
+
+
 def damage_plot(
-    search: Sequence[tuple[Any, float]], attack: str, title: str | None = None, defense: str | None = None
+    search: Sequence[tuple[Any, float]],
+    attack: str,
+    title: str | None = None,
+    defense: str | None = None,
+    scale: float | None = None,
 ) -> Figure:
     """Damage (distance of the aggregate to the honest mean) against the attack's candidate parameter,
     from ``attack.last_search``, under ``defense``; the chosen (most damaging) candidate is marked. The axes
-    print plain numbers (no offset: a flat curve must not look steep)."""
+    print plain numbers (no offset: a flat curve must not look steep). Damages that tie within rounding
+    (`flat_damage`, against ``scale``) and an attack without a search are a sentence, not empty or noisy
+    axes."""
     symbol = SEARCH_PARAMETERS.get(attack, "parameter")
+    against = f" against {display_value('defense', defense)}" if defense else ""
+    title = title or f"Damage of {display_value('attack', attack)} per candidate{against}"
+    flat = flat_damage(search, scale)
     with figure_style():
+        if not search or flat is not None:
+            fig = Figure(figsize=(4.2, 1.0), layout="constrained")
+            ax = fig.subplots()
+            ax.set_axis_off()
+            what = flat if search else f"{display_value('attack', attack)} has no parameter search"
+            ax.text(0.5, 0.5, wrap(what[0].upper() + what[1:], fig), ha="center", va="center",
+                    transform=ax.transAxes)  # fmt: skip
+            fig.suptitle(wrap(title, fig))
+            return fig
         fig = Figure(figsize=(4.2, 2.8), layout="constrained")
         ax = fig.subplots()
-        if search:
-            params, damage = zip(*search, strict=True)
-            numeric = all(isinstance(p, int | float) for p in params)  # alie_spread's are (z, rho) pairs
-            x = list(params) if numeric else list(range(len(params)))
-            y = [d if math.isfinite(d) else np.nan for d in damage]  # an infinite damage is not drawable
-            best = max(range(len(damage)), key=damage.__getitem__)  # the first maximum, as the attack picks
-            ax.plot(x, y, marker="o", color=HONEST_COLOUR)
-            label = f"chosen: {symbol} = {format_parameter(params[best])}"
-            ax.plot([x[best]], [y[best]], marker="*", ms=14, color=BYZANTINE_COLOUR, ls="none", label=label)
-            if not numeric:
-                ax.set_xticks(x, [format_parameter(p) for p in params], rotation=90)
-            ax.legend()
-        else:
-            ax.text(0.5, 0.5, f"{display_value('attack', attack)} has no parameter search", ha="center",
-                    va="center", transform=ax.transAxes)  # fmt: skip
+        params, damage = zip(*search, strict=True)
+        numeric = all(isinstance(p, int | float) for p in params)  # alie_spread's are (z, rho) pairs
+        x = list(params) if numeric else list(range(len(params)))
+        y = [d if math.isfinite(d) else np.nan for d in damage]  # an infinite damage is not drawable
+        best = max(range(len(damage)), key=damage.__getitem__)  # the first maximum, as the attack picks
+        ax.plot(x, y, marker="o", color=HONEST_COLOUR)
+        label = f"chosen: {symbol} = {format_parameter(params[best])}"
+        ax.plot([x[best]], [y[best]], marker="*", ms=14, color=BYZANTINE_COLOUR, ls="none", label=label)
+        if not numeric:
+            ax.set_xticks(x, [format_parameter(p) for p in params], rotation=90)
+        ax.legend()
         for axis in (ax.xaxis, ax.yaxis):
             if isinstance(axis.get_major_formatter(), matplotlib.ticker.ScalarFormatter):
                 axis.set_major_formatter(matplotlib.ticker.ScalarFormatter(useOffset=False))
         ax.set_xlabel(f"candidate {symbol}")
         ax.set_ylabel("‖aggregate − honest mean‖")
-        against = f" against {display_value('defense', defense)}" if defense else ""
-        title = title or f"Damage of {display_value('attack', attack)} per candidate{against}"
         ax.set_title(wrap(title, fig))
         ax.grid(alpha=0.3)
     return fig
@@ -766,13 +879,15 @@ def variants_of(experiment: Any, df: pd.DataFrame | None = None) -> list[str]:
 def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
     """The experiment's title, the variant(s) it ran under, its data when it is real CIFAR-10 or FEMNIST
     ("data: CIFAR-10 (JPEG copy)"), and the smoke/stand-in label where it applies."""
-    from prodigy_core.data import DIGITS_SOURCE, source_label
+    from prodigy_core.data import DIGITS_SOURCE, FEMNIST_SOURCE_PREFIX, source_label
     from prodigy_core.results import data_source_of
 
     title = getattr(experiment, "title", None) or experiment.name
     about = [f"variant: {', '.join(variants_of(experiment, df))}"]
     source = data_source_of(df)
-    if source is not None and source != DIGITS_SOURCE:
+    if source is not None and source.startswith(FEMNIST_SOURCE_PREFIX):
+        about.append(f"data: {femnist_label(source, df)}")
+    elif source is not None and source != DIGITS_SOURCE:
         about.append(f"data: {source_label(source)}")
     headline, tag = split_title(title)  # the scale tag stays last, where split_title finds it
     title = join_title(f"{headline} ({'; '.join(about)})", tag)
@@ -780,6 +895,30 @@ def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
         return title
     stand_in = stand_in_of(experiment, df)
     return f"{title} [{SMOKE_LABEL}{': ' + stand_in if stand_in else ''}]"
+
+
+def femnist_label(source: str, df: pd.DataFrame | None = None) -> str:
+    """A FEMNIST data source in words: "FEMNIST, 20 LEAF writers (writer set a5c029fd3f00)"."""
+    from prodigy_core.data import FEMNIST_SOURCE_PREFIX
+
+    counts = (
+        sorted({int(n) for n in df["n_clients"].tolist()}) if df is not None and "n_clients" in df else []
+    )
+    writers = "-".join(map(str, counts[:: max(1, len(counts) - 1)])) if counts else "the"
+    return f"FEMNIST, {writers} LEAF writers (writer set {source.removeprefix(FEMNIST_SOURCE_PREFIX)})"
+
+
+def grid_coverage(experiment: Any, df: pd.DataFrame, layout: Mapping[str, Any]) -> str | None:
+    """ "9 of 84 cells run" when the runs cover only part of the experiment's grid (table cells: the layout's
+    blocks x rows x columns); None when they cover it all or the grid is unknown."""
+    rows, columns, blocks = _layout(layout)
+    keys = blocks + [rows, columns]
+    configs = getattr(experiment, "configs", None) or []
+    if not configs or any(k not in df.columns for k in keys):
+        return None
+    grid = {tuple(getattr(c, k, None) for k in keys) for c in configs}
+    ran = {tuple(row) for row in df[keys].itertuples(index=False)} & grid
+    return None if len(ran) >= len(grid) else f"{len(ran)} of {len(grid)} cells run"
 
 
 def grid_order(experiment: Any) -> dict[str, list[Any]]:
@@ -819,14 +958,17 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
         if a["worst_case_rows"]:
             agree, rows = a["worst_case_agree"], a["worst_case_rows"]
             summary.append(f"Worst-case attack agrees with the paper's on {agree} of {rows} rows.")
+        else:
+            summary.append(f"Worst-case attack: {NOT_ENOUGH_CELLS}.")
         return "\n".join([f"# {title}", "", *summary, "", frame_to_markdown(frame)])
     per_variant = pd.DataFrame(
         {"variant": list(stats),
          "cells run": [f"{a['cells_run']} of {a['cells']}" for a in stats.values()],
          "mean abs(ours - paper)": [a["mean_abs_delta"] for a in stats.values()],
-         f"within {WITHIN_POINTS:g} points": [f"{a['within']} of {a['cells_run']}" for a in stats.values()],
+         f"within {WITHIN_POINTS:g} points": [f"{a['within']} of {a['cells_run']}" if a["cells_run"]
+                                              else "no cells run" for a in stats.values()],
          "worst case agrees (rows)": [f"{a['worst_case_agree']} of {a['worst_case_rows']}"
-                                      for a in stats.values()]}
+                                      if a["worst_case_rows"] else NOT_ENOUGH_CELLS for a in stats.values()]}
     )  # fmt: skip
     side = first[list(dict.fromkeys([*varying, "defense", "attack", "paper"]))].copy()
     for variant, c in comparisons.items():
@@ -838,6 +980,8 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
     return "\n".join([f"# {title}", "", *body])
 
 
+# Where no defense row has every attack of the paper's row run, there is no worst case to compare.
+NOT_ENOUGH_CELLS = "not enough cells (no defense row has all its attacks run)"
 PROVENANCE = re.compile(r"<!-- provenance: (.*?) -->")
 
 
@@ -858,7 +1002,7 @@ def provenance(experiment: Any) -> str:
     checked for the committed quickstart table by tests/test_report.py."""
     keys = sorted(c.key() for c in getattr(experiment, "configs", None) or [])
     runs = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:12]
-    return f"runs {runs} ({len(keys)}), code {code_hash()}"
+    return f"runs {runs} ({len(keys)} in the grid), code {code_hash()}"
 
 
 def markdown_cells(markdown: str) -> dict[tuple[str, str], str]:
@@ -916,6 +1060,9 @@ def write_report(
     seeds = sorted(set(df["seed"].tolist())) if "seed" in df.columns else []
     runs = f"{len(df)} run{'s' * (len(df) != 1)}"
     note = f"{runs}, seed{'s' * (len(seeds) != 1)} {', '.join(map(str, seeds))}." if seeds else f"{runs}."
+    coverage = grid_coverage(experiment, df, layout)
+    if coverage:
+        note += f" {coverage[0].upper()}{coverage[1:]} (the grid's other cells have no stored run)."
     if smoke:
         note = f"**{SMOKE_LABEL}**: tiny scale, not comparable with the paper. " + note
     elif mini:
@@ -931,11 +1078,11 @@ def write_report(
     unknown = sorted(set(figures) - set(FIGURES))
     if unknown:
         raise ValueError(f"report.figures: unknown {unknown}; valid: {', '.join(FIGURES)}")
-    if "heatmap" in figures:  # smoke accuracies lie within a few points: their colours span their range
-        limits = None if smoke else (0.0, 100.0)
-        paths += save_figure(heatmap(df, layout, title, order, limits=limits), folder / name)
+    if "heatmap" in figures:  # 0-100 at every scale: smoke's few points of noise must not look like contrast
+        paths += save_figure(heatmap(df, layout, title, order, coverage=coverage), folder / name)
     if "curves" in figures and "accuracy_curve" in df.columns:
-        paths += save_figure(accuracy_curves(df, layout, title, order), folder / f"{name}_curves")
+        curves = accuracy_curves(df, layout, title, order, coverage=coverage)
+        paths += save_figure(curves, folder / f"{name}_curves")
     if "distances" in figures and "distance_matrices" in df.columns:
         recorded = [
             (i, int(r), D)

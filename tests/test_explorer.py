@@ -53,7 +53,7 @@ def test_exploration_summary_names_the_defense_that_ran():
 
 
 def test_explorer_widget_has_readable_labels_and_trains_with_round_progress():
-    pytest.importorskip("ipywidgets")
+    # ipywidgets is in the dev extra: CI runs the widget tests (issue 28 row 12), they never skip
     box = explorer.explorer(n_clients=6, n_byzantine=2, rounds=1, attack="alie", defense="prodigy")
     controls = box.children[0].children
     labels = [c.description for c in controls]
@@ -65,3 +65,141 @@ def test_explorer_widget_has_readable_labels_and_trains_with_round_progress():
     ex = box.train()
     assert ex is not None and ex.round == 1 and ex.config.data_dir is None
     assert seen[-1] == "round 1 / 1" and not button.disabled
+
+
+# ------------------------------------------------------------------ what the explorer offers (issue 28 row 5)
+
+
+def widget(**setting):
+    return explorer.explorer(**{"n_clients": 6, "n_byzantine": 2, "rounds": 1, **setting})
+
+
+def offered(control):
+    return [value for _, value in control.options]
+
+
+def test_explorer_leads_with_its_controls_in_the_notebook():
+    import nbformat
+
+    from prodigy_core import reproduce
+
+    nb = nbformat.read(reproduce.NOTEBOOKS_DIR / "explore_attacks.ipynb", as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    first = next(i for i, src in enumerate(code) if "explorer(**setting)" in src or "explore(" in src)
+    assert "display(explorer(**setting))" in code[first], "the controls come before the static views"
+
+
+def test_labels_fit_their_controls():
+    box = widget()
+    c = box.controls
+    grid = box.children[0]
+    assert grid.layout.grid_template_columns == f"repeat(2, {explorer.COLUMN_EM}em)"
+    room = explorer.COLUMN_EM - explorer.DESCRIPTION_EM - 2.5  # em left for the text beside the arrow
+    for field, control in c.items():
+        assert control.layout.width == "100%", field  # fills its column (ipywidgets' default is 300px)
+        assert control.style.description_width == f"{explorer.DESCRIPTION_EM}em"
+        texts = [label for label, _ in getattr(control, "options", [])]
+        texts.append(getattr(control, "placeholder", ""))
+        assert all(0.55 * len(text) <= room for text in texts), (field, texts)  # ~0.55 em a character
+    assert offered(c["dataset"]) == ["digits", "femnist", "cifar10"]
+    assert c["dataset"].options[0][0] == "digits (offline)"
+
+
+def test_f_stays_below_half_of_n_as_n_moves():
+    c = widget(n_clients=10, n_byzantine=4).controls
+    assert c["n_byzantine"].max == 4
+    c["n_clients"].value = 6
+    assert c["n_byzantine"].max == 2 and c["n_byzantine"].value == 2  # clipped, never f >= N/2
+    c["n_clients"].value = 21
+    assert c["n_byzantine"].max == 10
+    for n in range(4, 51):
+        c["n_clients"].value = n
+        assert 2 * c["n_byzantine"].max < n
+
+
+def test_one_name_per_rule_and_only_runnable_options():
+    c = widget().controls
+    defenses = offered(c["defense"])
+    labels = [label for label, _ in c["defense"].options]
+    assert "none" in defenses and "average" not in defenses and len(labels) == len(set(labels))
+    assert not any(d.endswith("average") for d in defenses)
+    # every offered option runs with the current N and f; every one left out does not
+    for field, everything in (("defense", explorer.EXPLORER_DEFENSES), ("attack", list(explorer.ATTACKS))):
+        setting = {k: ctl.value for k, ctl in c.items()}
+        for option in everything:
+            fixed = {"attack": "none"} if field == "defense" else {"defense": "none"}
+            try:
+                RunConfig(**{**setting, **fixed, field: option})
+                runs = True
+            except Exception:
+                runs = False
+            assert runs == (option in offered(c[field])), (field, option)
+    c["n_byzantine"].value = 0  # no Byzantine client: no attack to choose
+    assert offered(c["attack"]) == ["none"] and c["attack"].value == "none"
+    c["dataset"].value = "femnist"
+    assert offered(c["distribution"]) == ["natural"] and c["dirichlet_alpha"].disabled
+    assert c["download"].disabled and not c["data_dir"].disabled
+    c["dataset"].value = "digits"
+    assert c["data_dir"].disabled
+
+
+def test_errors_are_in_the_widget_words(capsys, monkeypatch, tmp_path):
+    from prodigy_core import data
+
+    words = explorer.in_widget_words("n_byzantine=5 with n_clients=10: need 0 <= f < N/2")
+    assert words == "Byzantine f=5 with clients N=10: need 0 <= f < N/2"
+    # CIFAR-10 missing (issue 28 row 10): the documented command with a placeholder, the checkbox's label
+    monkeypatch.setattr(data, "CIFAR10_JPEG_ARCHIVE", tmp_path / "nowhere" / "cifar10-jpeg.tar.gz")
+    box = widget(dataset="cifar10", distribution="iid", data_dir=str(tmp_path / "empty"))
+    assert box.train() is None
+    message = capsys.readouterr().out
+    assert "cannot run this setting: CIFAR-10 not found in " in message
+    assert "prodigy-fl data cifar10 --from PATH/cifar10-jpeg.tar.gz" in message
+    assert 'tick "download CIFAR-10 if missing"' in message
+    assert "download=True" not in message and "shared/data" not in message and "data_dir" not in message
+
+
+# ------------------------------------------------------------------ the damage view (issue 28 row 6)
+
+
+def test_damages_tied_within_rounding_are_a_sentence_not_a_noisy_plot():
+    from prodigy_core import report
+
+    tie = [(0.1, 3.0890e-07), (1.0, 3.0891e-07), (10.0, 3.0890e-07)]
+    assert report.flat_damage(tie, scale=0.8).startswith("damage about 0 for every candidate")
+    fig = report.damage_plot(tie, "foe_0.1", defense="prodigy", scale=0.8)
+    ax = fig.axes[0]
+    assert not ax.axison and not ax.get_lines()  # no axes, no line, no "chosen" star
+    assert any("about 0 for every candidate" in t.get_text() for t in ax.texts)
+    same = [(0.5, 4.2), (1.0, 4.2), (2.0, 4.2 * (1 + 1e-7))]
+    assert "equal within rounding" in report.flat_damage(same)
+    assert report.flat_damage([(0.1, 1.0), (0.2, 3.0)]) is None and report.flat_damage([]) is None
+    sf = report.damage_plot([], "sf")
+    assert not sf.axes[0].axison and "SF has no parameter search" in sf.axes[0].texts[0].get_text()
+
+
+def test_exploration_without_a_search_or_with_a_tie_says_so():
+    base = dict(config=RunConfig(attack="sf"), round=3, byzantine=[0, 1, 2], distances=torch.ones(4, 4),
+                scores=None, kept=[], search=[], chosen=None, damage=0.5, accuracy=50.0)  # fmt: skip
+    ex = explorer.Exploration(**base)
+    assert "damage" not in explorer.exploration_figures(ex)  # no empty axes for SF
+    assert "SF has no parameter search" in explorer.exploration_summary(ex)
+    tie = explorer.Exploration(**{**base, "config": RunConfig(attack="foe_100"), "chosen": 10.0,
+                                  "search": [(1.0, 3e-7), (10.0, 3e-7)], "scale": 1.0})  # fmt: skip
+    line = explorer.exploration_summary(tie)
+    assert "damage about 0 for every candidate" in line and "chosen ε" not in line
+
+
+def test_the_test_command_installs_what_the_explorer_tests_need():
+    # issue 28 row 12: the test command of README and .ci/run must not skip the widget tests
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pyproject = (root / "pyproject.toml").read_text()  # (tomllib is Python >= 3.11)
+    extras = {m[1]: re.findall(r'"([^"]+)"', m[2]) for m in re.finditer(r"(?m)^(\w+) = \[(.*)\]$", pyproject)}
+    command = 'pip install -e ".[dev,ray]" && pytest'
+    assert command in (root / "README.md").read_text() and command in (root / ".ci" / "run").read_text()
+    widgets = [r for r in extras["lab"] if r.startswith("ipywidgets")]
+    assert widgets and set(widgets) <= set(extras["dev"])
+    assert not any(re.match(r"jupyterlab\b", r) for r in extras["dev"])  # CI stays light

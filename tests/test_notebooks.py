@@ -54,6 +54,77 @@ def test_notebook_is_committed_clean(name):
     assert len({c.id for c in nb.cells}) == len(nb.cells)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def filter_setup() -> str:
+    """The extra keys of the documented one-time setup; .gitattributes and the pre-commit hook agree."""
+    keys = re.search(
+        r'git config filter\.nbstripout\.extrakeys "([^"]+)"', (REPO / ".gitattributes").read_text()
+    )
+    assert keys, ".gitattributes documents the one-time filter setup"
+    hook = yaml.safe_load((REPO / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"][0]
+    assert hook["id"] == "nbstripout" and f'--extra-keys "{keys[1]}"' in hook["entry"]
+    return keys[1]
+
+
+def saved_by_jupyterlab(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """What JupyterLab 4 writes after opening a notebook, running every cell and saving it (issue 28 row 1):
+    the running kernel's display name, its language_info, outputs, execution counts and widget state."""
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))
+    nb.metadata.kernelspec.display_name = "Python 3 (ipykernel)"
+    nb.metadata.language_info = {
+        "codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+        "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+        "pygments_lexer": "ipython3", "version": "3.11.7"}  # fmt: skip
+    nb.metadata.widgets = {"application/vnd.jupyter.widget-state+json": {"state": {}, "version_major": 2}}
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        cell.execution_count = i + 1
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"ran {i}\n")]
+    return nb
+
+
+def git(folder: Path, *args: str) -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
+    import shutil
+    import sys
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    keys = filter_setup()
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    git(repo, "config", "user.email", "t@example.org")
+    git(repo, "config", "user.name", "t")
+    # the documented one-time setup, with this interpreter's nbstripout
+    git(repo, "config", "filter.nbstripout.clean", f'"{sys.executable}" -m nbstripout')
+    git(repo, "config", "filter.nbstripout.smudge", "cat")
+    git(repo, "config", "filter.nbstripout.required", "true")
+    git(repo, "config", "filter.nbstripout.extrakeys", keys)
+    shutil.copy(REPO / ".gitattributes", repo / ".gitattributes")
+    names = sorted(n for n, _ in reproduce.NOTEBOOKS.values())
+    for name in names:
+        shutil.copy(reproduce.NOTEBOOKS_DIR / name, repo / name)
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "notebooks")
+    for name in names:  # the committed files are what the filter makes of them
+        assert git(repo, "show", f"HEAD:{name}") == (reproduce.NOTEBOOKS_DIR / name).read_text(), name
+        nbformat.write(saved_by_jupyterlab(read(name)), repo / name)
+    # No change to commit: `git diff` is empty and `git add` stages nothing (git lists a file whose size
+    # changed as modified until `git add` refreshes its stat, without running the filter: a git shortcut)
+    assert git(repo, "diff", "--stat") == ""
+    git(repo, "add", "-A")
+    assert git(repo, "status", "--porcelain") == "" and git(repo, "diff", "--cached", "--stat") == ""
+    assert "ran 0" in (repo / names[0]).read_text()  # the working copy keeps its outputs
+
+
 def write_notebook(path, *sources):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}

@@ -131,8 +131,11 @@ def test_smoke_and_stand_in_outputs_go_to_smoke_folder_and_say_so(tmp_path):
     paths = report.write_report(experiment(smoke=True, layout=HEATMAP_ONLY), df, tmp_path)
     assert {p.parent for p in paths} == {tmp_path / "smoke"}
     headline, subtitle = (tmp_path / "smoke" / "fab.md").read_text().splitlines()[0:3:2]
-    # the smoke tag is a subtitle; the headline keeps only the title and its variant
-    assert headline == "# Fabricated table (variant: paper)" and report.SMOKE_LABEL in subtitle
+    # the scale's label leads the headline (issue 28 row 9); the tag's details are the subtitle
+    assert (
+        headline == "# SMOKE / stand-in — Fabricated table (variant: paper)"
+        and report.SMOKE_LABEL in subtitle
+    )
     # a run on stand-in data is labelled even when the experiment itself is not smoke
     df_stand_in = df.assign(stand_in="digits (offline stand-in for cifar10)")
     paths = report.write_report(
@@ -266,9 +269,9 @@ def test_titles_keep_their_smoke_tag_as_a_subtitle():
     assert report.split_title("Table I [SMOKE: 3 rounds; digits]") == ("Table I", "SMOKE: 3 rounds; digits")
     assert report.split_title("Table I") == ("Table I", None)
     assert report.join_title(*report.split_title("A [b]")) == "A [b]"
-    fig = report.heatmap(fabricated(seeds=(0,), momenta=(0.0,)), LAYOUT, "Short [SMOKE]")
+    fig = report.heatmap(fabricated(seeds=(0,), momenta=(0.0,)), LAYOUT, "Short [SMOKE: 3 rounds]")
     texts = [t.get_text() for t in fig.texts]
-    assert fig._suptitle.get_text().strip() == "Short" and "SMOKE" in texts
+    assert fig._suptitle.get_text().strip() == "SMOKE — Short" and "SMOKE: 3 rounds" in texts
 
 
 def test_heatmap_hatches_diverged_cells_and_smoke_scale_follows_the_data():
@@ -338,11 +341,11 @@ def test_committed_quickstart_table_was_made_by_the_current_params_and_code():
     from prodigy_core.experiments import load_experiment
 
     committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
-    # The runs part (every resolved config field of the 42 runs) must match; the code part is informative,
-    # since a docstring change would move it without moving a number.
+    # The runs hash (of every resolved config field of the 42 runs) must match; the code part is
+    # informative, since a docstring change would move it without moving a number.
     written = report.read_provenance(committed.read_text(encoding="utf-8"))
     current = report.provenance(load_experiment("quickstart_digits"))
-    assert written is not None and written.split(", code")[0] == current.split(", code")[0], (
+    assert written is not None and written.split(" (")[0] == current.split(" (")[0], (
         f"figures/quickstart_digits.* were made by other params or code ({written}; now {current}): "
         "run `python scripts/check_committed_quickstart.py --update` and commit figures/"
     )
@@ -422,3 +425,74 @@ def test_mini_provenance_lists_every_mini_record_with_its_machine_and_time(tmp_p
         assert cells[7] == f"{match['final_accuracy']:.2f}"
         assert cells[9].startswith("cpu, ") and cells[9].endswith("thread(s)")
         assert cells[10] == torch.__version__
+
+
+# ------------------------------------------------------------------ figures that say what they are (issue 28)
+
+
+def texts_of(fig):
+    return " ".join(t.get_text() for t in fig.texts) + " " + fig._suptitle.get_text()
+
+
+def test_table_figures_say_rounds_seeds_and_what_bold_means():
+    # row 7: a table figure names its rounds and seeds and explains the bold cells
+    df = fabricated(seeds=(0,), momenta=(0.0,)).assign(rounds=70)
+    heat = " ".join(texts_of(report.heatmap(df, LAYOUT, "Quickstart")).split())
+    assert "Final test accuracy (%) after 70 rounds, one seed" in heat
+    assert "bold: the worst case over the attacks per defense" in heat
+    curves = " ".join(texts_of(report.accuracy_curves(df, LAYOUT, "Quickstart")).split())
+    assert "Test accuracy (%) over 70 rounds, one seed" in curves and "bold" not in curves
+    three = fabricated(seeds=(0, 1, 2), momenta=(0.0,)).assign(rounds=lambda x: 20 + 20 * (x.index % 2))
+    assert "after 20-40 rounds, mean over 3 seeds" in " ".join(
+        texts_of(report.heatmap(three, LAYOUT, "t")).split()
+    )
+    # one seed: no "in at least one seed" anywhere
+    one = diverged_frame()[lambda x: x["seed"] == 1]
+    md, tex = report.to_markdown(one, LAYOUT, "t"), report.to_latex(one, LAYOUT, "t")
+    legend = [t.get_text() for t in report.heatmap(one, LAYOUT, "t").legends[0].get_texts()]
+    assert "at least one seed" not in md + tex + " ".join(legend) and "diverged" in md and legend
+    assert "in at least one seed" in report.to_markdown(diverged_frame(), LAYOUT, "t")
+
+
+def test_partial_grids_say_how_many_cells_ran_and_femnist_names_its_writers(tmp_path):
+    # row 8: "9 of 84 cells", writers in words, the provenance's count is the grid's
+    df = fabricated(seeds=(0,), momenta=(0.0,))
+    exp = experiment(layout={**LAYOUT, "figures": ["heatmap"]})
+    exp.configs = [RunConfig(defense=d, attack=a, local_momentum=b, seed=0)
+                   for b in (0.0, 0.9) for d in DEFENSES for a in ATTACKS]  # fmt: skip
+    femnist = df.assign(data_source="femnist-leaf-a5c029fd3f00", n_clients=20)
+    paths = report.write_report(exp, femnist, tmp_path)
+    md = (tmp_path / "fab.md").read_text()
+    assert "9 of 18 cells run" in md and "(18 in the grid)" in md
+    assert md.startswith(
+        "# Fabricated table (variant: paper; data: FEMNIST, 20 LEAF writers (writer set a5c0"
+    )
+    heat = " ".join(texts_of(report.heatmap(df, LAYOUT, "t", coverage="9 of 18 cells run")).split())
+    assert "one seed; 9 of 18 cells run; bold" in heat and tmp_path / "fab.png" in paths
+    assert report.grid_coverage(exp, pd.concat([df, df.assign(local_momentum=0.9)]), LAYOUT) is None
+
+
+def test_paper_comparison_never_prints_zero_of_zero():
+    frame = pd.DataFrame({"local_momentum": [0.9, 0.9], "defense": ["prodigy"] * 2, "attack": ["alie", "sf"],
+                          "ours": [50.0, np.nan], "paper": [52.0, 55.0], "delta": [-2.0, np.nan],
+                          "worst_case_match": [pd.NA, pd.NA]})  # fmt: skip
+    both = report.paper_comparison_markdown({"paper": frame, "authors": frame.assign(ours=np.nan)}, "T")
+    one = report.paper_comparison_markdown(frame.assign(variant="paper"), "T")
+    for text in (both, one):
+        assert "0 of 0" not in text and "not enough cells" in text
+    assert "no cells run" in both
+
+
+def test_stand_in_is_in_the_title_and_accuracy_colours_are_0_to_100_or_flagged_local(tmp_path):
+    # row 9
+    df = fabricated(seeds=(0,), momenta=(0.0,)).assign(stand_in="digits (offline stand-in for cifar10)")
+    report.write_report(experiment("s", layout=HEATMAP_ONLY), df, tmp_path)
+    assert (tmp_path / "smoke" / "s.md").read_text().startswith("# SMOKE / stand-in — Fabricated table")
+    title = report.report_title(experiment("s"), df)
+    fig = report.heatmap(df, LAYOUT, title)
+    assert fig._suptitle.get_text().startswith("SMOKE / stand-in — Fabricated table")
+    norm = fig.axes[0].get_images()[0].norm
+    assert (norm.vmin, norm.vmax) == (0, 100)  # what write_report draws at every scale
+    local = report.heatmap(df, LAYOUT, title, limits=None)
+    colourbar = local.axes[-1].get_ylabel()
+    assert "LOCAL scale" in colourbar and "not 0-100" in colourbar
