@@ -234,7 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         results.check_writable(folder)  # before training, not after
         result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder),
-                              resume=not args.force)  # fmt: skip
+                              resume=not args.force, keep_checkpoint=True)  # fmt: skip
         result.stand_in = experiment.stand_in_for(config)
         results.save_record(folder, config.key(), result.to_dict(), experiment.results_name)
         record = json.loads(path.read_text())

@@ -510,7 +510,9 @@ def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     config = RunConfig.from_dict(task.config)
-    result = training.run(config, progress=False, checkpoint_dir=task.checkpoint_dir, resume=task.resume)
+    # the checkpoint goes once the record is stored (`store.save_record`, here or in the driver)
+    result = training.run(config, progress=False, checkpoint_dir=task.checkpoint_dir, resume=task.resume,
+                          keep_checkpoint=True)  # fmt: skip
     result.stand_in = task.stand_in
     record = result.to_dict()
     if task.folder is not None:
@@ -543,7 +545,9 @@ def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
             with contextlib.suppress(FileNotFoundError):
                 (Path(task.checkpoint_dir) / f"{key}.pt").unlink()
     try:
-        for i, outcome in groups.iter_group(configs, checkpoint_dir=tasks[0].checkpoint_dir):
+        for i, outcome in groups.iter_group(
+            configs, checkpoint_dir=tasks[0].checkpoint_dir, keep_checkpoints=True
+        ):
             pending.discard(keys[i])
             if isinstance(outcome, BaseException):
                 yield keys[i], _with_traceback(outcome)

@@ -112,11 +112,13 @@ def checkpoint_dir(folder: Path) -> Path:
 
 
 def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str) -> Path:
-    """Store a finished run (a RunResult.to_dict()); clears an earlier failure record of the same key."""
+    """Store a finished run (a RunResult.to_dict()); then clears an earlier failure record of the same key and
+    the run's checkpoint (`checkpoint_dir`), which training leaves until the record is written: a record
+    that cannot be written (a full disk) loses no work, the next attempt resumes."""
     path = record_path(folder, key)
     write_json_atomic(path, {"key": key, "experiment": experiment, "status": "done", **result})
-    with contextlib.suppress(FileNotFoundError):
-        failure_path(folder, key).unlink()
+    failure_path(folder, key).unlink(missing_ok=True)
+    (checkpoint_dir(folder) / f"{key}.pt").unlink(missing_ok=True)
     return path
 
 
