@@ -210,9 +210,15 @@ def _leaf_file_counts(path: str, mtime_ns: int, size: int) -> dict[str, int]:
             content = json.loads(text)
         except ValueError as e:
             raise DataError(f"{path}: not a valid LEAF JSON file ({e})") from None
+    if not isinstance(content, dict):
+        raise DataError(f"{path}: a LEAF file is a JSON object with users, num_samples and user_data, "
+                        f"this is {type(content).__name__}")  # fmt: skip
     users, counts = content.get("users", []), content.get("num_samples", [])
-    if len(users) != len(counts):
-        raise DataError(f"{path}: {len(users)} users but {len(counts)} num_samples entries")
+    if not isinstance(users, list) or not isinstance(counts, list) or len(users) != len(counts):
+        raise DataError(f"{path}: users and num_samples must be lists of the same length")
+    for user, count in zip(users, counts, strict=True):
+        if not isinstance(user, str) or isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise DataError(f"{path}: num_samples of {user} is {count!r}, not a count of samples")
     return dict(zip(users, counts, strict=True))
 
 
@@ -748,16 +754,60 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
     return files
 
 
-def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list]]:
-    """{writer: (x, y)} from every LEAF JSON file in `directory` (files with no users are normal)."""
-    writers: dict[str, tuple[list, list]] = {}
+def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list, Path]]:
+    """{writer: (x, y, its file)} from every LEAF JSON file in `directory` (files with no users are normal);
+    DataError naming the file (and the writer) when it does not have LEAF's structure."""
+    writers: dict[str, tuple[list, list, Path]] = {}
     for path in sorted(directory.glob("*.json")):
         with open(path) as f:
-            content = json.load(f)
-        for user in content["users"]:
-            data = content["user_data"][user]
-            writers[user] = (data["x"], data["y"])
+            try:
+                content = json.load(f)
+            except ValueError as e:
+                raise DataError(f"{path}: not a valid LEAF JSON file ({e})") from None
+        users = content.get("users") if isinstance(content, dict) else None
+        user_data = content.get("user_data") if isinstance(content, dict) else None
+        if not isinstance(users, list) or not isinstance(user_data, dict):
+            raise DataError(f"{path}: a LEAF file is a JSON object with a users list and a user_data object")
+        for user in users:
+            data = user_data.get(user) if isinstance(user, str) else None
+            if data is None:
+                raise DataError(f"{path}: writer {user} is listed in users but not in user_data")
+            if (
+                not isinstance(data, dict)
+                or not isinstance(data.get("x"), list)
+                or not isinstance(data.get("y"), list)
+            ):
+                raise DataError(f"{path}: writer {user}: user_data needs lists x (images) and y (labels)")
+            writers[user] = (data["x"], data["y"], path)
     return writers
+
+
+def _writer_tensors(x: list, y: list, path: Path, writer: str) -> tuple[Tensor, Tensor]:
+    """One writer's images (n, 784) float32 and labels (n,) int64, checked: as many x rows as labels, 784
+    finite values a row, integer labels among the FEMNIST_CLASSES classes; DataError naming the file and
+    the writer (a shifted row would otherwise pair later images with the wrong labels, silently)."""
+    where = f"{path}: writer {writer}"
+    if len(x) != len(y):
+        raise DataError(f"{where} has {len(x)} x rows but {len(y)} labels (y); one image per label")
+    for i, row in enumerate(x):
+        if not isinstance(row, list) or len(row) != 784:
+            width = len(row) if isinstance(row, list) else type(row).__name__
+            raise DataError(f"{where}: x row {i} has {width} values, not 784 (a 28x28 image)")
+    for label in y:
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < FEMNIST_CLASSES:
+            raise DataError(f"{where}: label {label!r} is not a class in 0..{FEMNIST_CLASSES - 1}")
+    try:
+        images = torch.tensor(x, dtype=torch.float32).view(-1, 784)
+    except (TypeError, ValueError, RuntimeError):
+        images = None
+    bad = (
+        torch.arange(len(x))
+        if images is None
+        else torch.nonzero(~torch.isfinite(images).all(dim=1)).flatten()
+    )
+    if len(bad):
+        raise DataError(f"{where}: x row {int(bad[0])} is not 784 finite numbers")
+    return images, torch.tensor(y, dtype=torch.long)
 
 
 def _read_femnist(
@@ -783,10 +833,9 @@ def _read_femnist(
                 f"{len(test[w][1])} test samples but num_samples says {counts[w][0]} / {counts[w][1]}"
             )
 
-    def stack(split: dict[str, tuple[list, list]]) -> tuple[Tensor, Tensor, list[int]]:
-        x = torch.tensor([row for w in writers for row in split[w][0]], dtype=torch.float32)
-        y = torch.tensor([label for w in writers for label in split[w][1]], dtype=torch.long)
-        return x.view(-1, 1, 28, 28), y, [len(split[w][1]) for w in writers]
+    def stack(split: dict[str, tuple[list, list, Path]]) -> tuple[Tensor, Tensor, list[int]]:
+        xs, ys = zip(*(_writer_tensors(*split[w], w) for w in writers), strict=True)
+        return torch.cat(xs).view(-1, 1, 28, 28), torch.cat(ys), [len(y) for y in ys]
 
     train_x, train_y, sizes = stack(train)
     test_x, test_y, _ = stack(test)

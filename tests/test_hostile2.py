@@ -2,6 +2,8 @@
 expectation (the file system's state after the fault, an invariant, a rerun)."""
 
 import errno
+import json
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +90,99 @@ def test_grid_keeps_checkpoints_when_the_records_cannot_be_written(
     df = run_grid(experiment, results_dir=tmp_path, progress=False, batch_runs=batch_runs)
     assert starts == [1, 1] and len(df) == 2 and not any(p.exists() for p in ckpts)
 
+
+# -------------------------------------------- 2, 10: FEMNIST writers validated on load, file and writer named
+
+ROW = [0.5] * 784
+
+
+def _leaf(root: Path, train_edit=None, test_edit=None) -> Path:
+    """A valid LEAF folder of three writers (4 train and 2 test samples each), then edited: an edit gets
+    the content of train/part_1.json (or test/...) as a dict and may change it or return a replacement."""
+    for split, n, edit in (("train", 4, train_edit), ("test", 2, test_edit)):
+        (root / split).mkdir(parents=True)
+        (root / split / "part_0.json").write_text(
+            json.dumps({"users": [], "num_samples": [], "user_data": {}})
+        )
+        writers = ["w_a", "w_b", "w_c"]
+        data = {w: {"x": [ROW] * n, "y": [i % 62 for i in range(n)]} for w in writers}
+        content = {"users": writers, "num_samples": [n] * 3, "user_data": data}
+        replaced = edit(content) if edit is not None else None
+        content = content if replaced is None else replaced
+        (root / split / "part_1.json").write_text(json.dumps(content))
+    return root
+
+
+def _extra_x_row(c):
+    c["user_data"]["w_b"]["x"].append(ROW)
+
+
+def _short_row(c):
+    c["user_data"]["w_b"]["x"][1] = ROW[:100]
+
+
+def _label(value):
+    def edit(c):
+        c["user_data"]["w_b"]["y"][0] = value
+
+    return edit
+
+
+def _missing_user(c):
+    del c["user_data"]["w_b"]
+
+
+def _text_count(c):
+    c["num_samples"][1] = "4"
+
+
+def _nan_pixel(c):
+    c["user_data"]["w_b"]["x"][2] = [float("nan")] * 784
+
+
+BAD_LEAF = {
+    "extra x row": (_extra_x_row, None, "train/part_1.json: writer w_b has 5 x rows but 4 labels"),
+    "short row": (_short_row, None, "train/part_1.json: writer w_b: x row 1 has 100 values, not 784"),
+    "label 500": (_label(500), None, "train/part_1.json: writer w_b: label 500 is not a class in 0..61"),
+    "label 62": (_label(62), None, "writer w_b: label 62 is not a class in 0..61"),
+    "label -1": (_label(-1), None, "writer w_b: label -1 is not a class in 0..61"),
+    "label 1.5": (_label(1.5), None, "writer w_b: label 1.5 is not a class in 0..61"),
+    "label text": (_label("3"), None, "writer w_b: label '3' is not a class in 0..61"),
+    "nan pixel": (_nan_pixel, None, "train/part_1.json: writer w_b: x row 2 is not 784 finite numbers"),
+    "missing user": (
+        _missing_user,
+        None,
+        "train/part_1.json: writer w_b is listed in users but not in user_data",
+    ),
+    "text count": (_text_count, None, "train/part_1.json: num_samples of w_b is '4', not a count"),
+    "test file a list": (None, lambda c: [], "test/part_1.json: a LEAF file is a JSON object"),
+    "test label": (None, _label(99), "test/part_1.json: writer w_b: label 99 is not a class in 0..61"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LEAF))
+def test_a_malformed_leaf_writer_is_one_error_naming_the_file_and_the_writer(tmp_path, capsys, case):
+    from prodigy_core.data import DataError, load_federation
+
+    train_edit, test_edit, message = BAD_LEAF[case]
+    leaf = _leaf(tmp_path / "leaf", train_edit, test_edit)
+    with pytest.raises(DataError) as caught:
+        load_federation("femnist", 3, "natural", data_dir=leaf)
+    assert str(leaf) in str(caught.value) and message in str(caught.value), str(caught.value)
+    assert cli.main(["data", "femnist", str(leaf)]) == 2  # `data femnist` no longer calls it valid
+    one_error_line(capsys.readouterr().err, message)
+
+
+def test_a_valid_leaf_folder_still_loads(tmp_path, capsys):
+    from prodigy_core.data import load_federation
+
+    fed = load_federation("femnist", 3, "natural", data_dir=_leaf(tmp_path / "leaf"))
+    assert fed.train_images.shape == (12, 1, 28, 28) and fed.test_labels.tolist() == [0, 1] * 3
+    assert cli.main(["data", "femnist", str(tmp_path / "leaf")]) == 0
+
+
+def test_the_femnist_source_hash_of_the_committed_records_is_unchanged(femnist24_dir):
+    """figures/mini's FEMNIST records were keyed on this source: validation must not change it."""
+    from prodigy_core.data import resolve_data_source
+
+    assert resolve_data_source("femnist", femnist24_dir, 20, 350) == "femnist-leaf-a5c029fd3f00"
