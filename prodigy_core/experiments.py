@@ -240,7 +240,8 @@ def experiment_from_spec(
         raise ConfigError(f"{where}: seeds={seeds!r} must be a non-empty list of integers, e.g. [0, 1, 2]")
     report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
     mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
-    _check_mini_rounds(mini.get("rounds"), f"{where}: mini.rounds")
+    if "rounds" in mini:
+        mini["rounds"] = _mini_rounds(mini["rounds"], f"{where}: mini.rounds")
     for key in ("rows", "columns", "blocks"):
         for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
             if value not in field_names():
@@ -280,17 +281,22 @@ def experiment_from_spec(
     return {"smoke": smoke_profile, "mini": mini_profile}.get(scale, lambda e: e)(experiment)
 
 
-def _check_mini_rounds(rounds: Any, where: str) -> None:
+def _mini_rounds(rounds: Any, where: str) -> Any:
+    """mini.rounds checked: a positive integer or {paper rounds: mini rounds}. Keys written as decimal text
+    are rounds too: papermill's injected cell and JSON turn the YAML's 2000 into "2000"."""
     if rounds is None:
-        return
+        return None
     ok = type(rounds) is int and rounds > 0
     if isinstance(rounds, dict):
+        rounds = {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v
+                  for k, v in rounds.items()}  # fmt: skip
         ok = bool(rounds) and all(type(k) is int and type(v) is int and v > 0 for k, v in rounds.items())
     if not ok:
         raise ConfigError(
             f"{where}={rounds!r} must be a positive integer (e.g. 30) or a mapping of the paper's rounds "
             "to mini rounds (e.g. {2000: 60, 1000: 30})"
         )
+    return rounds
 
 
 def _mapping(value: Any, where: str, names: Iterable[str] | None = None, check_fields: bool = True) -> dict:

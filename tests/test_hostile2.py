@@ -186,3 +186,35 @@ def test_the_femnist_source_hash_of_the_committed_records_is_unchanged(femnist24
     from prodigy_core.data import resolve_data_source
 
     assert resolve_data_source("femnist", femnist24_dir, 20, 350) == "femnist-leaf-a5c029fd3f00"
+
+
+# ------------------------------------------------------ 4: reproduce --scale mini (papermill's string keys)
+
+
+def test_reproduce_mini_table1_loads_its_grid_through_papermill(tmp_path, capsys):
+    """The real notebook's parameters cell and its load_experiment line, run by `reproduce --scale mini`
+    through papermill (whose injected cell writes mini.rounds' keys 2000/1000 as strings); no training."""
+    import nbformat
+
+    from prodigy_core import reproduce
+
+    notebook, params_file = reproduce.NOTEBOOKS["table1_cifar10"]
+    nb = nbformat.read(reproduce.NOTEBOOKS_DIR / notebook, as_version=4)
+    tagged = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    load = nb.cells[tagged + 1]
+    assert "load_experiment(" in load.source
+    load.source = load.source.split("df = run_grid")[0] + 'assert "80 of 2000 / 40 of 1000" in exp.title\n'
+    nb.cells = nb.cells[: tagged + 2]
+    nbformat.write(nb, tmp_path / notebook)
+    notebooks = {"table1_cifar10": (notebook, params_file)}
+    rc = reproduce.reproduce("mini", only=["table1_cifar10"], notebooks=notebooks, notebooks_dir=tmp_path,
+                             build_dir=tmp_path / "build")  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keys", [{"2000": 80, "1000": 40}, {2000: 80, 1000: 40}])
+def test_mini_rounds_keys_written_as_text_are_rounds(keys):
+    spec = {"experiment": "x", "base": {**TINY, "rounds": 1000}, "grid": {"rounds": [2000, 1000]},
+            "mini": {"rounds": keys}}  # fmt: skip
+    mini = experiment_from_spec(spec, scale="mini")
+    assert sorted(c.rounds for c in mini.configs) == [40, 80]
