@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -146,10 +147,29 @@ def check_record(record: Any, path: Path) -> str | None:
     return None
 
 
+NOT_REGULAR = "not a regular file"
+
+
 def _read_json(path: Path) -> tuple[Any, str | None]:
-    """(content, None), or (None, why) when the file is not UTF-8 JSON."""
+    """(content, None), or (None, why) when the file is not UTF-8 JSON or not a regular file (a FIFO, a
+    folder, a device, a dangling link: never read, so never a hang); FileNotFoundError when absent."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8")), None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without a writer
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return None, f"{NOT_REGULAR} (a symbolic link to nothing)"
+        raise
+    except IsADirectoryError:  # Windows
+        return None, f"{NOT_REGULAR} (a folder)"
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        return None, f"{NOT_REGULAR} ({kind})"
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read()
+    try:
+        return json.loads(data.decode("utf-8")), None
     except (UnicodeDecodeError, ValueError) as e:
         return None, f"not valid JSON ({e})"
 
@@ -245,11 +265,15 @@ class Claims:
 
     def _take_over_if_stale(self, path: Path) -> bool:
         try:
-            owner, _ = _read_json(path)
+            owner, why = _read_json(path)
         except FileNotFoundError:
             return True  # released meanwhile: try again
         except OSError:
-            owner = None
+            owner, why = None, None
+        if why is not None and why.startswith(NOT_REGULAR):  # never a lock of ours (a FIFO, a folder, a link)
+            moved = quarantine(path, "invalid")
+            warnings.warn(f"{path}: {why}, not a lock; moved to {moved.name}", RuntimeWarning, stacklevel=3)
+            return True
         age = time.time() - _mtime(path)
         if not isinstance(owner, dict):
             # Being written right now, or garbage (a crash between create and write, a hand-made file): a

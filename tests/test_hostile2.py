@@ -1,13 +1,17 @@
 """Hostile inputs and faults, round 2 (issue 29): one regression test per row, each against an independent
 expectation (the file system's state after the fault, an invariant, a rerun)."""
 
+import contextlib
 import errno
 import json
+import os
+import signal
+import warnings
 from pathlib import Path
 
 import pytest
 
-from prodigy_core import cli, results, training
+from prodigy_core import cli, experiments, results, training
 from prodigy_core.config import RunConfig
 from prodigy_core.experiments import experiment_from_spec, run_grid
 
@@ -218,3 +222,73 @@ def test_mini_rounds_keys_written_as_text_are_rounds(keys):
             "mini": {"rounds": keys}}  # fmt: skip
     mini = experiment_from_spec(spec, scale="mini")
     assert sorted(c.rounds for c in mini.configs) == [40, 80]
+
+
+# ------------------------------------------- 6: a FIFO, folder or dangling link at a record or lock path
+
+
+def fake_execute(task, threads=None):
+    """Stands in for training: a valid record whose accuracy is 10 x the seed."""
+    calls.append(task.config["seed"])
+    return {"config": task.config, "final_accuracy": 10.0 * task.config["seed"], "final_loss": 1.0}
+
+
+calls: list[int] = []
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    calls.clear()
+    monkeypatch.setattr(experiments, "execute", fake_execute)
+    return calls
+
+
+SEEDS = {"experiment": "seeds", "base": TINY, "seeds": [0, 1]}
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """TimeoutError instead of a hang (a blocking open of a FIFO is interrupted by the alarm)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _not_a_file(path: Path, kind: str) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(path.with_name("nothing-there"))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+@pytest.mark.parametrize("suffix", ["json", "lock"])
+@pytest.mark.parametrize("kind", ["fifo", "folder", "dangling link"])
+def test_only_regular_files_are_read_as_records_or_locks(tmp_path, fake_training, suffix, kind):
+    experiment = experiment_from_spec(SEEDS)
+    folder = tmp_path / "seeds"
+    folder.mkdir()
+    key = experiment.configs[0].key()
+    path = folder / f"{key}.{suffix}"
+    _not_a_file(path, kind)
+    with deadline(20), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert results.load(experiment, tmp_path).empty  # report: no hang, nothing counted
+        df = run_grid(experiment, results_dir=tmp_path, progress=False)
+        assert list(df["seed"]) == [0, 1] and sorted(calls) == [0, 1]  # done, not left "claimed"
+        assert list(results.load(experiment, tmp_path)["seed"]) == [0, 1]
+    if suffix == "json":
+        assert any(f"{path}: not a valid result record" in str(w.message) for w in caught), caught
+        assert "not a regular file" in str(caught[0].message)
+    assert not path.exists() or path.is_file() and not path.is_symlink()
+    assert len(list(folder.glob(f"{key}.{suffix}.*"))) == 1  # moved aside, not deleted
