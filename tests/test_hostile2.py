@@ -292,3 +292,32 @@ def test_only_regular_files_are_read_as_records_or_locks(tmp_path, fake_training
         assert "not a regular file" in str(caught[0].message)
     assert not path.exists() or path.is_file() and not path.is_symlink()
     assert len(list(folder.glob(f"{key}.{suffix}.*"))) == 1  # moved aside, not deleted
+
+
+# -------------------------------------------------------------- 15: record_distances_at, one key per run
+
+
+def test_record_distances_at_is_sorted_and_deduplicated_before_the_key():
+    three = {**TINY, "rounds": 3}
+    keys = {RunConfig(**three, record_distances_at=at).key() for at in ([1, 2], [2, 1], [1, 1, 2], (2, 1, 1))}
+    assert len(keys) == 1
+    assert RunConfig(**three, record_distances_at=[2, 1, 2]).record_distances_at == (1, 2)
+    assert RunConfig.from_dict({**three, "record_distances_at": [2, 1]}).to_dict()["record_distances_at"] == [
+        1,
+        2,
+    ]
+
+
+@pytest.mark.parametrize("scale", ["smoke", "mini", "paper"])
+def test_a_sorted_unique_record_distances_at_keeps_its_key(monkeypatch, scale):
+    """The keys with the normalisation equal the keys without it (the tuple as given, as before)."""
+    from prodigy_core import config as config_module
+
+    at = [(), (1,), (1, 2), (1, 2, 3), (3,)]
+    figure1 = experiments.load_experiment("figure1_pairwise_distances", scale=scale).configs
+    normalised = [RunConfig(**{**TINY, "rounds": 3}, record_distances_at=a).key() for a in at]
+    normalised += [c.key() for c in figure1]
+    monkeypatch.setattr(config_module, "_distance_rounds", tuple)
+    as_given = [RunConfig(**{**TINY, "rounds": 3}, record_distances_at=a).key() for a in at]
+    as_given += [c.replace().key() for c in figure1]
+    assert normalised == as_given and len(set(normalised)) == len(normalised)
