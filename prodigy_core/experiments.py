@@ -118,6 +118,7 @@ def select(experiment: Experiment, only: dict[str, list[Any]]) -> Experiment:
     run of the grid takes is an error listing the values it does take."""
     configs = experiment.configs
     for name, values in only.items():
+        values = [_as_stored(experiment.configs, name, v) for v in values]
         taken = list(dict.fromkeys(getattr(c, name) for c in experiment.configs))
         for value in values:
             if value not in taken:
@@ -127,6 +128,15 @@ def select(experiment: Experiment, only: dict[str, list[Any]]) -> Experiment:
                 )
         configs = [c for c in configs if getattr(c, name) in values]
     return dataclasses.replace(experiment, configs=configs)
+
+
+def _as_stored(configs: Sequence[RunConfig], name: str, value: Any) -> Any:
+    """`value` as a RunConfig stores field `name` (`--set`'s normalisation: defense and attack in lower
+    case, 1 as 1.0 in a float field, ...): set into one of the grid's runs that accepts it."""
+    for config in configs[:64]:
+        with contextlib.suppress(ConfigError, TypeError):
+            return getattr(config.replace(**{name: value}), name)
+    return value
 
 
 # ------------------------------------------------------------------------------------------- loading

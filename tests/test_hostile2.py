@@ -321,3 +321,19 @@ def test_a_sorted_unique_record_distances_at_keeps_its_key(monkeypatch, scale):
     as_given = [RunConfig(**{**TINY, "rounds": 3}, record_distances_at=a).key() for a in at]
     as_given += [c.replace().key() for c in figure1]
     assert normalised == as_given and len(set(normalised)) == len(normalised)
+
+
+# ------------------------------------------------------------------ 14: --only normalised like --set
+
+
+def test_only_values_are_normalised_as_set_values(tmp_path, capsys):
+    params = tmp_path / "grid.yaml"
+    grid = {"defense": ["prodigy", "nnm+krum"], "attack": ["none", "alie"]}
+    params.write_text(json.dumps({"experiment": "g", "base": {**TINY, "n_clients": 10, "n_byzantine": 3},
+                                  "grid": grid}))  # fmt: skip
+    where = ["--results-dir", str(tmp_path), "--dry-run"]
+    assert cli.main(["grid", str(params), "--only", "defense=prodigy", "--only", "attack=alie", *where]) == 0
+    lower = capsys.readouterr().out
+    only = ["--only", "defense= ProDiGy", "--only", "attack=ALIE,Alie", "--only", "local_momentum=0"]
+    assert cli.main(["grid", str(params), *only, *where]) == 0
+    assert capsys.readouterr().out == lower and "1 runs" in lower
