@@ -297,10 +297,11 @@ def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
     lines = [f"{experiment.title} ({experiment.scale} scale)"]
     stored = 0
     for config in experiment.configs:
-        done = results.record_path(folder, config.key()).exists()
-        stored += done
+        record, why = results.judge_record(folder, config.key())  # as the grid and the report judge it
+        stored += record is not None
         what = " ".join(f"{n}={getattr(config, n)}" for n in DRY_RUN_FIELDS)
-        lines.append(f"{config.key()} {what}{' [stored]' if done else ''}")
+        flag = " [stored]" if record is not None else f" [invalid record, redone: {why}]" if why else ""
+        lines.append(f"{config.key()} {what}{flag}")
     total = len(experiment.configs)
     lines.append(f"{total} runs ({stored} stored, {total - stored} to run) -> {folder}")
     return lines

@@ -174,15 +174,24 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
         return None, f"not valid JSON ({e})"
 
 
-def stored_record(folder: Path, key: str) -> dict[str, Any] | None:
-    """The valid finished record of `key`, or None. An invalid one is moved aside with a warning naming its
-    path and why, so that the run is done again."""
+def judge_record(folder: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the valid finished record of `key`, None), (None, why it is invalid), or (None, None) when there is
+    none. Moves and warns nothing: the one judgement of "stored" (`stored_record`, the grid's dry run and
+    `read_records`, which the report reads, all apply `check_record`)."""
     path = record_path(folder, key)
     try:
         record, why = _read_json(path)
     except (FileNotFoundError, NotADirectoryError):  # the folder's writability is checked before a run
-        return None
+        return None, None
     why = why or check_record(record, path)
+    return (record, None) if why is None else (None, why)
+
+
+def stored_record(folder: Path, key: str) -> dict[str, Any] | None:
+    """The valid finished record of `key`, or None. An invalid one is moved aside with a warning naming its
+    path and why, so that the run is done again."""
+    path = record_path(folder, key)
+    record, why = judge_record(folder, key)
     if why is None:
         return record
     moved = quarantine(path, "invalid")
@@ -557,4 +566,5 @@ __all__ = [
     "check_record",
     "check_writable",
     "stored_record",
+    "judge_record",
 ]

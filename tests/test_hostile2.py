@@ -337,3 +337,27 @@ def test_only_values_are_normalised_as_set_values(tmp_path, capsys):
     only = ["--only", "defense= ProDiGy", "--only", "attack=ALIE,Alie", "--only", "local_momentum=0"]
     assert cli.main(["grid", str(params), *only, *where]) == 0
     assert capsys.readouterr().out == lower and "1 runs" in lower
+
+
+# ------------------------------------------------------------------- 16: one judgement of "stored"
+
+
+def test_dry_run_report_and_grid_agree_on_an_invalid_record(tmp_path, fake_training, capsys):
+    params = tmp_path / "seeds.yaml"
+    params.write_text(json.dumps(SEEDS))
+    where = ["--results-dir", str(tmp_path / "res")]
+    assert cli.main(["grid", str(params), *where]) == 0
+    experiment = experiments.load_experiment(params)
+    path = results.record_path(tmp_path / "res" / "seeds", experiment.configs[0].key())
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "config": {**record["config"], "bogus_field": 1}}))
+    capsys.readouterr()
+    assert cli.main(["grid", str(params), "--dry-run", *where]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs (1 stored, 1 to run)" in out, out
+    assert path.exists()  # a dry run writes (and moves) nothing
+    with pytest.warns(RuntimeWarning, match="unknown field 'bogus_field'"):
+        assert list(results.load(experiment, tmp_path / "res")["seed"]) == [1]  # report: left out
+    calls.clear()
+    assert cli.main(["grid", str(params), *where]) == 0
+    assert calls == [0] and "unknown field 'bogus_field'" in capsys.readouterr().err  # grid: named, redone
