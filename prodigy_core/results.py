@@ -251,7 +251,7 @@ class Claims:
         path = self.lock_path(key)
         for _ in range(2):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask decides
             except FileExistsError:
                 if not self._take_over_if_stale(path):
                     return False

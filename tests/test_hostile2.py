@@ -361,3 +361,35 @@ def test_dry_run_report_and_grid_agree_on_an_invalid_record(tmp_path, fake_train
     calls.clear()
     assert cli.main(["grid", str(params), *where]) == 0
     assert calls == [0] and "unknown field 'bogus_field'" in capsys.readouterr().err  # grid: named, redone
+
+
+# --------------------------------------------------------------------- 5: written files honour the umask
+
+
+@pytest.fixture(params=[0o002, 0o022, 0o077])
+def umask(request):
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_records_checkpoints_locks_and_decoded_data_honour_the_umask(tmp_path, umask, jpeg_folder):
+    from prodigy_core.data import decode_cifar10_jpeg
+
+    want = 0o666 & ~umask
+    assert _mode(results.save_record(tmp_path, "k", {"final_accuracy": 1.0}, "x")) == want
+    assert _mode(results.save_failure(tmp_path, "k", {}, ValueError("x"), "x")) == want
+    claims = results.Claims(tmp_path)
+    assert claims.claim("other") and _mode(claims.lock_path("other")) == want
+    claims.release_all()
+    cfg = tiny(rounds=3)
+    training.run(cfg, progress=False, checkpoint_dir=tmp_path / "ckpt", _stop_after=1)
+    assert _mode(tmp_path / "ckpt" / f"{cfg.key()}.pt") == want
+    decoded = decode_cifar10_jpeg(
+        jpeg_folder(tmp_path / "jpeg", 2), tmp_path / "data", per_class=2, progress=False
+    )
+    assert _mode(decoded) == want
