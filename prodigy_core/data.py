@@ -660,12 +660,49 @@ def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             f"the decoded JPEG copy of CIFAR-10 is not in {path}; make it with "
             f"`prodigy-fl data cifar10 {root} --from {CIFAR10_JPEG_ARCHIVE}`"
         )
-    arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    arrays = _check_decoded(path, root)
     test_labels = arrays["test_labels"]
     order = torch.randperm(
         len(test_labels), generator=torch.Generator().manual_seed(CIFAR10_JPEG_TEST_ORDER_SEED)
     )
     return arrays["train_images"], arrays["train_labels"], arrays["test_images"][order], test_labels[order]
+
+
+def _check_decoded(path: Path, root: Path) -> dict[str, Tensor]:
+    """The decoded JPEG copy's arrays, checked: readable, uint8 (N, 3, 32, 32) images with as many int64
+    labels in 0..9, the same count for every class; else one DataError line naming the file and the fix."""
+    rebuild = f"rebuild it: `prodigy-fl data cifar10 {root} --from {CIFAR10_JPEG_ARCHIVE}`"
+    try:
+        arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # garbage, truncated, another format: whatever torch raises
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path}: not a readable decoded file of CIFAR-10 ({why}); {rebuild}") from None
+    if not isinstance(arrays, dict):
+        raise DataError(f"{path}: not a decoded file of CIFAR-10 (a {type(arrays).__name__}); {rebuild}")
+    for split in ("train", "test"):
+        images, labels = arrays.get(f"{split}_images"), arrays.get(f"{split}_labels")
+        for name, value in ((f"{split}_images", images), (f"{split}_labels", labels)):
+            if not isinstance(value, Tensor):
+                raise DataError(f"{path}: {name} is missing; {rebuild}")
+        if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != (3, 32, 32):
+            raise DataError(
+                f"{path}: {split}_images must be uint8 (N, 3, 32, 32), got {images.dtype} "
+                f"{tuple(images.shape)}; {rebuild}"
+            )
+        if labels.dtype != torch.long or labels.dim() != 1 or len(labels) != len(images):
+            raise DataError(
+                f"{path}: {split}_images has {len(images)} images but {split}_labels {len(labels)} labels "
+                f"({labels.dtype}, one int64 label per image); {rebuild}"
+            )
+        outside = labels[(labels < 0) | (labels >= len(CIFAR10_CLASSES))]
+        if len(outside):
+            raise DataError(
+                f"{path}: {split}_labels: label {int(outside[0])} is not a class in 0..9; {rebuild}"
+            )
+        per_class = torch.bincount(labels, minlength=len(CIFAR10_CLASSES)).tolist()
+        if len(set(per_class)) != 1:
+            raise DataError(f"{path}: {split} images per class {per_class}, not equal; {rebuild}")
+    return arrays
 
 
 def decode_cifar10_jpeg(
