@@ -406,6 +406,12 @@ def cmd_init(args: argparse.Namespace) -> int:
     import shutil
 
     root = args.dir.resolve()
+    inside = paths.package_containing(root)
+    if inside is not None:
+        raise ValueError(
+            f"{root} is inside the installed package ({inside}): a project folder must be outside it, "
+            "e.g. prodigy-fl init ~/prodigy-project"
+        )
     made, kept = [], []
     for name, pattern in (("notebooks", "*.ipynb"), ("params", "*.yaml")):
         (root / name).mkdir(parents=True, exist_ok=True)

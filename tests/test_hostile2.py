@@ -393,3 +393,98 @@ def test_records_checkpoints_locks_and_decoded_data_honour_the_umask(tmp_path, u
         jpeg_folder(tmp_path / "jpeg", 2), tmp_path / "data", per_class=2, progress=False
     )
     assert _mode(decoded) == want
+
+
+# ------------------------------------------------------- 11: the decoded CIFAR-10 file checked on load
+
+
+def _decoded(tmp_path, jpeg_folder) -> Path:
+    from prodigy_core.data import decode_cifar10_jpeg
+
+    return decode_cifar10_jpeg(
+        jpeg_folder(tmp_path / "jpeg", 2), tmp_path / "data", per_class=2, progress=False
+    )
+
+
+def _edit_arrays(path: Path, **changes) -> None:
+    import torch
+
+    arrays = torch.load(path, weights_only=True)
+    arrays.update(changes)
+    torch.save(arrays, path)
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        ("garbage", "not a readable decoded file"),
+        ("truncated", "not a readable decoded file"),
+        ("label 99", "train_labels: label 99 is not a class in 0..9"),
+        ("one label short", "train_images has 20 images but train_labels 19 labels"),
+        ("float images", "train_images must be uint8 (N, 3, 32, 32), got torch.float32 (20, 3, 32, 32)"),
+        ("no test set", "test_images is missing"),
+    ],
+)
+def test_a_damaged_decoded_cifar10_file_is_one_error_saying_how_to_rebuild_it(
+    tmp_path, jpeg_folder, damage, why
+):
+    import torch
+
+    from prodigy_core.data import DataError, load_federation
+
+    path = _decoded(tmp_path, jpeg_folder)
+    arrays = torch.load(path, weights_only=True)
+    if damage == "garbage":
+        path.write_bytes(b"not a torch file")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    elif damage == "label 99":
+        _edit_arrays(path, train_labels=torch.where(arrays["train_labels"] == 3, 99, arrays["train_labels"]))
+    elif damage == "one label short":
+        _edit_arrays(path, train_labels=arrays["train_labels"][:-1])
+    elif damage == "float images":
+        _edit_arrays(path, train_images=arrays["train_images"].float())
+    else:
+        del arrays["test_images"]
+        torch.save(arrays, path)
+    with pytest.raises(DataError) as caught:
+        load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data")
+    message = str(caught.value)
+    assert str(path) in message and why in message and "prodigy-fl data cifar10" in message, message
+    assert "\n" not in message
+
+
+def test_an_intact_decoded_cifar10_file_loads(tmp_path, jpeg_folder):
+    from prodigy_core.data import load_federation
+
+    _decoded(tmp_path, jpeg_folder)
+    fed = load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data")
+    assert fed.train_images.shape == (20, 3, 32, 32) and sorted(fed.test_labels.tolist()) == sorted(
+        list(range(10)) * 2
+    )
+
+
+# ------------------------------------------------------------ 13: init never writes into the package
+
+
+@pytest.mark.parametrize("where", [".", "data", "nested/deeper"])
+def test_init_inside_the_package_is_refused(tmp_path, monkeypatch, capsys, where):
+    from prodigy_core import paths
+
+    before = sorted(p.relative_to(paths.PACKAGE_DIR) for p in paths.PACKAGE_DIR.rglob("*"))
+    target = paths.PACKAGE_DIR / where
+    if where == ".":
+        monkeypatch.chdir(paths.PACKAGE_DIR)
+        args = ["init"]
+    else:
+        args = ["init", str(target)]
+    try:
+        assert cli.main(args) == 2
+        one_error_line(capsys.readouterr().err, "is inside the installed package", "must be outside")
+    finally:  # a regression must not leave its copies in the package
+        after = sorted(p.relative_to(paths.PACKAGE_DIR) for p in paths.PACKAGE_DIR.rglob("*"))
+        for new in sorted(set(after) - set(before), reverse=True):
+            path = paths.PACKAGE_DIR / new
+            path.rmdir() if path.is_dir() else path.unlink()
+    assert after == before
+    assert cli.main(["init", str(tmp_path / "project")]) == 0 and (tmp_path / "project" / "params").is_dir()
