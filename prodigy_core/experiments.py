@@ -188,17 +188,68 @@ def load_experiment(
     scale = check_scale(scale, smoke)
     path = resolve_params(path_or_name)
     try:
-        spec = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        spec = safe_load_strict(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(problem or e).split())  # one line
+        raise ConfigError(f"{path}: not valid YAML{at}: {what}") from None
     if not isinstance(spec, dict):
         raise ConfigError(
             f"{path}: expected a mapping of {', '.join(TOP_LEVEL_KEYS)}, got {type(spec).__name__}"
         )
     spec.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return experiment_from_spec(spec, source=path, fields=fields, scale=scale)
+
+
+MAX_TITLE = 500  # characters
+MAX_YAML_NODES = 100_000  # a params file is a few hundred; aliases may not expand past this
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:  # the keys written here; `<<: *defaults` may be overridden
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (give each key once)", key_node.start_mark
+                )
+            with contextlib.suppress(TypeError):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_strict(text: str) -> Any:
+    """yaml.safe_load without duplicate keys and without aliases that expand past MAX_YAML_NODES nodes (an
+    alias bomb: a few lines that expand to billions of values)."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        sizes: dict[int, int] = {}
+
+        def size(n: yaml.Node) -> int:  # nodes once every alias is expanded; each distinct node counted once
+            if id(n) not in sizes:
+                sizes[id(n)] = 0  # a recursive alias counts as one
+                children = n.value if isinstance(n, yaml.SequenceNode) else []
+                if isinstance(n, yaml.MappingNode):
+                    children = [c for pair in n.value for c in pair]
+                sizes[id(n)] = min(1 + sum(size(c) for c in children), MAX_YAML_NODES + 1)
+            return sizes[id(n)]
+
+        if size(node) > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"aliases expand to more than {MAX_YAML_NODES:,} values (an alias bomb?)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def experiment_from_spec(
@@ -221,6 +272,9 @@ def experiment_from_spec(
             "with a letter or digit, no '..' (e.g. table1_cifar10)"
         )
     title = spec.get("title") or name
+    if not isinstance(title, str) or len(title) > MAX_TITLE:
+        shown = repr(title) if isinstance(title, str | int | float) else type(title).__name__
+        raise ConfigError(f"{where}: title={shown[:60]} must be a string of at most {MAX_TITLE} characters")
     paper_table = spec.get("paper_table")
     if paper_table is not None and not isinstance(paper_table, str):
         raise ConfigError(f"{where}: paper_table={paper_table!r} must be a table name or null")

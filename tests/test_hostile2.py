@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prodigy_core import cli, experiments, results, training
-from prodigy_core.config import RunConfig
+from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.experiments import experiment_from_spec, run_grid
 
 # A digits run of a second or less.
@@ -488,3 +488,41 @@ def test_init_inside_the_package_is_refused(tmp_path, monkeypatch, capsys, where
             path.rmdir() if path.is_dir() else path.unlink()
     assert after == before
     assert cli.main(["init", str(tmp_path / "project")]) == 0 and (tmp_path / "project" / "params").is_dir()
+
+
+# --------------------------------------- 19, 7, 8: params files: duplicate keys, alias bombs, title's type
+
+
+def _params(tmp_path, text: str) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_duplicate_key_in_a_params_file_is_one_error(tmp_path, capsys):
+    base = "{" + ", ".join(f"{k}: {v}" for k, v in TINY.items() if k != "rounds") + "}"
+    path = _params(
+        tmp_path, f"experiment: dup\nbase: {base}\nseeds: [0]\nmini:\n  rounds: 2\n  rounds: 500\n"
+    )
+    assert cli.main(["grid", str(path), "--dry-run", "--results-dir", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, str(path), "duplicate key 'rounds'", "line 6")
+    top = _params(tmp_path, "experiment: a\nexperiment: b\n")
+    with pytest.raises(ConfigError, match="duplicate key 'experiment'"):
+        experiments.load_experiment(top)
+
+
+def test_a_yaml_alias_bomb_is_rejected_before_it_expands(tmp_path, capsys):
+    levels = ["&l0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):  # 10^9 strings once expanded
+        levels.append(f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]")
+    path = _params(tmp_path, f"experiment: bomb\ntitle: [{', '.join(levels)}]\n")
+    with deadline(20):
+        assert cli.main(["grid", str(path), "--dry-run", "--results-dir", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, str(path), "aliases expand to more than")
+
+
+@pytest.mark.parametrize("title", ["[a, b]", "{x: 1}", "3", "x" * 501])
+def test_a_title_is_a_bounded_string(tmp_path, capsys, title):
+    path = _params(tmp_path, f"experiment: t\ntitle: {title}\nbase: {json.dumps(TINY)}\n")
+    assert cli.main(["grid", str(path), "--dry-run", "--results-dir", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, "title=", "must be a string of at most 500 characters")
