@@ -758,6 +758,17 @@ def decode_cifar10_jpeg(
     return path
 
 
+MAX_JPEG_BYTES = 1 << 20  # a 32x32 JPEG is a few KB; a member over 1 MB is refused unread
+
+
+def _check_jpeg_size(source: Path, name: str, size: int) -> None:
+    if size > MAX_JPEG_BYTES:
+        raise DataError(
+            f"{source}: {name} is {size:,} bytes, over {MAX_JPEG_BYTES:,}: not a CIFAR-10 JPEG (32x32, a few "
+            "KB); get an unaltered copy of the JPEG archive"
+        )
+
+
 def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callable[[], bytes]]]:
     """{(split, class): {file name: a reader of its bytes}} from the archive or the unpacked folder."""
     pattern = re.compile(r"(?:^|/)(train|test)/([^/]+)/([^/]+\.jpe?g)$", re.IGNORECASE)
@@ -773,6 +784,7 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
         for path in sorted(source.glob("*/*/*")):
             match = pattern.search(path.relative_to(source).as_posix())
             if match:
+                _check_jpeg_size(source, path.relative_to(source).as_posix(), path.stat().st_size)
                 files.setdefault(match.group(1, 2), {})[match.group(3)] = path.read_bytes
     elif source.is_file():
         try:
@@ -780,6 +792,7 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
                 for member in tar:
                     match = pattern.search(member.name)
                     if member.isfile() and match:
+                        _check_jpeg_size(source, member.name, member.size)  # before reading it
                         content = tar.extractfile(member).read()  # type: ignore[union-attr]
                         files.setdefault(match.group(1, 2), {})[match.group(3)] = lambda c=content: c
         except (tarfile.TarError, EOFError, OSError) as e:

@@ -526,3 +526,27 @@ def test_a_title_is_a_bounded_string(tmp_path, capsys, title):
     path = _params(tmp_path, f"experiment: t\ntitle: {title}\nbase: {json.dumps(TINY)}\n")
     assert cli.main(["grid", str(path), "--dry-run", "--results-dir", str(tmp_path)]) == 2
     one_error_line(capsys.readouterr().err, "title=", "must be a string of at most 500 characters")
+
+
+# ------------------------------------------------- 12: an archive member too big for a CIFAR-10 JPEG
+
+
+def test_an_oversized_archive_member_is_refused_before_it_is_read(tmp_path, jpeg_folder, monkeypatch):
+    import tarfile
+
+    from prodigy_core import data
+
+    source = jpeg_folder(tmp_path / "jpeg", 1)
+    big = source / "train" / "cat" / "0001.jpg"
+    big.write_bytes(b"\0" * (data.MAX_JPEG_BYTES + 1))
+    archive = tmp_path / "copy.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(source, arcname="cifar10")
+    read = []
+    real = tarfile.TarFile.extractfile
+    monkeypatch.setattr(tarfile.TarFile, "extractfile", lambda self, m: read.append(m.name) or real(self, m))
+    with pytest.raises(data.DataError, match=r"train/cat/0001\.jpg is \d[\d,]* bytes, .*not a CIFAR-10 JPEG"):
+        data.decode_cifar10_jpeg(archive, tmp_path / "data", per_class=1, progress=False)
+    assert not any(name.endswith("cat/0001.jpg") for name in read)  # refused unread
+    with pytest.raises(data.DataError, match=r"0001\.jpg is \d[\d,]* bytes"):  # the unpacked folder too
+        data.decode_cifar10_jpeg(source, tmp_path / "data", per_class=1, progress=False)
