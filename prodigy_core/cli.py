@@ -241,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         results.check_writable(folder)  # before training, not after
         result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder),
-                              resume=not args.force)  # fmt: skip
+                              resume=not args.force, keep_checkpoint=True)  # fmt: skip
         result.stand_in = experiment.stand_in_for(config)
         results.save_record(folder, config.key(), result.to_dict(), experiment.results_name)
         record = json.loads(path.read_text())
@@ -304,10 +304,11 @@ def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
     lines = [f"{experiment.title} ({experiment.scale} scale)"]
     stored = 0
     for config in experiment.configs:
-        done = results.record_path(folder, config.key()).exists()
-        stored += done
+        record, why = results.judge_record(folder, config.key())  # as the grid and the report judge it
+        stored += record is not None
         what = " ".join(f"{n}={getattr(config, n)}" for n in DRY_RUN_FIELDS)
-        lines.append(f"{config.key()} {what}{' [stored]' if done else ''}")
+        flag = " [stored]" if record is not None else f" [invalid record, redone: {why}]" if why else ""
+        lines.append(f"{config.key()} {what}{flag}")
     total = len(experiment.configs)
     lines.append(f"{total} runs ({stored} stored, {total - stored} to run) -> {folder}")
     return lines
@@ -412,6 +413,12 @@ def cmd_init(args: argparse.Namespace) -> int:
     import shutil
 
     root = args.dir.resolve()
+    inside = paths.package_containing(root)
+    if inside is not None:
+        raise ValueError(
+            f"{root} is inside the installed package ({inside}): a project folder must be outside it, "
+            "e.g. prodigy-fl init ~/prodigy-project"
+        )
     made, kept = [], []
     for name, pattern in (("notebooks", "*.ipynb"), ("params", "*.yaml")):
         (root / name).mkdir(parents=True, exist_ok=True)

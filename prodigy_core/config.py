@@ -83,6 +83,8 @@ class RunConfig:
                 value = tuple(value)
             hint = _field_types()[f.name]
             _check_type(f.name, value, hint)
+            if f.name == "record_distances_at":  # [2, 1] and [1, 1, 2] are the run of [1, 2]: one key
+                object.__setattr__(self, f.name, _distance_rounds(value))
             if float in typing.get_args(hint) + (hint,) and isinstance(value, int):
                 object.__setattr__(self, f.name, float(value))  # 1 and 1.0 must give the same result key
         for name in ("defense", "attack"):  # `Prodigy` and `prodigy` are one run, stored under one key
@@ -242,6 +244,12 @@ def _valid_source(dataset: str, source: str) -> bool:
     if dataset == "femnist":
         return re.fullmatch(r"femnist-leaf-[0-9a-f]{12}", source) is not None
     return source in DATA_SOURCES[dataset]
+
+
+def _distance_rounds(rounds: tuple[int, ...]) -> tuple[int, ...]:
+    """record_distances_at sorted, without repeats (a sorted, repeat-free tuple is kept as it is: its key
+    does not change)."""
+    return tuple(sorted(set(rounds)))
 
 
 def field_names() -> list[str]:

@@ -217,9 +217,15 @@ def _leaf_file_counts(path: str, mtime_ns: int, size: int) -> dict[str, int]:
             content = json.loads(text)
         except ValueError as e:
             raise DataError(f"{path}: not a valid LEAF JSON file ({e})") from None
+    if not isinstance(content, dict):
+        raise DataError(f"{path}: a LEAF file is a JSON object with users, num_samples and user_data, "
+                        f"this is {type(content).__name__}")  # fmt: skip
     users, counts = content.get("users", []), content.get("num_samples", [])
-    if len(users) != len(counts):
-        raise DataError(f"{path}: {len(users)} users but {len(counts)} num_samples entries")
+    if not isinstance(users, list) or not isinstance(counts, list) or len(users) != len(counts):
+        raise DataError(f"{path}: users and num_samples must be lists of the same length")
+    for user, count in zip(users, counts, strict=True):
+        if not isinstance(user, str) or isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise DataError(f"{path}: num_samples of {user} is {count!r}, not a count of samples")
     return dict(zip(users, counts, strict=True))
 
 
@@ -661,12 +667,49 @@ def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             f"the decoded JPEG copy of CIFAR-10 is not in {path}; make it with "
             f"`prodigy-fl data cifar10 {root} --from {jpeg_copy_hint()}`"
         )
-    arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    arrays = _check_decoded(path, root)
     test_labels = arrays["test_labels"]
     order = torch.randperm(
         len(test_labels), generator=torch.Generator().manual_seed(CIFAR10_JPEG_TEST_ORDER_SEED)
     )
     return arrays["train_images"], arrays["train_labels"], arrays["test_images"][order], test_labels[order]
+
+
+def _check_decoded(path: Path, root: Path) -> dict[str, Tensor]:
+    """The decoded JPEG copy's arrays, checked: readable, uint8 (N, 3, 32, 32) images with as many int64
+    labels in 0..9, the same count for every class; else one DataError line naming the file and the fix."""
+    rebuild = f"rebuild it: `prodigy-fl data cifar10 {root} --from {CIFAR10_JPEG_ARCHIVE}`"
+    try:
+        arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # garbage, truncated, another format: whatever torch raises
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path}: not a readable decoded file of CIFAR-10 ({why}); {rebuild}") from None
+    if not isinstance(arrays, dict):
+        raise DataError(f"{path}: not a decoded file of CIFAR-10 (a {type(arrays).__name__}); {rebuild}")
+    for split in ("train", "test"):
+        images, labels = arrays.get(f"{split}_images"), arrays.get(f"{split}_labels")
+        for name, value in ((f"{split}_images", images), (f"{split}_labels", labels)):
+            if not isinstance(value, Tensor):
+                raise DataError(f"{path}: {name} is missing; {rebuild}")
+        if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != (3, 32, 32):
+            raise DataError(
+                f"{path}: {split}_images must be uint8 (N, 3, 32, 32), got {images.dtype} "
+                f"{tuple(images.shape)}; {rebuild}"
+            )
+        if labels.dtype != torch.long or labels.dim() != 1 or len(labels) != len(images):
+            raise DataError(
+                f"{path}: {split}_images has {len(images)} images but {split}_labels {len(labels)} labels "
+                f"({labels.dtype}, one int64 label per image); {rebuild}"
+            )
+        outside = labels[(labels < 0) | (labels >= len(CIFAR10_CLASSES))]
+        if len(outside):
+            raise DataError(
+                f"{path}: {split}_labels: label {int(outside[0])} is not a class in 0..9; {rebuild}"
+            )
+        per_class = torch.bincount(labels, minlength=len(CIFAR10_CLASSES)).tolist()
+        if len(set(per_class)) != 1:
+            raise DataError(f"{path}: {split} images per class {per_class}, not equal; {rebuild}")
+    return arrays
 
 
 def decode_cifar10_jpeg(
@@ -722,6 +765,17 @@ def decode_cifar10_jpeg(
     return path
 
 
+MAX_JPEG_BYTES = 1 << 20  # a 32x32 JPEG is a few KB; a member over 1 MB is refused unread
+
+
+def _check_jpeg_size(source: Path, name: str, size: int) -> None:
+    if size > MAX_JPEG_BYTES:
+        raise DataError(
+            f"{source}: {name} is {size:,} bytes, over {MAX_JPEG_BYTES:,}: not a CIFAR-10 JPEG (32x32, a few "
+            "KB); get an unaltered copy of the JPEG archive"
+        )
+
+
 def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callable[[], bytes]]]:
     """{(split, class): {file name: a reader of its bytes}} from the archive or the unpacked folder."""
     pattern = re.compile(r"(?:^|/)(train|test)/([^/]+)/([^/]+\.jpe?g)$", re.IGNORECASE)
@@ -737,6 +791,7 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
         for path in sorted(source.glob("*/*/*")):
             match = pattern.search(path.relative_to(source).as_posix())
             if match:
+                _check_jpeg_size(source, path.relative_to(source).as_posix(), path.stat().st_size)
                 files.setdefault(match.group(1, 2), {})[match.group(3)] = path.read_bytes
     elif source.is_file():
         try:
@@ -744,6 +799,7 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
                 for member in tar:
                     match = pattern.search(member.name)
                     if member.isfile() and match:
+                        _check_jpeg_size(source, member.name, member.size)  # before reading it
                         content = tar.extractfile(member).read()  # type: ignore[union-attr]
                         files.setdefault(match.group(1, 2), {})[match.group(3)] = lambda c=content: c
         except (tarfile.TarError, EOFError, OSError) as e:
@@ -755,16 +811,60 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
     return files
 
 
-def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list]]:
-    """{writer: (x, y)} from every LEAF JSON file in `directory` (files with no users are normal)."""
-    writers: dict[str, tuple[list, list]] = {}
+def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list, Path]]:
+    """{writer: (x, y, its file)} from every LEAF JSON file in `directory` (files with no users are normal);
+    DataError naming the file (and the writer) when it does not have LEAF's structure."""
+    writers: dict[str, tuple[list, list, Path]] = {}
     for path in sorted(directory.glob("*.json")):
         with open(path) as f:
-            content = json.load(f)
-        for user in content["users"]:
-            data = content["user_data"][user]
-            writers[user] = (data["x"], data["y"])
+            try:
+                content = json.load(f)
+            except ValueError as e:
+                raise DataError(f"{path}: not a valid LEAF JSON file ({e})") from None
+        users = content.get("users") if isinstance(content, dict) else None
+        user_data = content.get("user_data") if isinstance(content, dict) else None
+        if not isinstance(users, list) or not isinstance(user_data, dict):
+            raise DataError(f"{path}: a LEAF file is a JSON object with a users list and a user_data object")
+        for user in users:
+            data = user_data.get(user) if isinstance(user, str) else None
+            if data is None:
+                raise DataError(f"{path}: writer {user} is listed in users but not in user_data")
+            if (
+                not isinstance(data, dict)
+                or not isinstance(data.get("x"), list)
+                or not isinstance(data.get("y"), list)
+            ):
+                raise DataError(f"{path}: writer {user}: user_data needs lists x (images) and y (labels)")
+            writers[user] = (data["x"], data["y"], path)
     return writers
+
+
+def _writer_tensors(x: list, y: list, path: Path, writer: str) -> tuple[Tensor, Tensor]:
+    """One writer's images (n, 784) float32 and labels (n,) int64, checked: as many x rows as labels, 784
+    finite values a row, integer labels among the FEMNIST_CLASSES classes; DataError naming the file and
+    the writer (a shifted row would otherwise pair later images with the wrong labels, silently)."""
+    where = f"{path}: writer {writer}"
+    if len(x) != len(y):
+        raise DataError(f"{where} has {len(x)} x rows but {len(y)} labels (y); one image per label")
+    for i, row in enumerate(x):
+        if not isinstance(row, list) or len(row) != 784:
+            width = len(row) if isinstance(row, list) else type(row).__name__
+            raise DataError(f"{where}: x row {i} has {width} values, not 784 (a 28x28 image)")
+    for label in y:
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < FEMNIST_CLASSES:
+            raise DataError(f"{where}: label {label!r} is not a class in 0..{FEMNIST_CLASSES - 1}")
+    try:
+        images = torch.tensor(x, dtype=torch.float32).view(-1, 784)
+    except (TypeError, ValueError, RuntimeError):
+        images = None
+    bad = (
+        torch.arange(len(x))
+        if images is None
+        else torch.nonzero(~torch.isfinite(images).all(dim=1)).flatten()
+    )
+    if len(bad):
+        raise DataError(f"{where}: x row {int(bad[0])} is not 784 finite numbers")
+    return images, torch.tensor(y, dtype=torch.long)
 
 
 def _read_femnist(
@@ -790,10 +890,9 @@ def _read_femnist(
                 f"{len(test[w][1])} test samples but num_samples says {counts[w][0]} / {counts[w][1]}"
             )
 
-    def stack(split: dict[str, tuple[list, list]]) -> tuple[Tensor, Tensor, list[int]]:
-        x = torch.tensor([row for w in writers for row in split[w][0]], dtype=torch.float32)
-        y = torch.tensor([label for w in writers for label in split[w][1]], dtype=torch.long)
-        return x.view(-1, 1, 28, 28), y, [len(split[w][1]) for w in writers]
+    def stack(split: dict[str, tuple[list, list, Path]]) -> tuple[Tensor, Tensor, list[int]]:
+        xs, ys = zip(*(_writer_tensors(*split[w], w) for w in writers), strict=True)
+        return torch.cat(xs).view(-1, 1, 28, 28), torch.cat(ys), [len(y) for y in ys]
 
     train_x, train_y, sizes = stack(train)
     test_x, test_y, _ = stack(test)

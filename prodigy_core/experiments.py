@@ -118,6 +118,7 @@ def select(experiment: Experiment, only: dict[str, list[Any]]) -> Experiment:
     run of the grid takes is an error listing the values it does take."""
     configs = experiment.configs
     for name, values in only.items():
+        values = [_as_stored(experiment.configs, name, v) for v in values]
         taken = list(dict.fromkeys(getattr(c, name) for c in experiment.configs))
         for value in values:
             if value not in taken:
@@ -127,6 +128,15 @@ def select(experiment: Experiment, only: dict[str, list[Any]]) -> Experiment:
                 )
         configs = [c for c in configs if getattr(c, name) in values]
     return dataclasses.replace(experiment, configs=configs)
+
+
+def _as_stored(configs: Sequence[RunConfig], name: str, value: Any) -> Any:
+    """`value` as a RunConfig stores field `name` (`--set`'s normalisation: defense and attack in lower
+    case, 1 as 1.0 in a float field, ...): set into one of the grid's runs that accepts it."""
+    for config in configs[:64]:
+        with contextlib.suppress(ConfigError, TypeError):
+            return getattr(config.replace(**{name: value}), name)
+    return value
 
 
 # ------------------------------------------------------------------------------------------- loading
@@ -178,17 +188,68 @@ def load_experiment(
     scale = check_scale(scale, smoke)
     path = resolve_params(path_or_name)
     try:
-        spec = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        spec = safe_load_strict(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(problem or e).split())  # one line
+        raise ConfigError(f"{path}: not valid YAML{at}: {what}") from None
     if not isinstance(spec, dict):
         raise ConfigError(
             f"{path}: expected a mapping of {', '.join(TOP_LEVEL_KEYS)}, got {type(spec).__name__}"
         )
     spec.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return experiment_from_spec(spec, source=path, fields=fields, scale=scale)
+
+
+MAX_TITLE = 500  # characters
+MAX_YAML_NODES = 100_000  # a params file is a few hundred; aliases may not expand past this
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:  # the keys written here; `<<: *defaults` may be overridden
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (give each key once)", key_node.start_mark
+                )
+            with contextlib.suppress(TypeError):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_strict(text: str) -> Any:
+    """yaml.safe_load without duplicate keys and without aliases that expand past MAX_YAML_NODES nodes (an
+    alias bomb: a few lines that expand to billions of values)."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        sizes: dict[int, int] = {}
+
+        def size(n: yaml.Node) -> int:  # nodes once every alias is expanded; each distinct node counted once
+            if id(n) not in sizes:
+                sizes[id(n)] = 0  # a recursive alias counts as one
+                children = n.value if isinstance(n, yaml.SequenceNode) else []
+                if isinstance(n, yaml.MappingNode):
+                    children = [c for pair in n.value for c in pair]
+                sizes[id(n)] = min(1 + sum(size(c) for c in children), MAX_YAML_NODES + 1)
+            return sizes[id(n)]
+
+        if size(node) > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"aliases expand to more than {MAX_YAML_NODES:,} values (an alias bomb?)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def experiment_from_spec(
@@ -211,6 +272,9 @@ def experiment_from_spec(
             "with a letter or digit, no '..' (e.g. table1_cifar10)"
         )
     title = spec.get("title") or name
+    if not isinstance(title, str) or len(title) > MAX_TITLE:
+        shown = repr(title) if isinstance(title, str | int | float) else type(title).__name__
+        raise ConfigError(f"{where}: title={shown[:60]} must be a string of at most {MAX_TITLE} characters")
     paper_table = spec.get("paper_table")
     if paper_table is not None and not isinstance(paper_table, str):
         raise ConfigError(f"{where}: paper_table={paper_table!r} must be a table name or null")
@@ -240,7 +304,8 @@ def experiment_from_spec(
         raise ConfigError(f"{where}: seeds={seeds!r} must be a non-empty list of integers, e.g. [0, 1, 2]")
     report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
     mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
-    _check_mini_rounds(mini.get("rounds"), f"{where}: mini.rounds")
+    if "rounds" in mini:
+        mini["rounds"] = _mini_rounds(mini["rounds"], f"{where}: mini.rounds")
     for key in ("rows", "columns", "blocks"):
         for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
             if value not in field_names():
@@ -280,17 +345,22 @@ def experiment_from_spec(
     return {"smoke": smoke_profile, "mini": mini_profile}.get(scale, lambda e: e)(experiment)
 
 
-def _check_mini_rounds(rounds: Any, where: str) -> None:
+def _mini_rounds(rounds: Any, where: str) -> Any:
+    """mini.rounds checked: a positive integer or {paper rounds: mini rounds}. Keys written as decimal text
+    are rounds too: papermill's injected cell and JSON turn the YAML's 2000 into "2000"."""
     if rounds is None:
-        return
+        return None
     ok = type(rounds) is int and rounds > 0
     if isinstance(rounds, dict):
+        rounds = {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v
+                  for k, v in rounds.items()}  # fmt: skip
         ok = bool(rounds) and all(type(k) is int and type(v) is int and v > 0 for k, v in rounds.items())
     if not ok:
         raise ConfigError(
             f"{where}={rounds!r} must be a positive integer (e.g. 30) or a mapping of the paper's rounds "
             "to mini rounds (e.g. {2000: 60, 1000: 30})"
         )
+    return rounds
 
 
 def _mapping(value: Any, where: str, names: Iterable[str] | None = None, check_fields: bool = True) -> dict:
@@ -510,7 +580,9 @@ def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     config = RunConfig.from_dict(task.config)
-    result = training.run(config, progress=False, checkpoint_dir=task.checkpoint_dir, resume=task.resume)
+    # the checkpoint goes once the record is stored (`store.save_record`, here or in the driver)
+    result = training.run(config, progress=False, checkpoint_dir=task.checkpoint_dir, resume=task.resume,
+                          keep_checkpoint=True)  # fmt: skip
     result.stand_in = task.stand_in
     record = result.to_dict()
     if task.folder is not None:
@@ -543,7 +615,9 @@ def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
             with contextlib.suppress(FileNotFoundError):
                 (Path(task.checkpoint_dir) / f"{key}.pt").unlink()
     try:
-        for i, outcome in groups.iter_group(configs, checkpoint_dir=tasks[0].checkpoint_dir):
+        for i, outcome in groups.iter_group(
+            configs, checkpoint_dir=tasks[0].checkpoint_dir, keep_checkpoints=True
+        ):
             pending.discard(keys[i])
             if isinstance(outcome, BaseException):
                 yield keys[i], _with_traceback(outcome)

@@ -160,10 +160,12 @@ def iter_group(
     *,
     checkpoint_dir: str | Path | None = None,
     progress: bool = False,
+    keep_checkpoints: bool = False,
     _stop_after: int | None = None,
 ) -> Iterator[tuple[int, Outcome]]:
     """Train compatible runs together; yields (index in `configs`, record or the error it raised) as each
-    run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone.
+    run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone
+    (`keep_checkpoints`: a finished run's checkpoint is left for the caller, as `training.run`'s).
     `_stop_after` (tests only) returns after that many steps of the group, as if the process were killed."""
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
@@ -216,7 +218,7 @@ def iter_group(
                         if ok:
                             served.append(m)
                         else:
-                            yield m.index, training.finish_run(m.st)
+                            yield m.index, training.finish_run(m.st, keep_checkpoints)
                     except Exception as e:  # this run fails alone; the group goes on
                         yield m.index, e
                 scores = _evaluate_due(served, eval_net)
@@ -226,7 +228,7 @@ def iter_group(
                         with m.own_rng():
                             ok = training.end_round(m.st, m.r, scores.get(m.index))
                         if not ok or m.r == m.st.cfg.rounds:
-                            outcome = training.finish_run(m.st)
+                            outcome = training.finish_run(m.st, keep_checkpoints)
                     except Exception as e:
                         outcome = e
                     if outcome is None:

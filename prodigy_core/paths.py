@@ -35,15 +35,23 @@ def project_dir(cwd: str | os.PathLike | None = None) -> Path:
     """The nearest ancestor of `cwd` (default: the working directory) holding `params/`, else `cwd`."""
     start = Path(cwd if cwd is not None else os.getcwd()).resolve()
     found = next((p for p in (start, *start.parents) if (p / "params").is_dir()), start)
-    forbidden = [PACKAGE_DIR] + ([] if is_source_checkout() else [SOURCE_ROOT])
-    for folder in forbidden:
-        if found == folder or folder in found.parents:
-            raise ValueError(
-                f"the working directory {start} is inside the installed package ({folder}); outputs would "
-                "be written there: cd to a project folder (`prodigy-fl init DIR` makes one) or set "
-                f"{ENV_RESULTS}, {ENV_FIGURES} and {ENV_DATA}"
-            )
+    folder = package_containing(found)
+    if folder is not None:
+        raise ValueError(
+            f"the working directory {start} is inside the installed package ({folder}); outputs would "
+            "be written there: cd to a project folder (`prodigy-fl init DIR` makes one) or set "
+            f"{ENV_RESULTS}, {ENV_FIGURES} and {ENV_DATA}"
+        )
     return found
+
+
+def package_containing(path: str | os.PathLike) -> Path | None:
+    """The package folder (or, installed, site-packages) that `path` is in or is; None when outside."""
+    path = Path(path).resolve()
+    for folder in [PACKAGE_DIR] + ([] if is_source_checkout() else [SOURCE_ROOT]):
+        if path == folder or folder in path.parents:
+            return folder
+    return None
 
 
 def _from_env(variable: str, default: str) -> Path:
@@ -101,6 +109,7 @@ __all__ = [
     "figures_dir",
     "is_source_checkout",
     "package_folder",
+    "package_containing",
     "params_dirs",
     "project_dir",
     "results_dir",

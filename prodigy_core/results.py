@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -112,11 +113,13 @@ def checkpoint_dir(folder: Path) -> Path:
 
 
 def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str) -> Path:
-    """Store a finished run (a RunResult.to_dict()); clears an earlier failure record of the same key."""
+    """Store a finished run (a RunResult.to_dict()); then clears an earlier failure record of the same key and
+    the run's checkpoint (`checkpoint_dir`), which training leaves until the record is written: a record
+    that cannot be written (a full disk) loses no work, the next attempt resumes."""
     path = record_path(folder, key)
     write_json_atomic(path, {"key": key, "experiment": experiment, "status": "done", **result})
-    with contextlib.suppress(FileNotFoundError):
-        failure_path(folder, key).unlink()
+    failure_path(folder, key).unlink(missing_ok=True)
+    (checkpoint_dir(folder) / f"{key}.pt").unlink(missing_ok=True)
     return path
 
 
@@ -144,23 +147,51 @@ def check_record(record: Any, path: Path) -> str | None:
     return None
 
 
+NOT_REGULAR = "not a regular file"
+
+
 def _read_json(path: Path) -> tuple[Any, str | None]:
-    """(content, None), or (None, why) when the file is not UTF-8 JSON."""
+    """(content, None), or (None, why) when the file is not UTF-8 JSON or not a regular file (a FIFO, a
+    folder, a device, a dangling link: never read, so never a hang); FileNotFoundError when absent."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8")), None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without a writer
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return None, f"{NOT_REGULAR} (a symbolic link to nothing)"
+        raise
+    except IsADirectoryError:  # Windows
+        return None, f"{NOT_REGULAR} (a folder)"
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        return None, f"{NOT_REGULAR} ({kind})"
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read()
+    try:
+        return json.loads(data.decode("utf-8")), None
     except (UnicodeDecodeError, ValueError) as e:
         return None, f"not valid JSON ({e})"
+
+
+def judge_record(folder: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the valid finished record of `key`, None), (None, why it is invalid), or (None, None) when there is
+    none. Moves and warns nothing: the one judgement of "stored" (`stored_record`, the grid's dry run and
+    `read_records`, which the report reads, all apply `check_record`)."""
+    path = record_path(folder, key)
+    try:
+        record, why = _read_json(path)
+    except (FileNotFoundError, NotADirectoryError):  # the folder's writability is checked before a run
+        return None, None
+    why = why or check_record(record, path)
+    return (record, None) if why is None else (None, why)
 
 
 def stored_record(folder: Path, key: str) -> dict[str, Any] | None:
     """The valid finished record of `key`, or None. An invalid one is moved aside with a warning naming its
     path and why, so that the run is done again."""
     path = record_path(folder, key)
-    try:
-        record, why = _read_json(path)
-    except (FileNotFoundError, NotADirectoryError):  # the folder's writability is checked before a run
-        return None
-    why = why or check_record(record, path)
+    record, why = judge_record(folder, key)
     if why is None:
         return record
     moved = quarantine(path, "invalid")
@@ -220,7 +251,7 @@ class Claims:
         path = self.lock_path(key)
         for _ in range(2):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask decides
             except FileExistsError:
                 if not self._take_over_if_stale(path):
                     return False
@@ -243,11 +274,15 @@ class Claims:
 
     def _take_over_if_stale(self, path: Path) -> bool:
         try:
-            owner, _ = _read_json(path)
+            owner, why = _read_json(path)
         except FileNotFoundError:
             return True  # released meanwhile: try again
         except OSError:
-            owner = None
+            owner, why = None, None
+        if why is not None and why.startswith(NOT_REGULAR):  # never a lock of ours (a FIFO, a folder, a link)
+            moved = quarantine(path, "invalid")
+            warnings.warn(f"{path}: {why}, not a lock; moved to {moved.name}", RuntimeWarning, stacklevel=3)
+            return True
         age = time.time() - _mtime(path)
         if not isinstance(owner, dict):
             # Being written right now, or garbage (a crash between create and write, a hand-made file): a
@@ -531,4 +566,5 @@ __all__ = [
     "check_record",
     "check_writable",
     "stored_record",
+    "judge_record",
 ]

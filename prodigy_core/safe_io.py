@@ -25,6 +25,9 @@ def atomic_write(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; the complete file gets the mode a plain open() would give it
+        with contextlib.suppress(AttributeError, NotImplementedError):  # no fchmod (Windows before 3.13)
+            os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
@@ -34,6 +37,18 @@ def atomic_write(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where the system says it (Linux's /proc; setting
+    it to read it back would race with other threads creating files)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -55,4 +70,4 @@ def quarantine(path: Path, why: str) -> Path:
     return target
 
 
-__all__ = ["atomic_write", "quarantine", "write_json_atomic"]
+__all__ = ["atomic_write", "quarantine", "umask", "write_json_atomic"]

@@ -152,6 +152,7 @@ def run(
     checkpoint_dir: str | Path | None = None,
     resume: bool = True,
     on_round: Callable[..., None] | None = None,
+    keep_checkpoint: bool = False,
     _stop_after: int | None = None,
 ) -> RunResult:
     """Train one federated run described by `config` and return its `RunResult`.
@@ -160,6 +161,8 @@ def run(
     for the same `config.key()` exists (`resume=False`: ignore it and start from round 0, replacing it at
     the next checkpoint; an unreadable one is moved aside and the run starts from round 0). `_stop_after`
     (tests only) returns after that round without finishing, as if the process had been killed.
+    `keep_checkpoint`: leave the checkpoint of a completed run for the caller to delete once it has stored
+    the record (`results.save_record` does), so that a record that cannot be written loses no work.
     `on_round(r, updates, momentum, pipeline, attack)`, if given, is called every round once the server's
     input `updates` is formed and before it is aggregated
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
@@ -197,7 +200,7 @@ def run(
             bar.update(1)
             if _stop_after == r:
                 return st.result
-    return finish_run(st)
+    return finish_run(st, keep_checkpoint)
 
 
 # ------------------------------------------------------------------------------------------- one run's state
@@ -351,8 +354,9 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     return True
 
 
-def finish_run(st: RunState) -> RunResult:
-    """The final record once the run completed or diverged; its checkpoint is deleted."""
+def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
+    """The final record once the run completed or diverged; its checkpoint is deleted (kept with
+    keep_checkpoint: the caller deletes it once the record is stored)."""
     result, f = st.result, st.cfg.n_byzantine
     if result.diverged:
         if not st.stopped_at_nan_loss:
@@ -362,8 +366,8 @@ def finish_run(st: RunState) -> RunResult:
         flagged = sum(len(z) for z in result.zeroed_clients)
         result.detection_precision = st.hits / flagged if flagged else None
         result.detection_recall = st.hits / (len(result.zeroed_clients) * f)
-    if st.ckpt is not None and st.ckpt.exists():
-        st.ckpt.unlink()
+    if st.ckpt is not None and not keep_checkpoint:
+        st.ckpt.unlink(missing_ok=True)
     return result
 
 
