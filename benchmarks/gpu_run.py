@@ -292,7 +292,11 @@ def throughput(driver: Driver, rounds: int = 5) -> None:
                                                                   "attack": ["none"]})  # fmt: skip
     c = exp.configs[0].replace(rounds=rounds, eval_every=rounds)
     if driver.args.simulate:
-        c = load_experiment("quickstart_digits", scale="smoke").configs[0].replace(rounds=2, eval_every=2)
+        c = (
+            load_experiment("quickstart_digits", scale="smoke")
+            .configs[0]
+            .replace(rounds=2, eval_every=2, engine="batched")
+        )
     rate = driver.rates.get(c.dataset, 1.0) * rounds * 5
     if driver.elapsed() + rate > driver.args.deadline:
         driver.log("throughput: skipped (deadline)")

@@ -468,7 +468,7 @@ def fake_training(monkeypatch):
 def small_grid(tmp_path: Path) -> experiments.Experiment:
     path = write_yaml(tmp_path, """
 experiment: small
-base: {dataset: cifar10, n_clients: 10, n_byzantine: 3, rounds: 50}
+base: {dataset: cifar10, n_clients: 10, n_byzantine: 3, rounds: 50, engine: batched}
 grid: {defense: [none, prodigy], attack: [alie, sf, lf]}
 seeds: [0, 1]
 report: {rows: defense, columns: attack}
