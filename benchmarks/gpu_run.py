@@ -386,23 +386,37 @@ def run(args: argparse.Namespace) -> int:
 def import_results(tarball: Path, results_root: Path, figures_root: Path) -> list[Path]:
     """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/."""
     from prodigy_core import results as store
+    from prodigy_core.config import RunConfig
     from prodigy_core.experiments import load_experiment
     from prodigy_core.report import write_report
 
     results_dir, figures_dir = results_root / "gpu", figures_root / "gpu"
     figures_dir.mkdir(parents=True, exist_ok=True)
+    stale = 0
     with tarfile.open(tarball) as tar:
         for member in tar.getmembers():
             name = Path(member.name)
             if not member.isfile() or ".." in name.parts or name.is_absolute():
                 continue
+            content = tar.extractfile(member).read()
+            if name.parts[0] == "results" and name.suffix == ".json" and ".failed" not in name.name:
+                record = json.loads(content)
+                if RunConfig.from_dict(record["config"]).key() != record.get("key"):
+                    stale += 1  # e.g. an older AUTHORS_REVISION: listed in PROVENANCE.md, not reported
+                    continue
             target = (
                 results_dir / name.relative_to("results")
                 if name.parts[0] == "results"
                 else figures_dir / name
             )
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(tar.extractfile(member).read())
+            target.write_bytes(content)
+    if stale:
+        print(
+            f"{stale} records of the tarball have keys the current code no longer makes (an older variant "
+            "revision): listed in PROVENANCE.md as not current, left out of the reports",
+            file=sys.stderr,
+        )
     written = []
     for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         name, _, scale = folder.name.partition("-")
@@ -417,28 +431,42 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
                 continue
             out = figures_dir if variant == "paper" else figures_dir / "authors"
             written += write_report(v, df, out, results_dir=results_dir)
-    written.append(write_provenance(results_dir, figures_dir))
+    written.append(write_provenance(tarball, figures_dir))
     return written
 
 
-def write_provenance(results_dir: Path, figures_dir: Path) -> Path:
-    from prodigy_core import results as store
+def write_provenance(tarball: Path, figures_dir: Path) -> Path:
+    """figures_dir/PROVENANCE.md: env.txt, summary.txt and one row per record of the tarball, read from the
+    tarball itself (a record whose key the current code no longer makes, e.g. an `authors` record of an older
+    `AUTHORS_REVISION`, is listed with "current: no": the reports leave it out)."""
+    from prodigy_core.config import RunConfig
 
     env = (figures_dir / "env.txt").read_text() if (figures_dir / "env.txt").exists() else "(no env.txt)\n"
     summary = (figures_dir / "summary.txt").read_text() if (figures_dir / "summary.txt").exists() else ""
+    records = []
+    with tarfile.open(tarball) as tar:
+        for member in tar.getmembers():
+            name = Path(member.name)
+            if (
+                member.isfile()
+                and name.parts[0] == "results"
+                and name.suffix == ".json"
+                and ".failed" not in name.name
+            ):
+                records.append((name.parent.name, json.load(tar.extractfile(member))))
     rows = []
-    for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
-        records = store.read_records(folder)
-        for r in sorted(
-            records, key=lambda r: tuple(r["config"][k] for k in ("variant", "defense", "attack"))
-        ):
-            c, e = r["config"], r["environment"]
-            seconds = sum(t for t in r.get("round_times") or [] if t)
-            rows.append(
-                f"| {folder.name} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
-                f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
-                f"| {e['torch']} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} |"
-            )
+    for folder, r in sorted(
+        records, key=lambda fr: (fr[0], *(fr[1]["config"][k] for k in ("variant", "defense", "attack")))
+    ):
+        c, e = r["config"], r["environment"]
+        seconds = sum(t for t in r.get("round_times") or [] if t)
+        current = "yes" if RunConfig.from_dict(c).key() == r.get("key") else "no"
+        rows.append(
+            f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
+            f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
+            f"| {e['torch']} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
+            f"| {current} |"
+        )
     path = figures_dir / "PROVENANCE.md"
     path.write_text(
         "# Provenance of the GPU outputs in this folder\n\n"
@@ -449,7 +477,7 @@ def write_provenance(results_dir: Path, figures_dir: Path) -> Path:
         "\n\n```\n" + summary + "```\n\n"
         "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded).\n\n"
         "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | GPU | torch | "
-        "TF32 matmul/cudnn | deterministic |\n" + "|---" * 12 + "|\n" + "\n".join(rows) + "\n",
+        "TF32 matmul/cudnn | deterministic | current |\n" + "|---" * 13 + "|\n" + "\n".join(rows) + "\n",
         encoding="utf-8",
     )
     return path

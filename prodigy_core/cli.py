@@ -36,7 +36,7 @@ EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
 LAB_HINT = "pip install 'prodigy-fl[lab]' && jupyter lab notebooks/"
 # The full quickstart's wall time as the README measures it ("What the quickstart shows").
-QUICKSTART_TIME = "about 15 minutes on a 2-core CPU"
+QUICKSTART_TIME = "about 4 minutes on a 2-core CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
