@@ -755,10 +755,10 @@ def plural(n: int, noun: str) -> str:
 def auto_jobs(configs: Sequence[RunConfig], work_items: int) -> tuple[int, int | None]:
     """jobs="auto": (worker processes, threads each). Runs on the CPU: one process per core, one thread each,
     at most one per work item (a run or a group). A CPU step of these small CNNs does not use two threads
-    well (benchmarks/grid.py, README "Many runs as one batched computation"). A run's result can differ in
-    its last bits with the thread count, so every auto run on a CPU uses one thread: the same numbers
-    whatever the machine's core count. Runs on a GPU: one process (its groups fill the card), threads as
-    they are."""
+    well (benchmarks/grid.py, docs/usage.md "Many runs as one batched computation"). A run's result can
+    differ in its last bits with the thread count, so every auto run on a CPU uses one thread: the same
+    numbers whatever the machine's core count. Runs on a GPU: one process (its groups fill the card),
+    threads as they are."""
     from prodigy_core.seeding import resolve_device
 
     def on_gpu(device: str) -> bool:

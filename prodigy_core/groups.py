@@ -99,8 +99,8 @@ def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[
 
 def batch_size_for(config: RunConfig) -> int:
     """batch_runs="auto": how many runs like `config` to stack. CPU: 1, never stacked. A CPU step is compute-
-    bound, not overhead-bound, so stacking only adds its copies (benchmarks/grid.py, README "Many runs as
-    one batched computation"); the CIFAR-10 and FEMNIST CNNs run the sequential engine on a CPU anyway. A
+    bound, not overhead-bound, so stacking only adds its copies (benchmarks/grid.py, docs/usage.md "Many runs
+    as one batched computation"); the CIFAR-10 and FEMNIST CNNs run the sequential engine on a CPU anyway. A
     CPU's cores are used by `run_grid(jobs="auto")` instead. CUDA: as many as `CUDA_MEMORY_FRACTION` of the
     free memory holds, by `memory_per_run`."""
     cfg = config.resolved()

@@ -89,8 +89,8 @@ class DigitsCNN(nn.Module):
     exercise the same BN-buffer and dropout-RNG handling as the paper's CIFAR-10 model, and the conventional
     conv -> BN -> ReLU order (the order does not change which code paths a run exercises). Pooling before the
     wide convolution makes a training step 6.5x cheaper in FLOPs than the first digits model (conv 16 and
-    conv 32 both at 8x8: `benchmarks/quickstart.py`), and it still learns the task (README "The quickstart's
-    rounds").
+    conv 32 both at 8x8: `benchmarks/quickstart.py`), and it still learns the task (docs/results.md "The
+    quickstart's rounds").
     """
 
     def __init__(self, num_classes: int = 10) -> None:

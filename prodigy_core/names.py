@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 DATASETS = ("digits", "femnist", "cifar10")
 DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
-# paper: the paper's text; authors: the authors' public code (README, "Semantics: the two variants").
+# paper: the paper's text; authors: the authors' public code (docs/semantics.md).
 VARIANTS = ("paper", "authors")
 
 

@@ -48,7 +48,7 @@ Engines (same semantics, same batches drawn from the same generator):
   (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
   It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
   dropout). Opt-in: `auto` never
-  picks it (see the README's benchmark notes for where it pays).
+  picks it (see benchmarks/README.md's notes for where it pays).
 - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
   (`AUTO_CPU_ENGINE`).
 

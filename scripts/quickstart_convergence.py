@@ -1,4 +1,4 @@
-"""The quickstart's rounds from a measured convergence curve (README "The quickstart's rounds").
+"""The quickstart's rounds from a measured convergence curve (docs/results.md "The quickstart's rounds").
 
     python scripts/quickstart_convergence.py [--rounds 150] [--out figures/quickstart_convergence.csv]
 
