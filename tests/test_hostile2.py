@@ -550,3 +550,37 @@ def test_an_oversized_archive_member_is_refused_before_it_is_read(tmp_path, jpeg
     assert not any(name.endswith("cat/0001.jpg") for name in read)  # refused unread
     with pytest.raises(data.DataError, match=r"0001\.jpg is \d[\d,]* bytes"):  # the unpacked folder too
         data.decode_cifar10_jpeg(source, tmp_path / "data", per_class=1, progress=False)
+
+
+# ----------------------------------------- 17: the explorer's names normalised, its bounds and names enforced
+
+
+@pytest.mark.parametrize("attack, defense", [("ALIE", "ProDiGy"), (" alie ", "PRODIGY ")])
+def test_the_explorer_normalises_names_as_the_cli_does(attack, defense):
+    pytest.importorskip("ipywidgets")
+    from prodigy_core import explorer
+
+    c = explorer.explorer(n_clients=6, n_byzantine=2, rounds=1, attack=attack, defense=defense).controls
+    assert (c["attack"].value, c["defense"].value) == ("alie", "prodigy")
+
+
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        (dict(n_clients=100), ["clients N=100", "4..50"]),
+        (dict(rounds=0), ["rounds T=0", "1..100"]),
+        (dict(dirichlet_alpha=1e3), ["Dirichlet α=1000", "0.01..100"]),
+        (dict(n_clients=10, n_byzantine=5), ["Byzantine f=5", "clients N=10"]),
+        (dict(bogus=1), ["unknown setting 'bogus'", "n_clients (clients N)"]),
+        (dict(attack="nonesuch"), ["attack='nonesuch'"]),
+    ],
+)
+def test_the_explorer_rejects_out_of_range_values_and_unknown_names_in_its_words(setting, words):
+    pytest.importorskip("ipywidgets")
+    from prodigy_core import explorer
+
+    with pytest.raises(ConfigError) as e:
+        explorer.explorer(**setting)
+    message = str(e.value)
+    assert "\n" not in message and all(w in message for w in words), message
+    assert "n_clients=" not in message and "rounds=" not in message.replace("rounds T=", ""), message
