@@ -734,13 +734,11 @@ def run_grid(
                 and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
         for c in busy:
             what = " ".join(f"{n}={getattr(c, n)}" for n in varying) or c.key()
-            lock = folder / f"{c.key()}.lock"
-            print(f"undone {what}: claimed by another process ({lock}); rerun when it is done",
-                  file=lines)  # fmt: skip
+            print(f"undone {what}: {store.lock_state(folder / f'{c.key()}.lock')}", file=lines)
         print(
             f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
             f"{failed} failed"
-            + (f", {len(busy)} left undone (claimed by another process)" if busy else "")
+            + (f", {len(busy)} left undone (claimed, see above)" if busy else "")
             + f"; records in {folder}",
             file=lines,
         )
