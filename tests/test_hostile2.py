@@ -692,3 +692,49 @@ def test_the_lr_decay_at_hint_states_the_rule_the_code_applies(variant, first):
         tiny(rounds=90, eval_every=10, lr_decay_at=-1, variant=variant)
     rule = "2 * rounds // 3 + 1" if variant == "paper" else "2 * rounds // 3"
     assert f"null for the default {rule} (round {first} here" in str(e.value), e.value
+
+
+# ------------------------------------------------------------- 19: a large grid announces its size first
+
+
+def test_a_large_grid_announces_its_size_and_expansion_time(monkeypatch, capsys):
+    monkeypatch.setattr(experiments, "LARGE_GRID", 20)
+    lrs = [round(0.01 * (i + 1), 2) for i in range(12)]
+    experiment = experiment_from_spec(
+        {"experiment": "big", "base": TINY, "grid": {"lr": lrs}, "seeds": [0, 1]}
+    )
+    assert len(experiment.configs) == 24
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "24 runs" in lines[0] and "s to expand" in lines[0], err
+    experiment_from_spec({"experiment": "small", "base": TINY, "grid": {"lr": lrs[:5]}, "seeds": [0, 1]})
+    assert capsys.readouterr().err == ""  # 10 runs: nothing to announce
+
+
+# ---------------------------------------------- 8-9: every params-file field validated for type at load
+
+
+@pytest.mark.parametrize(
+    "report, words",
+    [
+        ("{columns: [attack, lr]}", "report.columns=['attack', 'lr'] must be one run field name"),
+        ("{rows: 3}", "report.rows=3 must be one run field name"),
+        ("{blocks: {a: 1}}", "report.blocks={'a': 1} must be a run field name or a list of them"),
+        ("{figures: heatmap}", "report.figures='heatmap' must be a list of figure names"),
+        ("{figures: [heatmap, 3]}", "report.figures=['heatmap', 3] must be a list of figure names"),
+        ("{figures: [heatmap, bogus]}", "report.figures: unknown 'bogus'"),
+    ],
+)
+def test_report_fields_are_checked_for_type_at_load(tmp_path, capsys, report, words):
+    path = _params(tmp_path, f"experiment: r\nbase: {json.dumps(TINY)}\nreport: {report}\n")
+    assert cli.main(["grid", str(path), "--dry-run", "--results-dir", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, str(path), words)
+
+
+def test_a_valid_report_layout_still_loads(tmp_path):
+    path = _params(
+        tmp_path,
+        f"experiment: r\nbase: {json.dumps(TINY)}\n"
+        "report: {rows: defense, columns: attack, blocks: lr, figures: [heatmap, curves]}\n",
+    )
+    assert experiments.load_experiment(path).report["figures"] == ["heatmap", "curves"]
