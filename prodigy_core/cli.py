@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -371,11 +372,21 @@ def _write_report(
     return list(write_report(experiment, df, out_dir, results_dir=results_dir))
 
 
+def _check_data_folder(root: Path, named_by: str) -> None:
+    """The data folder can hold a download or a decoded copy: a folder (or none yet), writable."""
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"data folder {root} ({named_by}): {existing} is a file, not a folder")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"data folder {root} ({named_by}): {existing} is not writable")
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from prodigy_core import data
 
     if args.dataset == "cifar10":
         root = args.path or data.data_root()
+        _check_data_folder(Path(root), "the path given" if args.path else "env PRODIGY_DATA_DIR or data/")
         if args.source is not None:
             path = data.decode_cifar10_jpeg(args.source, root)
             first = data.cifar10_source(root)
@@ -405,6 +416,11 @@ def cmd_data(args: argparse.Namespace) -> int:
         )
     for folder in folders:
         counts = data.leaf_writer_counts(folder)
+        if not counts:
+            raise ValueError(
+                f"LEAF directory {folder}: no writers in its train/ and test/ JSON files (an empty LEAF "
+                f"directory); LEAF makes one: {data.LEAF_COMMAND}"
+            )
         fed = data.load_federation("femnist", n_clients=len(counts), distribution="natural", data_dir=folder)
         k = data.PAPER_MIN_WRITER_SAMPLES
         eligible = len(data.eligible_writers(counts, k))

@@ -31,6 +31,7 @@ DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jp
 AUTHORS_REVISION = 3
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 
 
 class ConfigError(ValueError):
@@ -183,6 +184,10 @@ class RunConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 default = "null for the default" if f.default is None else f"default {f.default}"
                 raise ConfigError(f"{f.name}={value} must be a finite number ({default})")
+        for name in ("seed", "data_seed"):  # torch's seed range (2**64 - 1 seeds as -1 does)
+            value = getattr(self, name)
+            if value is not None and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+                raise ConfigError(f"{name}={value} is outside the seeds torch accepts, -2**63..2**64 - 1")
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
@@ -194,8 +199,10 @@ class RunConfig:
                 "paper's, 1 keeps the lr constant)"
             )
         if self.lr_decay_at is not None and self.lr_decay_at < 0:
+            rule = "2 * rounds // 3" + (" + 1" if self.variant == "paper" else "")  # decay_round's
             raise ConfigError(
-                f"lr_decay_at={self.lr_decay_at} must be a round >= 0, or null for round(2 * rounds / 3)"
+                f"lr_decay_at={self.lr_decay_at} must be a round >= 0, or null for the default {rule} "
+                f"(round {decay_round(self.rounds, self.variant)} here; rounds counted from 0)"
             )
         outside = [r for r in self.record_distances_at if not 1 <= r <= self.rounds]
         if outside:

@@ -750,10 +750,22 @@ def decode_cifar10_jpeg(
             images, labels = [], []
             for label, cls in enumerate(CIFAR10_CLASSES):
                 for name, read in sorted(files[split, cls].items())[:per_class]:
-                    with Image.open(io.BytesIO(read())) as im:
-                        if im.size != (32, 32):
-                            raise DataError(f"{source}: {split}/{cls}/{name} is {im.size}, not 32x32")
-                        pixels = im.convert("RGB").tobytes()
+                    try:
+                        with Image.open(io.BytesIO(read())) as im:
+                            if im.size != (32, 32):
+                                raise DataError(f"{source}: {split}/{cls}/{name} is {im.size}, not 32x32")
+                            pixels = im.convert("RGB").tobytes()
+                    except (
+                        OSError,
+                        SyntaxError,
+                        ValueError,
+                    ) as e:  # PIL's UnidentifiedImageError: an OSError
+                        if isinstance(e, DataError):
+                            raise
+                        raise DataError(
+                            f"{source}: {split}/{cls}/{name} is not a JPEG image PIL can read "
+                            f"({type(e).__name__}); get an unaltered copy of the JPEG archive"
+                        ) from None
                     images.append(torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(32, 32, 3))
                     labels.append(label)
                     bar.update(1)
@@ -803,7 +815,9 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
                         content = tar.extractfile(member).read()  # type: ignore[union-attr]
                         files.setdefault(match.group(1, 2), {})[match.group(3)] = lambda c=content: c
         except (tarfile.TarError, EOFError, OSError) as e:
-            raise DataError(f"{source}: not a readable .tar.gz of the JPEG copy ({e})") from None
+            # tarfile's ReadError lists every compression it tried, one line each: one line here
+            why = "not a tar archive, compressed or not" if isinstance(e, tarfile.ReadError) else e
+            raise DataError(f"{source}: not a readable .tar.gz of the JPEG copy ({why})") from None
     else:
         raise DataError(f"{source} does not exist (pass the JPEG copy's .tar.gz or its unpacked folder)")
     if not files:

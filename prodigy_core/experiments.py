@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import re
 import sys
@@ -54,13 +55,16 @@ import yaml
 from prodigy_core import paths
 from prodigy_core import results as store
 from prodigy_core.config import ConfigError, RunConfig, field_names
-from prodigy_core.names import did_you_mean
+from prodigy_core.names import FIGURES, did_you_mean
 
 PARAMS_DIR = paths.package_folder("params")  # the package's own; a project's params/ comes first
 TOP_LEVEL_KEYS = ("experiment", "title", "paper_table", "base", "grid", "seeds", "mini", "report")
 MINI_KEYS = ("rounds",)
 REPORT_KEYS = ("rows", "columns", "blocks", "figures")
 EXECUTORS = ("local", "ray")
+# A grid of more runs than this announces its size and its expansion time (timed on the first
+# LARGE_GRID_SAMPLE runs) before it is expanded: 10,000 runs take seconds, a million minutes.
+LARGE_GRID, LARGE_GRID_SAMPLE = 1000, 16
 SCALES = ("smoke", "mini", "paper")
 
 # Smoke profile: the one place that says how a grid is shrunk (see smoke_profile).
@@ -306,6 +310,7 @@ def experiment_from_spec(
     mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
     if "rounds" in mini:
         mini["rounds"] = _mini_rounds(mini["rounds"], f"{where}: mini.rounds")
+    _check_report_types(report, where)
     for key in ("rows", "columns", "blocks"):
         for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
             if value not in field_names():
@@ -318,6 +323,7 @@ def experiment_from_spec(
         if key not in names:
             raise ConfigError(f"{where}: base.{key} is not a run field{did_you_mean(key, names)}")
     configs: dict[str, RunConfig] = {}
+    all_axes: list[tuple[str, dict[str, list]]] = []
     for i, grid in enumerate(grids):
         label = "grid" if len(grids) == 1 else f"grid[{i}]"
         axes = {}
@@ -333,16 +339,52 @@ def experiment_from_spec(
                     f"{where}: {label}.{key}={values!r} must be a non-empty list of values (e.g. [{values}])"
                 )
             axes[key] = values
+        all_axes.append((label, axes))
+    size = len(seeds) * sum(math.prod(len(v) for v in axes.values()) for _, axes in all_axes)
+    started, built = time.perf_counter(), 0
+    for label, axes in all_axes:
         for point in itertools.product(*axes.values()):
             chosen = dict(zip(axes, point, strict=True))
             for seed in seeds:
                 config = _build(base, chosen, seed, where, label)
                 configs.setdefault(config.key(), config)  # the union of products may repeat a run
+                built += 1
+                if size > LARGE_GRID and built == LARGE_GRID_SAMPLE:  # announced at once, timed on a sample
+                    rate = (time.perf_counter() - started) / built
+                    print(f"{where}: the grid expands to {size:,} runs, about {rate * size:.0f} s to expand "
+                          f"(~{rate * 1e3:.2f} ms a run); checking them...", file=sys.stderr)  # fmt: skip
     experiment = Experiment(
         name=name, title=title, paper_table=paper_table, configs=list(configs.values()), report=report,
         source=Path(source) if isinstance(source, Path) else None, mini_spec=mini,
     )  # fmt: skip
     return {"smoke": smoke_profile, "mini": mini_profile}.get(scale, lambda e: e)(experiment)
+
+
+def _check_report_types(report: dict[str, Any], where: str) -> None:
+    """The report layout's types: rows and columns one field name, blocks one or a list of them, figures a
+    list of `names.FIGURES` (a string is not split into letters)."""
+    for key in ("rows", "columns"):
+        if key in report and not isinstance(report[key], str):
+            raise ConfigError(
+                f"{where}: report.{key}={report[key]!r} must be one run field name (e.g. defense)"
+            )
+    blocks = report.get("blocks")
+    if blocks is not None and not isinstance(blocks, str) and not _strings(blocks):
+        raise ConfigError(f"{where}: report.blocks={blocks!r} must be a run field name or a list of them")
+    figures = report.get("figures")
+    if figures is not None:
+        if not _strings(figures):
+            raise ConfigError(
+                f"{where}: report.figures={figures!r} must be a list of figure names, e.g. [heatmap, curves]"
+                f"; valid: {', '.join(FIGURES)}"
+            )
+        for name in figures:
+            if name not in FIGURES:
+                raise ConfigError(f"{where}: report.figures: unknown {name!r}{did_you_mean(name, FIGURES)}")
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def _mini_rounds(rounds: Any, where: str) -> Any:
@@ -734,13 +776,11 @@ def run_grid(
                 and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
         for c in busy:
             what = " ".join(f"{n}={getattr(c, n)}" for n in varying) or c.key()
-            lock = folder / f"{c.key()}.lock"
-            print(f"undone {what}: claimed by another process ({lock}); rerun when it is done",
-                  file=lines)  # fmt: skip
+            print(f"undone {what}: {store.lock_state(folder / f'{c.key()}.lock')}", file=lines)
         print(
             f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
             f"{failed} failed"
-            + (f", {len(busy)} left undone (claimed by another process)" if busy else "")
+            + (f", {len(busy)} left undone (claimed, see above)" if busy else "")
             + f"; records in {folder}",
             file=lines,
         )

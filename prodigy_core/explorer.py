@@ -7,6 +7,8 @@ The figures themselves (`distance_heatmap`, `score_bars`, `damage_plot`) and the
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,6 +153,43 @@ def explorer_defaults(**setting: Any) -> dict[str, Any]:
             **setting}  # fmt: skip
 
 
+# The sliders' ranges: a setting outside them is refused, not clamped by the slider.
+EXPLORER_RANGES: dict[str, tuple[float, float]] = {"n_clients": (4, 50), "rounds": (1, 100),
+                                                   "dirichlet_alpha": (0.01, 100)}  # fmt: skip
+
+
+def explorer_setting(**setting: Any) -> dict[str, Any]:
+    """The widget's first setting (`explorer_defaults`), checked as RunConfig checks a run and normalised as
+    the command line normalises it (``"ALIE"``: ``alie``); unknown names and values outside the controls'
+    ranges are one ConfigError in the controls' words (`in_widget_words`)."""
+    for name in setting:
+        if name not in EXPLORER_LABELS:
+            close = difflib.get_close_matches(name, list(EXPLORER_LABELS), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            valid = ", ".join(f"{k} ({label})" for k, label in EXPLORER_LABELS.items())
+            raise ConfigError(f"explorer: unknown setting {name!r}{hint}; valid: {valid}")
+    s = explorer_defaults(**setting)
+    splits = DISTRIBUTIONS.get(s["dataset"], ())
+    if "distribution" not in setting and splits and s["distribution"] not in splits:
+        s["distribution"] = splits[0]  # the default split of the data set
+    for name, (low, high) in EXPLORER_RANGES.items():
+        value = s[name]
+        if isinstance(value, int | float) and not isinstance(value, bool) and not low <= value <= high:
+            raise ConfigError(
+                in_widget_words(
+                    f"explorer: {name}={value:g} is outside its control's range {low:g}..{high:g}"
+                )
+            )
+    try:
+        config = RunConfig(**{k: s[k] for k in EXPLORER_LABELS})
+    except ConfigError as e:
+        raise ConfigError(f"explorer: {in_widget_words(str(e))}") from None
+    s["attack"], s["defense"] = config.attack, config.defense
+    if s["defense"] not in EXPLORER_DEFENSES:  # "average" and its prefixed forms: "none" under another name
+        s["defense"] = s["defense"].replace("average", "none")
+    return s
+
+
 def runnable_options(field: str, options: Sequence[str], setting: dict[str, Any]) -> list[str]:
     """The values of ``field`` (defense, attack) that can run with the rest of ``setting`` (N, f, the data
     set): those RunConfig accepts, so that the rules and attacks keep one source of truth for their limits."""
@@ -189,30 +228,31 @@ def explorer(**setting: Any) -> Any:
     The controls offer only what can run: f stays below N/2 as N moves, the defenses and attacks are those
     RunConfig accepts at the current N, f and data set (one name per rule), the splits those of the data set;
     the Dirichlet α, the data folder and the download box are greyed out where they do not apply. Errors are
-    in the controls' words (`in_widget_words`). Returns the widget box; its ``.train()`` runs the current
-    setting (what the button does) and ``.controls`` maps fields to their controls."""
+    in the controls' words (`in_widget_words`), a first setting the controls cannot show included
+    (`explorer_setting`). Returns the widget box; its ``.train()`` runs the current setting (what the button
+    does) and ``.controls`` maps fields to their controls."""
     import ipywidgets as widgets
 
     def choices(field: str, values: Sequence[str]) -> list[tuple[str, str]]:
         return [(display_value(field, v), v) for v in values]
 
-    s = explorer_defaults(**setting)
-    if s["distribution"] not in DISTRIBUTIONS[s["dataset"]]:
-        s["distribution"] = DISTRIBUTIONS[s["dataset"]][0]
-    if s["defense"] not in EXPLORER_DEFENSES:  # "average" and its prefixed forms: "none" under another name
-        s["defense"] = s["defense"].replace("average", "none")
+    s = explorer_setting(**setting)
+    (n_low, n_high), (t_low, t_high) = EXPLORER_RANGES["n_clients"], EXPLORER_RANGES["rounds"]
+    alpha_low, alpha_high = (math.log10(a) for a in EXPLORER_RANGES["dirichlet_alpha"])
     fill = {"width": "100%"}
     controls = dict(
         dataset=widgets.Dropdown(options=[(DATASET_LABELS[d], d) for d in DATASETS], value=s["dataset"]),
-        n_clients=widgets.IntSlider(value=s["n_clients"], min=4, max=50),
+        n_clients=widgets.IntSlider(value=s["n_clients"], min=n_low, max=n_high),
         n_byzantine=widgets.IntSlider(value=s["n_byzantine"], min=0, max=max_byzantine(s["n_clients"])),
         distribution=widgets.Dropdown(
             options=choices("distribution", DISTRIBUTIONS[s["dataset"]]), value=s["distribution"]
         ),  # fmt: skip
-        dirichlet_alpha=widgets.FloatLogSlider(value=s["dirichlet_alpha"], base=10, min=-2, max=2),
+        dirichlet_alpha=widgets.FloatLogSlider(
+            value=s["dirichlet_alpha"], base=10, min=alpha_low, max=alpha_high
+        ),  # fmt: skip
         attack=widgets.Dropdown(options=choices("attack", list(ATTACKS)), value=s["attack"]),
         defense=widgets.Dropdown(options=choices("defense", EXPLORER_DEFENSES), value=s["defense"]),
-        rounds=widgets.IntSlider(value=s["rounds"], min=1, max=100),
+        rounds=widgets.IntSlider(value=s["rounds"], min=t_low, max=t_high),
         seed=widgets.IntText(value=s["seed"]),
         data_dir=widgets.Text(value=s["data_dir"] or "", placeholder=DATA_DIR_PLACEHOLDER),
         download=widgets.Checkbox(value=bool(s["download"]), indent=False),
@@ -309,6 +349,7 @@ __all__ = [
     "DATASET_LABELS",
     "EXPLORER_DEFENSES",
     "EXPLORER_LABELS",
+    "EXPLORER_RANGES",
     "EXPLORE_DEFAULTS",
     "Exploration",
     "exploration_figures",
@@ -316,6 +357,7 @@ __all__ = [
     "explore",
     "explorer",
     "explorer_defaults",
+    "explorer_setting",
     "in_widget_words",
     "runnable_options",
     "write_exploration",

@@ -15,6 +15,8 @@ DATASETS = ("digits", "femnist", "cifar10")
 DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
 # paper: the paper's text; authors: the authors' public code (docs/semantics.md).
 VARIANTS = ("paper", "authors")
+# What a params file's `report.figures` list may name (`report.write_report` draws them; checked at load).
+FIGURES = ("heatmap", "curves", "distances")
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
@@ -22,7 +24,7 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(candidates)}"
 
 
-__all__ = ["DATASETS", "DISTRIBUTIONS", "VARIANTS", "check_variant", "did_you_mean"]
+__all__ = ["DATASETS", "DISTRIBUTIONS", "FIGURES", "VARIANTS", "check_variant", "did_you_mean"]
 
 
 def check_variant(owner: str, variant: str) -> str:

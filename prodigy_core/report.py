@@ -33,6 +33,8 @@ import pandas as pd
 import torch
 from matplotlib.figure import Figure
 
+from prodigy_core.names import FIGURES  # what a layout's `figures` may name (checked at load too)
+
 SMOKE_SUBDIR = "smoke"
 MINI_SUBDIR = "mini"
 SMOKE_LABEL = "SMOKE / stand-in"
@@ -1027,9 +1029,9 @@ def read_provenance(text: str) -> str | None:
     return m[1] if m else None
 
 
-# What a layout's `figures` list may name; heatmap and curves by default. "distances": one distance heatmap
-# per run and recorded round (`record_distances_at`), named <name> when there is just one.
-FIGURES = ("heatmap", "curves", "distances")
+# What a layout's `figures` list may name (`names.FIGURES`, checked at load); heatmap and curves by default.
+# "distances": one distance heatmap per run and recorded round (`record_distances_at`), named <name> when
+# there is just one.
 DEFAULT_FIGURES = ("heatmap", "curves")
 
 

@@ -144,7 +144,20 @@ def check_record(record: Any, path: Path) -> str | None:
     accuracy = record.get("final_accuracy")
     if isinstance(accuracy, bool) or not isinstance(accuracy, int | float) or not 0 <= accuracy <= 100:
         return f"final_accuracy={accuracy!r} is not a percentage in [0, 100]"
+    curve = record.get("accuracy_curve", [])
+    if not isinstance(curve, list) or not all(
+        isinstance(p, list)
+        and len(p) == 2
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in p)
+        for p in curve
+    ):
+        return f"accuracy_curve={_short(curve)} is not a list of [round, accuracy %] pairs of numbers"
     return None
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 NOT_REGULAR = "not a regular file"
@@ -313,6 +326,29 @@ class Claims:
         if self._beat is not None:
             self._beat.join()
             self._beat, self._stop = None, threading.Event()
+
+
+def lock_state(path: Path) -> str:
+    """Why the run of lock `path` was left undone, from the lock itself: its claimant alive (rerun when it
+    is done), dead (taken over by the next run), on another host, or the lock gone or unreadable."""
+    try:
+        owner, why = _read_json(path)
+    except FileNotFoundError:
+        return f"its lock {path} is gone (its claimant stopped): rerun to do it"
+    except OSError as e:
+        owner, why = None, str(e)
+    if not isinstance(owner, dict):
+        return f"its lock {path} is not a lock record ({why or 'unreadable'}): the next run takes it over"
+    pid, host = owner.get("pid"), owner.get("host")
+    if host == socket.gethostname():
+        if not _pid_alive(pid):
+            return f"its claimant (pid {pid}) is dead: its lock {path} is taken over by the next run; rerun"
+        return f"claimed by another process ({path}), pid {pid}, alive; rerun when it is done"
+    age = time.time() - _mtime(path)
+    return (
+        f"claimed by another process ({path}), pid {pid} on host {host}, last heartbeat {age:.0f} s ago "
+        f"(taken over after {LOCK_STALE_S:.0f} s without one); rerun when it is done"
+    )
 
 
 def _pid_alive(pid: Any) -> bool:

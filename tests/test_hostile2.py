@@ -550,3 +550,191 @@ def test_an_oversized_archive_member_is_refused_before_it_is_read(tmp_path, jpeg
     assert not any(name.endswith("cat/0001.jpg") for name in read)  # refused unread
     with pytest.raises(data.DataError, match=r"0001\.jpg is \d[\d,]* bytes"):  # the unpacked folder too
         data.decode_cifar10_jpeg(source, tmp_path / "data", per_class=1, progress=False)
+
+
+# ----------------------------------------- 17: the explorer's names normalised, its bounds and names enforced
+
+
+@pytest.mark.parametrize("attack, defense", [("ALIE", "ProDiGy"), (" alie ", "PRODIGY ")])
+def test_the_explorer_normalises_names_as_the_cli_does(attack, defense):
+    pytest.importorskip("ipywidgets")
+    from prodigy_core import explorer
+
+    c = explorer.explorer(n_clients=6, n_byzantine=2, rounds=1, attack=attack, defense=defense).controls
+    assert (c["attack"].value, c["defense"].value) == ("alie", "prodigy")
+
+
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        (dict(n_clients=100), ["clients N=100", "4..50"]),
+        (dict(rounds=0), ["rounds T=0", "1..100"]),
+        (dict(dirichlet_alpha=1e3), ["Dirichlet α=1000", "0.01..100"]),
+        (dict(n_clients=10, n_byzantine=5), ["Byzantine f=5", "clients N=10"]),
+        (dict(bogus=1), ["unknown setting 'bogus'", "n_clients (clients N)"]),
+        (dict(attack="nonesuch"), ["attack='nonesuch'"]),
+    ],
+)
+def test_the_explorer_rejects_out_of_range_values_and_unknown_names_in_its_words(setting, words):
+    pytest.importorskip("ipywidgets")
+    from prodigy_core import explorer
+
+    with pytest.raises(ConfigError) as e:
+        explorer.explorer(**setting)
+    message = str(e.value)
+    assert "\n" not in message and all(w in message for w in words), message
+    assert "n_clients=" not in message and "rounds=" not in message.replace("rounds T=", ""), message
+
+
+# ------------------------------------------------ 18: messages that name the file or field and the real cause
+
+
+def test_a_non_image_jpeg_is_named_by_its_file(tmp_path, jpeg_folder):
+    from prodigy_core import data
+
+    source = jpeg_folder(tmp_path / "jpeg", 1)
+    for path in (source / "train" / "cat").iterdir():
+        path.write_bytes(b"not an image")
+    with pytest.raises(data.DataError) as e:
+        data.decode_cifar10_jpeg(source, tmp_path / "data", per_class=1, progress=False)
+    assert "train/cat/0000.jpg" in str(e.value) and "not a JPEG image" in str(e.value)
+    assert "BytesIO" not in str(e.value)
+
+
+def test_a_garbage_tar_is_one_line(tmp_path, capsys):
+    archive = tmp_path / "copy.tar.gz"
+    archive.write_bytes(bytes(range(256)) * 12)
+    assert cli.main(["data", "cifar10", str(tmp_path / "data"), "--from", str(archive)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    one_error_line(err, str(archive), "not a readable .tar.gz", "not a tar archive")
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only"])
+def test_an_unusable_data_folder_is_named_with_its_cause(tmp_path, capsys, monkeypatch, kind):
+    root = tmp_path / "data"
+    if kind == "file":
+        root.write_text("x")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder")
+        root.mkdir()
+        root.chmod(0o555)
+    monkeypatch.setenv("PRODIGY_DATA_DIR", str(root))
+    assert cli.main(["data", "cifar10"]) == 2
+    err = capsys.readouterr().err
+    cause = "is a file, not a folder" if kind == "file" else "is not writable"
+    one_error_line(err, str(root), cause, "PRODIGY_DATA_DIR")
+    assert "cannot download" not in err and "offline" not in err
+
+
+def test_an_empty_leaf_folder_is_named_as_empty(tmp_path, capsys):
+    leaf = tmp_path / "leaf"
+    (leaf / "train").mkdir(parents=True)
+    (leaf / "test").mkdir()
+    assert cli.main(["data", "femnist", str(leaf)]) == 2
+    err = capsys.readouterr().err
+    one_error_line(err, str(leaf), "no writers")
+    assert "n_clients" not in err
+
+
+@pytest.mark.parametrize("field", ["seed", "data_seed"])
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
+def test_a_seed_out_of_range_is_a_range_error_naming_the_field(tmp_path, capsys, field, value):
+    with pytest.raises(ConfigError, match=rf"{field}={value} .*outside .*-2\*\*63\.\.2\*\*64 - 1"):
+        tiny(**{field: value})
+    assert cli.main(["run", *TINY_SET, f"--set={field}={value}", "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    one_error_line(err, f"{field}={value}")
+    assert "Overflow" not in err
+    assert tiny(seed=2**64 - 1).seed == 2**64 - 1 and tiny(seed=-(2**63)).seed == -(2**63)  # torch's range
+
+
+def test_a_malformed_accuracy_curve_names_the_record(tmp_path, fake_training):
+    experiment = experiment_from_spec(SEEDS)
+    run_grid(experiment, results_dir=tmp_path, progress=False)
+    path = results.record_path(tmp_path / "seeds", experiment.configs[0].key())
+    record = json.loads(path.read_text())
+    for curve in ([["x", 1.0]], "garbage", [[1]], [[1, None]]):
+        path.write_text(json.dumps({**record, "accuracy_curve": curve}))
+        with pytest.warns(RuntimeWarning, match=rf"{path}: not a valid result record.*accuracy_curve"):
+            assert list(results.load(experiment, tmp_path)["seed"]) == [1]
+    path.write_text(json.dumps({**record, "accuracy_curve": [[1, 10.0], [2, 12.5]]}))
+    assert list(results.load(experiment, tmp_path)["seed"]) == [0, 1]
+
+
+def test_a_lock_of_a_dead_peer_is_not_reported_as_claimed(tmp_path, fake_training, monkeypatch, capsys):
+    import socket
+    import subprocess
+
+    peer = subprocess.Popen(["true"])
+    peer.wait()
+    experiment = experiment_from_spec(SEEDS)
+    folder = tmp_path / "seeds"
+    folder.mkdir()
+    lock = folder / f"{experiment.configs[0].key()}.lock"
+    lock.write_text(json.dumps({"pid": peer.pid, "host": socket.gethostname(), "started": 0}))
+    # the peer was alive when the grid looked, killed before the grid's summary
+    monkeypatch.setattr(results.Claims, "_take_over_if_stale", lambda self, path: False)
+    run_grid(experiment, results_dir=tmp_path, progress=True)
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert f"its claimant (pid {peer.pid}) is dead" in out and "taken over" in out, out
+    assert "claimed by another process" not in out, out
+
+
+@pytest.mark.parametrize("variant, first", [("paper", 61), ("authors", 60)])
+def test_the_lr_decay_at_hint_states_the_rule_the_code_applies(variant, first):
+    from prodigy_core.config import decay_round
+
+    assert decay_round(90, variant) == first
+    with pytest.raises(ConfigError) as e:
+        tiny(rounds=90, eval_every=10, lr_decay_at=-1, variant=variant)
+    rule = "2 * rounds // 3 + 1" if variant == "paper" else "2 * rounds // 3"
+    assert f"null for the default {rule} (round {first} here" in str(e.value), e.value
+
+
+# ------------------------------------------------------------- 19: a large grid announces its size first
+
+
+def test_a_large_grid_announces_its_size_and_expansion_time(monkeypatch, capsys):
+    monkeypatch.setattr(experiments, "LARGE_GRID", 20)
+    lrs = [round(0.01 * (i + 1), 2) for i in range(12)]
+    experiment = experiment_from_spec(
+        {"experiment": "big", "base": TINY, "grid": {"lr": lrs}, "seeds": [0, 1]}
+    )
+    assert len(experiment.configs) == 24
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "24 runs" in lines[0] and "s to expand" in lines[0], err
+    experiment_from_spec({"experiment": "small", "base": TINY, "grid": {"lr": lrs[:5]}, "seeds": [0, 1]})
+    assert capsys.readouterr().err == ""  # 10 runs: nothing to announce
+
+
+# ---------------------------------------------- 8-9: every params-file field validated for type at load
+
+
+@pytest.mark.parametrize(
+    "report, words",
+    [
+        ("{columns: [attack, lr]}", "report.columns=['attack', 'lr'] must be one run field name"),
+        ("{rows: 3}", "report.rows=3 must be one run field name"),
+        ("{blocks: {a: 1}}", "report.blocks={'a': 1} must be a run field name or a list of them"),
+        ("{figures: heatmap}", "report.figures='heatmap' must be a list of figure names"),
+        ("{figures: [heatmap, 3]}", "report.figures=['heatmap', 3] must be a list of figure names"),
+        ("{figures: [heatmap, bogus]}", "report.figures: unknown 'bogus'"),
+    ],
+)
+def test_report_fields_are_checked_for_type_at_load(tmp_path, capsys, report, words):
+    path = _params(tmp_path, f"experiment: r\nbase: {json.dumps(TINY)}\nreport: {report}\n")
+    assert cli.main(["grid", str(path), "--dry-run", "--results-dir", str(tmp_path)]) == 2
+    one_error_line(capsys.readouterr().err, str(path), words)
+
+
+def test_a_valid_report_layout_still_loads(tmp_path):
+    path = _params(
+        tmp_path,
+        f"experiment: r\nbase: {json.dumps(TINY)}\n"
+        "report: {rows: defense, columns: attack, blocks: lr, figures: [heatmap, curves]}\n",
+    )
+    assert experiments.load_experiment(path).report["figures"] == ["heatmap", "curves"]
