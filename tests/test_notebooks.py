@@ -209,3 +209,21 @@ def test_tests_and_notebooks_use_a_temporary_results_and_figures_folder():
         assert Path(tempfile.gettempdir()).resolve() in folder.resolve().parents, (name, folder)
     assert results.resolve_results_dir() == Path(os.environ["PRODIGY_RESULTS_DIR"])
     assert report.output_dir(False) == Path(os.environ["PRODIGY_FIGURES_DIR"])
+
+
+# The paper items' notebooks are one template: the same cells, each naming its own params file; only the
+# first Markdown cell (title and description) is their own.
+PAPER_ITEMS = sorted(n for n in reproduce.NOTEBOOKS if n.startswith(("table", "figure")))
+TEMPLATE = "table1_cifar10"
+
+
+@pytest.mark.parametrize("name", [n for n in PAPER_ITEMS if n != TEMPLATE])
+def test_paper_item_notebooks_are_one_template(name):
+    template, notebook = read(reproduce.NOTEBOOKS[TEMPLATE][0]), read(reproduce.NOTEBOOKS[name][0])
+    assert len(notebook.cells) == len(template.cells), name
+    assert notebook.cells[0].cell_type == "markdown" and notebook.cells[0].source.startswith("# ")
+    for i, (ours, theirs) in enumerate(zip(notebook.cells[1:], template.cells[1:], strict=True), start=1):
+        expected = theirs.source.replace(TEMPLATE, name)
+        assert (ours.cell_type, ours.source, ours.metadata.get("tags")) == (
+            theirs.cell_type, expected, theirs.metadata.get("tags")
+        ), f"notebooks/{name}.ipynb cell {i} drifted from notebooks/{TEMPLATE}.ipynb"  # fmt: skip
