@@ -306,7 +306,23 @@ class Rule:
 
     A rule computes its output either directly (``aggregate``) or, when ``by_weights``, as the weighted
     combination that ``combine`` reads from one Gram matrix of [G; reference] (then one weighted sum over G;
-    ``aggregate`` is the fallback where ``combine`` gives no weights)."""
+    ``aggregate`` is the fallback where ``combine`` gives no weights).
+
+    A new rule needs ``aggregate`` alone (and ``check_n`` for its limits). This one averages the N - 2f
+    vectors closest to the coordinate-wise median; NNM goes in front of it as in front of any rule:
+
+    >>> import torch
+    >>> from prodigy_core.aggregators import NNM, Pipeline, Rule
+    >>> class Closest(Rule):
+    ...     def __init__(self, f: int):
+    ...         self.f = f
+    ...     def aggregate(self, G):
+    ...         far = (G - G.median(dim=0).values).norm(dim=1)
+    ...         return G[far.argsort()[: len(G) - 2 * self.f]].mean(dim=0)
+    >>> G = torch.cat([torch.full((2, 3), 1e6), torch.ones(6, 3)])  # 2 Byzantine rows, 6 honest
+    >>> Closest(2)(G), Pipeline("nnm+closest", Closest(2), [NNM(2)])(G)
+    (tensor([1., 1., 1.]), tensor([1., 1., 1.]))
+    """
 
     f: int = 0
     by_weights: bool = False

@@ -732,3 +732,15 @@ def test_gram_products_run_in_full_float32_whatever_the_callers_setting():
         assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting is restored
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_the_rule_contracts_example_runs_as_written():
+    """The `Rule` docstring's example of a new rule (a doctest: its printed outputs are checked)."""
+    import doctest
+
+    from prodigy_core.aggregators import Rule
+
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    (test,) = doctest.DocTestFinder(recurse=False).find(Rule, "Rule")
+    assert len(test.examples) >= 5
+    assert runner.run(test).failed == 0
