@@ -62,3 +62,18 @@ def write_jpeg_folder(root: Path, per_class: int, size: int = 32, classes=CIFAR1
 def jpeg_folder() -> Callable[..., Path]:
     """`write_jpeg_folder(root, per_class, size=32, classes=CIFAR-10's)`: a tiny JPEG copy of CIFAR-10."""
     return write_jpeg_folder
+
+
+@pytest.fixture
+def fake_training(monkeypatch) -> list[int]:
+    """Training replaced by a valid record whose accuracy is 10 x the seed; returns the seeds it "trained"."""
+    from prodigy_core import experiments
+
+    seeds: list[int] = []
+
+    def fake_execute(task, threads=None):
+        seeds.append(task.config["seed"])
+        return {"config": task.config, "final_accuracy": 10.0 * task.config["seed"], "final_loss": 1.0}
+
+    monkeypatch.setattr(experiments, "execute", fake_execute)
+    return seeds

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prodigy_core import cli, experiments, results, training
+from prodigy_core import cli, results, training
 from prodigy_core.aggregators import AGGREGATOR_NAMES, make_aggregator
 from prodigy_core.config import ConfigError, RunConfig, parse_value
 from prodigy_core.experiments import Task, execute, experiment_from_spec, load_experiment, run_grid
@@ -232,22 +232,6 @@ def test_a_safe_experiment_name_is_accepted():
 # --------------------------------------------------------------------- 5, 11: records validated on load
 
 
-def fake_execute(task, threads=None):
-    """Stands in for training: a valid record whose accuracy is 10 x the seed."""
-    calls.append(task.config["seed"])
-    return {"config": task.config, "final_accuracy": 10.0 * task.config["seed"], "final_loss": 1.0}
-
-
-calls: list[int] = []
-
-
-@pytest.fixture
-def fake_training(monkeypatch):
-    calls.clear()
-    monkeypatch.setattr(experiments, "execute", fake_execute)
-    return calls
-
-
 SEEDS = {"experiment": "seeds", "base": TINY, "seeds": [0, 1]}
 
 
@@ -277,10 +261,10 @@ def test_an_invalid_record_is_named_left_out_moved_aside_and_rerun(tmp_path, fak
         df = results.load(experiment, tmp_path)
     assert why in str(caught[0].message)
     assert list(df["seed"]) == [1]  # counted neither as seed 0 nor twice as seed 1
-    calls.clear()
+    fake_training.clear()
     with pytest.warns(RuntimeWarning, match=re.escape(f"{first}: not a valid result record")):
         df = run_grid(experiment, results_dir=tmp_path, progress=False)
-    assert calls == [0] and list(df["seed"]) == [0, 1]  # rerun
+    assert fake_training == [0] and list(df["seed"]) == [0, 1]  # rerun
     moved = list(folder.glob(f"{first.name}.invalid-*"))
     assert len(moved) == 1 and moved[0].read_bytes()[:2] == first.read_bytes()[:2] or content  # kept
 
@@ -399,7 +383,10 @@ def test_the_grid_lists_runs_left_undone_and_exits_1(tmp_path, fake_training, ca
     _lock(folder, busy.key(), {"pid": 4242, "host": "another-host"}, age=1)
     assert cli.main(["grid", str(params), "--results-dir", str(tmp_path / "res")]) == 1
     err = capsys.readouterr().err
-    assert calls == [0] and f"undone seed=1: claimed by another process ({folder / busy.key()}.lock)" in err
+    assert (
+        fake_training == [0]
+        and f"undone seed=1: claimed by another process ({folder / busy.key()}.lock)" in err
+    )
     assert "1 left undone" in err
     (folder / f"{busy.key()}.lock").unlink()
     assert cli.main(["grid", str(params), "--results-dir", str(tmp_path / "res")]) == 0

@@ -227,22 +227,6 @@ def test_mini_rounds_keys_written_as_text_are_rounds(keys):
 # ------------------------------------------- 6: a FIFO, folder or dangling link at a record or lock path
 
 
-def fake_execute(task, threads=None):
-    """Stands in for training: a valid record whose accuracy is 10 x the seed."""
-    calls.append(task.config["seed"])
-    return {"config": task.config, "final_accuracy": 10.0 * task.config["seed"], "final_loss": 1.0}
-
-
-calls: list[int] = []
-
-
-@pytest.fixture
-def fake_training(monkeypatch):
-    calls.clear()
-    monkeypatch.setattr(experiments, "execute", fake_execute)
-    return calls
-
-
 SEEDS = {"experiment": "seeds", "base": TINY, "seeds": [0, 1]}
 
 
@@ -285,7 +269,7 @@ def test_only_regular_files_are_read_as_records_or_locks(tmp_path, fake_training
         warnings.simplefilter("always")
         assert results.load(experiment, tmp_path).empty  # report: no hang, nothing counted
         df = run_grid(experiment, results_dir=tmp_path, progress=False)
-        assert list(df["seed"]) == [0, 1] and sorted(calls) == [0, 1]  # done, not left "claimed"
+        assert list(df["seed"]) == [0, 1] and sorted(fake_training) == [0, 1]  # done, not left "claimed"
         assert list(results.load(experiment, tmp_path)["seed"]) == [0, 1]
     if suffix == "json":
         assert any(f"{path}: not a valid result record" in str(w.message) for w in caught), caught
@@ -358,9 +342,11 @@ def test_dry_run_report_and_grid_agree_on_an_invalid_record(tmp_path, fake_train
     assert path.exists()  # a dry run writes (and moves) nothing
     with pytest.warns(RuntimeWarning, match="unknown field 'bogus_field'"):
         assert list(results.load(experiment, tmp_path / "res")["seed"]) == [1]  # report: left out
-    calls.clear()
+    fake_training.clear()
     assert cli.main(["grid", str(params), *where]) == 0
-    assert calls == [0] and "unknown field 'bogus_field'" in capsys.readouterr().err  # grid: named, redone
+    assert (
+        fake_training == [0] and "unknown field 'bogus_field'" in capsys.readouterr().err
+    )  # grid: named, redone
 
 
 # --------------------------------------------------------------------- 5: written files honour the umask
