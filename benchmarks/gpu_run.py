@@ -392,7 +392,7 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
 
     results_dir, figures_dir = results_root / "gpu", figures_root / "gpu"
     figures_dir.mkdir(parents=True, exist_ok=True)
-    stale = 0
+    records: list[tuple[str, dict, bool]] = []  # (results folder, record, its key is current)
     with tarfile.open(tarball) as tar:
         for member in tar.getmembers():
             name = Path(member.name)
@@ -401,8 +401,9 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
             content = tar.extractfile(member).read()
             if name.parts[0] == "results" and name.suffix == ".json" and ".failed" not in name.name:
                 record = json.loads(content)
-                if RunConfig.from_dict(record["config"]).key() != record.get("key"):
-                    stale += 1  # e.g. an older AUTHORS_REVISION: listed in PROVENANCE.md, not reported
+                current = RunConfig.from_dict(record["config"]).key() == record.get("key")
+                records.append((name.parent.name, record, current))
+                if not current:  # e.g. an older AUTHORS_REVISION: listed in PROVENANCE.md, not reported
                     continue
             target = (
                 results_dir / name.relative_to("results")
@@ -411,6 +412,7 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
             )
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
+    stale = sum(not current for _, _, current in records)
     if stale:
         print(
             f"{stale} records of the tarball have keys the current code no longer makes (an older variant "
@@ -418,10 +420,10 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
             file=sys.stderr,
         )
     written = []
-    for folder in sorted(p for p in results_dir.iterdir() if p.is_dir()):
-        name, _, scale = folder.name.partition("-")
+    for folder in sorted({f for f, _, current in records if current}):
+        name, _, scale = folder.partition("-")
         # the records' data source, not this machine's (which may have no CIFAR-10): their keys' source
-        sources = sorted({r["config"]["data_source"] for r in store.read_records(folder)})
+        sources = sorted({r["config"]["data_source"] for f, r, current in records if f == folder and current})
         fields = {"data_source": sources[0]} if len(sources) == 1 else None
         exp = load_experiment(name, scale=scale or "paper", fields=fields)
         for variant in ("paper", "authors"):
@@ -431,41 +433,27 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
                 continue
             out = figures_dir if variant == "paper" else figures_dir / "authors"
             written += write_report(v, df, out, results_dir=results_dir)
-    written.append(write_provenance(tarball, figures_dir))
+    written.append(write_provenance(records, figures_dir))
     return written
 
 
-def write_provenance(tarball: Path, figures_dir: Path) -> Path:
-    """figures_dir/PROVENANCE.md: env.txt, summary.txt and one row per record of the tarball, read from the
-    tarball itself (a record whose key the current code no longer makes, e.g. an `authors` record of an older
-    `AUTHORS_REVISION`, is listed with "current: no": the reports leave it out)."""
-    from prodigy_core.config import RunConfig
-
+def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -> Path:
+    """figures_dir/PROVENANCE.md: env.txt, summary.txt and one row per record of the tarball, (results
+    folder, record, whether its key is current) as `import_results` read them (a record whose key the
+    current code no longer makes, e.g. an `authors` record of an older `AUTHORS_REVISION`, is listed with
+    "current: no": the reports leave it out)."""
     env = (figures_dir / "env.txt").read_text() if (figures_dir / "env.txt").exists() else "(no env.txt)\n"
     summary = (figures_dir / "summary.txt").read_text() if (figures_dir / "summary.txt").exists() else ""
-    records = []
-    with tarfile.open(tarball) as tar:
-        for member in tar.getmembers():
-            name = Path(member.name)
-            if (
-                member.isfile()
-                and name.parts[0] == "results"
-                and name.suffix == ".json"
-                and ".failed" not in name.name
-            ):
-                records.append((name.parent.name, json.load(tar.extractfile(member))))
     rows = []
-    for folder, r in sorted(
-        records, key=lambda fr: (fr[0], *(fr[1]["config"][k] for k in ("variant", "defense", "attack")))
-    ):
+    setting = ("variant", "defense", "attack")
+    for folder, r, current in sorted(records, key=lambda fr: (fr[0], *(fr[1]["config"][k] for k in setting))):
         c, e = r["config"], r["environment"]
         seconds = sum(t for t in r.get("round_times") or [] if t)
-        current = "yes" if RunConfig.from_dict(c).key() == r.get("key") else "no"
         rows.append(
             f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
             f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
             f"| {e['torch']} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
-            f"| {current} |"
+            f"| {'yes' if current else 'no'} |"
         )
     path = figures_dir / "PROVENANCE.md"
     path.write_text(
