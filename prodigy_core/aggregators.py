@@ -1,40 +1,17 @@
 """Robust aggregation rules of the ProDiGy paper, vectorised in torch on any device.
 
-A rule maps the client updates ``G`` (N, d) to one vector (d,) of G's dtype on G's device; a pre-aggregator
-maps (N, d) to (M, d). ``make_aggregator(name, f)`` builds the server pipeline from a name of
-``paper_results.csv`` (``prodigy``, ``nnm+krum``, ...). Inputs are never modified in place.
-
-Geometry. Every rule that needs distances works from one Gram matrix of the vectors, computed in float32
-chunks of columns summed in float64. Client updates are normally spread about as widely as they are long
-(|g|^2 / median distance^2 was 0.5-3.4 in digits runs, IID, momentum 0 and 0.9), so products about the
-origin are accurate, cost one Gram product, and need no copy. When the vectors share a component much larger
-than their spread, a float32 product of the raw vectors loses everything to cancellation; `geometry` sees
-that and recomputes about a central client. Distances, neighbourhood means and Weiszfeld/clipping iterates
-are all affine combinations of the vectors, so they follow from this (N, N) matrix alone, and only the
-final weighted sum reads G again. That N x N algebra runs on the CPU whatever G's device: after the Gram pass
-(one wait for the device) each of its ~100 small ops costs a few microseconds on the host, where on an
-accelerator each would be a kernel launch, and its branches and the attack search's candidates would each
-wait for the device again. Its cost grows as N^3 (ProDiGy's neighbourhood products): 1.7 ms at N=100 and
-134 ms at N=1000 on 2 CPU cores, against a Gram product of N^2 d multiply-adds on the device.
-
-Scale. float32 products overflow above ~1e19 per entry and lose precision below ~1e-19 (denormal
-products), so when a finite vector's squared norm comes out non-finite, or the median squared norm is below
-`_TINY` x d, `geometry` recomputes that Gram matrix from float64 products (a float32 value squared always
-fits a float64). The check reads only the (N, N) result, so the common case pays nothing; the rules that
-work from the geometry are then scale-equivariant over the whole float32 range (GeoMed's nu and CClip's tau
-are absolute lengths, so those two are not).
-
-Hostile input. A vector with a NaN/Inf entry (for float64 input, also one whose squared norm overflows) is
-*bad*: it is infinitely far from everything (+inf distance), never selected, and gets weight 0.
-Coordinate-wise rules treat NaN as +inf, which sorts to the extreme. With at most f bad vectors (fewer than
-N/2 for Median and GeoMed; after Bucketing, counted in buckets, each of which one bad vector spoils: a
-pipeline whose rule cannot tolerate f bad buckets is rejected with the bound) every robust rule returns a
-finite vector; ``Average`` cannot be robust and warns when its output is non-finite.
+A rule maps the client updates ``G`` (N, d) to one vector (d,); a pre-aggregator (NNM, Bucketing) maps (N, d)
+to (M, d). ``make_aggregator(name, f)`` builds the server pipeline from a name of `RULES` (``prodigy``,
+``nnm+krum``, a plug-in ``my_rules.py:MyRule``); a new rule subclasses `Rule` (its docstring has an example).
+Every distance comes from one Gram matrix (`geometry`); docs/semantics.md gives the numerics and the hostile
+input contract, benchmarks/README.md the timings. Reference: the ProDiGy paper; each baseline's own paper is
+named on its class.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 from collections.abc import Iterator
@@ -44,12 +21,11 @@ import torch
 from torch import Tensor
 
 from prodigy_core.names import check_variant, did_you_mean
+from prodigy_core.registry import Registry, Settings, check_settings, contract, is_plugin, settings_of
 
-BASE_NAMES = (
-    "average", "none", "median", "trimmed_mean", "geomed", "krum", "cclip", "prodigy", "multikrum", "bulyan",
-)  # fmt: skip
-PRE_PREFIXES = ("nnm+", "bucketing+")
-AGGREGATOR_NAMES = BASE_NAMES + tuple(p + b for p in PRE_PREFIXES for b in BASE_NAMES)
+# Every rule a params file can name, filled by `@RULES.register` below (BASE_NAMES, AGGREGATOR_NAMES, the
+# report's names and the explorer's menu derive from it).
+RULES = Registry("defense")
 
 # Recentre on a central client when the centre (first the origin) lies this many times further from it
 # (squared) than its median distance to the others: float32 cancellation costs about RATIO * eps relative
@@ -324,6 +300,9 @@ class Rule:
     (tensor([1., 1., 1.]), tensor([1., 1., 1.]))
     """
 
+    name: str = ""  # what a params file writes (`RULES.register` files the class under it)
+    display: str = ""  # what a table prints
+    presets: dict[str, tuple[str, dict[str, Any]]] = {}  # other names: {name: (display, settings)}
     f: int = 0
     by_weights: bool = False
 
@@ -384,11 +363,16 @@ class Rule:
         return f"{type(self).__name__}(f={self.f})"
 
 
+@RULES.register
 class Average(Rule):
     """Plain mean (1/N) sum_i g_i: FedAvg, the paper's ``none`` defence.
 
     Not robust: one Byzantine vector moves it arbitrarily, and a NaN/Inf vector makes it non-finite (it
     warns then, and returns the non-finite mean so that the training loop sees the divergence)."""
+
+    name = "average"
+    display = "Average"
+    presets = {"none": ("No defense", {})}
 
     def __init__(self, f: int = 0):
         self.f = _check_f("Average", f)
@@ -411,12 +395,16 @@ class Average(Rule):
         return _on_inputs(torch.full((N,), 1.0 / N, dtype=torch.float64, device=D.device))
 
 
+@RULES.register
 class Median(Rule):
     """Coordinate-wise median; the mean of the two middle values when N is even (Yin et al., 2018).
 
     NaN counts as +inf, so the output is finite while fewer than N/2 vectors are bad in each coordinate;
     hence f < N/2 (checked: after Bucketing, N is the number of buckets, each of which one bad vector
     spoils)."""
+
+    name = "median"
+    display = "Median"
 
     def __init__(self, f: int = 0):
         self.f = _check_f("Median", f)
@@ -428,6 +416,7 @@ class Median(Rule):
         return _coordinate_median(_nan_to_inf(G))
 
 
+@RULES.register
 class TrimmedMean(Rule):
     """Coordinate-wise trimmed mean (Yin et al., 2018): drop the f largest and f smallest values, average the
     N-2f others (``variant="paper"``, the paper's text).
@@ -439,6 +428,9 @@ class TrimmedMean(Rule):
 
     ``variant="authors"`` (the authors' code): per coordinate, the mean of the N-2f values closest to the
     coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step."""
+
+    name = "trimmed_mean"
+    display = "Trimmed mean"
 
     def __init__(self, f: int, variant: str = "paper"):
         self.f = _check_f("TrimmedMean", f)
@@ -460,12 +452,16 @@ class TrimmedMean(Rule):
         return (G.clamp(min=lo, max=hi).sum(dim=0) - f * (lo + hi)) / (N - 2 * f)
 
 
+@RULES.register
 class GeoMed(Rule):
     """Geometric median by the smoothed Weiszfeld algorithm of RFA (Pillutla et al., 2022):
     z_{r+1} = sum_i b_i g_i / sum_i b_i, b_i = 1 / max(nu, ||z_r - g_i||), R iterations from z_0 = 0
     (as in the authors' code). Runs on the Gram matrix of [G; 0]; bad vectors get b_i = 0. Needs f < N/2
     (its breakdown point; after Bucketing, N is the number of buckets). nu is an absolute length, so the
     rule is not scale-equivariant below it."""
+
+    name = "geomed"
+    display = "GeoMed"
 
     by_weights = True
 
@@ -497,9 +493,13 @@ def krum_scores(D: Tensor, f: int) -> Tensor:
     return _sort_without_self(D)[0][:, : D.shape[0] - f - 2].sum(dim=1)
 
 
+@RULES.register
 class Krum(Rule):
     """Krum (Blanchard et al., 2017): the g_k minimising the sum of squared distances to its N-f-2 nearest
     others. Ties go to the lowest index. Needs N > 2f+2."""
+
+    name = "krum"
+    display = "Krum"
 
     def __init__(self, f: int):
         self.f = _check_f("Krum", f)
@@ -515,9 +515,13 @@ class Krum(Rule):
         return _on_inputs(w.index_fill_(0, krum_scores(D, self.f).argmin(), 1.0))
 
 
+@RULES.register
 class MultiKrum(Rule):
     """Multi-Krum (Blanchard et al., 2017): the mean of the m vectors with the lowest Krum scores
     (default m = N - f; ties go to the lower index). Needs N > 2f+2 and 1 <= m <= N - f."""
+
+    name = "multikrum"
+    display = "Multi-Krum"
 
     by_weights = True
 
@@ -542,11 +546,15 @@ class MultiKrum(Rule):
         return f"MultiKrum(f={self.f}, m={self.m})"
 
 
+@RULES.register
 class Bulyan(Rule):
     """Bulyan (El Mhamdi et al., 2018), Algorithm 1: select theta = N-2f vectors by applying Krum
     repeatedly to the remaining ones (scores over the max(n_R-f-2, 1) nearest remaining others, so that
     the last picks among 2f+1 vectors stay meaningful), then per coordinate average the beta = N-4f
     selected values closest to the coordinate-wise median of the selection. Needs N >= 4f+3."""
+
+    name = "bulyan"
+    display = "Bulyan"
 
     def __init__(self, f: int):
         self.f = _check_f("Bulyan", f)
@@ -569,6 +577,7 @@ class Bulyan(Rule):
         return _mean_closest_to_median(S, N - 4 * f)
 
 
+@RULES.register
 class CClip(Rule):
     """Centred clipping (Karimireddy et al., 2021): v_{l+1} = v_l + (1/N) sum_i clip_tau(g_i - v_l),
     clip_tau(x) = x min(1, tau/||x||), L iterations, from v_0 =
@@ -581,6 +590,9 @@ class CClip(Rule):
 
     A bad vector contributes 0 (it is infinitely far: its clipped direction is undefined). Runs on the Gram
     matrix of [G; v_0]: every iterate is an affine combination of these points."""
+
+    name = "cclip"
+    display = "CClip"
 
     by_weights = True
 
@@ -651,6 +663,7 @@ class ProDiGyScores(NamedTuple):
     weight: Tensor  # normalised: sums to 1 over the kept clients, 0 for the zeroed ones
 
 
+@RULES.register
 class ProDiGy(Rule):
     """ProDiGy: proximity x dissimilarity scoring (the paper's rule).
 
@@ -667,6 +680,9 @@ class ProDiGy(Rule):
     Needs 2 <= f < N/2 (f = 1 makes every s_d zero). A call (not a ``peek``) keeps the scores of its input
     in ``last_scores``, on the CPU (logging them waits for no device); ``scores(G)`` returns them on G's
     device."""
+
+    name = "prodigy"
+    display = "ProDiGy"
 
     by_weights = True
 
@@ -739,6 +755,9 @@ class NNM(Rule):
     others, as an (N, N) averaging matrix times G. A bad vector's own output is NaN (so that the next rule
     still sees it as bad); a good vector's neighbourhood never holds a bad one. Needs f < N/2."""
 
+    name = "nnm"
+    display = "NNM"
+
     def __init__(self, f: int):
         self.f = _check_f("NNM", f)
 
@@ -773,6 +792,9 @@ class Bucketing(Rule):
     """Bucketing (Karimireddy et al., 2022): shuffle the N vectors, split them into ceil(N/s) buckets of s
     (the last may be smaller) and return the bucket means (M, d). ``peek`` restores the generator, so it
     returns the same buckets as the next ``__call__``. generator=None uses torch's default CPU generator."""
+
+    name = "bucketing"
+    display = "Bucketing"
 
     def __init__(self, s: int = 2, generator: torch.Generator | None = None):
         if isinstance(s, bool) or not isinstance(s, int) or s < 1:
@@ -966,40 +988,80 @@ class Pipeline:
         return f"Pipeline({self.name!r}, rule={self.rule!r}, pre={self.pre!r})"
 
 
-_RULES = {
-    "average": Average,
-    "none": Average,
-    "median": Median,
-    "trimmed_mean": TrimmedMean,
-    "geomed": GeoMed,
-    "krum": Krum,
-    "cclip": CClip,
-    "prodigy": ProDiGy,
-    "multikrum": MultiKrum,
-    "bulyan": Bulyan,
-}
+contract("defense", Rule)
+BASE_NAMES = RULES.names()
+# Pre-aggregators a defense name may put in front of a rule: ``nnm+krum``.
+PRE_AGGREGATORS: dict[str, type[Rule]] = {"nnm": NNM, "bucketing": Bucketing}
+PRE_PREFIXES = tuple(p + "+" for p in PRE_AGGREGATORS)
+AGGREGATOR_NAMES = BASE_NAMES + tuple(p + b for p in PRE_PREFIXES for b in BASE_NAMES)
 
 
-# Rules whose definition differs between the paper's text and the authors' code (`names.VARIANTS`).
-_VARIANT_RULES = ("trimmed_mean", "cclip")
+def split_defense(name: str) -> tuple[str, str]:
+    """("nnm", "krum") for ``nnm+krum``; ("", rule) without a pre-aggregator."""
+    prefix, plus, rest = name.partition("+")
+    return (prefix, rest) if plus and prefix in PRE_AGGREGATORS else ("", name)
 
 
-def make_aggregator(name: str, f: int, n_clients: int | None = None, variant: str = "paper") -> Pipeline:
-    """Build the server pipeline for a defence name of ``AGGREGATOR_NAMES`` (``nnm+krum``, ``prodigy``, ...)
-    with f assumed Byzantine clients; with n_clients, check every N-dependent limit now. ``variant``:
-    ``paper`` (the text) or ``authors`` (the authors' code; it changes TrimmedMean and CClip)."""
-    key = str(name).strip().lower()
-    if key not in AGGREGATOR_NAMES:
+def normalise_defense(name: str) -> str:
+    """A defense name as stored: lower case, except a plug-in's path and class (``nnm+my.py:MyRule``)."""
+    prefix, base = split_defense(str(name).strip().lower())
+    if is_plugin(str(name)):
+        base = str(name).strip()[len(prefix) + 1 if prefix else 0 :]
+    return f"{prefix}+{base}" if prefix else base
+
+
+def canonical_defense(name: str, params: dict[str, Any] | None = None) -> tuple[str, Settings]:
+    """(name, settings) as a result key stores them (`Registry.canonical`): a pre-aggregator's settings
+    (Bucketing's ``s``) checked against it, the rule's against the rule."""
+    key = normalise_defense(name)
+    prefix, base = split_defense(key)
+    if not is_plugin(base) and key not in AGGREGATOR_NAMES:
         hint = did_you_mean(key, AGGREGATOR_NAMES)
         if not hint.startswith("; valid"):
             hint += f"; valid: {', '.join(AGGREGATOR_NAMES)}"
-        raise ValueError(f"unknown aggregator {name!r}{hint}")
+        raise ValueError(f"unknown defense {name!r}{hint}")
+    params = dict(params or {})
+    pre_cls = PRE_AGGREGATORS.get(prefix)
+    pre = {k: params.pop(k) for k in list(params) if pre_cls and k in settings_of(pre_cls)}
+    base, rule = RULES.canonical(base, params)
+    if pre_cls is not None:
+        pre = check_settings(f"defense {key!r} ({pre_cls.__name__})", pre_cls, pre)
+    return (f"{prefix}+{base}" if prefix else base), Settings(sorted({**pre, **rule}.items()))
+
+
+def make_aggregator(
+    name: str,
+    f: int,
+    n_clients: int | None = None,
+    variant: str = "paper",
+    params: dict[str, Any] | None = None,
+) -> Pipeline:
+    """Build the server pipeline for a defense name (``nnm+krum``, ``prodigy``, ``my_rules.py:MyRule``; see
+    `RULES`) with f assumed Byzantine clients and the rule's ``params`` (its ``__init__`` keywords, e.g.
+    ``{"tau": 5}`` for CClip; a pre-aggregator's, such as Bucketing's ``s``, too); with n_clients, check every
+    N-dependent limit now. ``variant``: ``paper`` (the text) or ``authors`` (the authors' code; a class that
+    differs takes a ``variant`` keyword)."""
+    key = normalise_defense(name)
+    prefix, base = split_defense(key)
+    canonical_defense(key, params)  # the name and the settings checked, with did-you-mean hints
     _check_f(key, f)
     check_variant(key, variant)
-    prefix, base = key.split("+") if "+" in key else ("", key)
-    pre = {"": [], "nnm": [NNM(f)], "bucketing": [Bucketing()]}[prefix]
-    rule = _RULES[base](f, variant=variant) if base in _VARIANT_RULES else _RULES[base](f)
-    pipeline = Pipeline(key, rule, pre)
+    entry = RULES.lookup(base)
+    params = {**entry.params, **(params or {})}
+    pre_cls = PRE_AGGREGATORS.get(prefix)
+    pre_params = {k: params.pop(k) for k in list(params) if pre_cls and k in settings_of(pre_cls)}
+    pre = [] if pre_cls is None else [_build(pre_cls, key, f, variant, pre_params)]
+    pipeline = Pipeline(key, _build(entry.cls, key, f, variant, params), pre)
     if n_clients is not None:
         pipeline.check_n(n_clients)
     return pipeline
+
+
+def _build(cls: type[Rule], name: str, f: int, variant: str, params: dict[str, Any]) -> Rule:
+    """cls(f, **params), with ``variant`` when cls takes it; a setting it lacks is named in the error."""
+    accepts = inspect.signature(cls.__init__).parameters
+    kwargs = {**params, **({"variant": variant} if "variant" in accepts else {})}
+    try:
+        return cls(f, **kwargs) if "f" in accepts else cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"defense {name!r}: {cls.__name__} cannot be built: {e}") from None

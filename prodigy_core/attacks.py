@@ -1,29 +1,11 @@
 """Byzantine attacks: what the f colluding, omniscient Byzantine clients send each round.
 
-Every attack is built by ``make_attack(name, **params)``. Update-level attacks craft the Byzantine updates:
-
-    byzantine = attack.craft(honest, own, server)    # (f, d)
-
-``honest`` (h, d) holds this round's honest updates, ``own`` (f, d) what the Byzantine clients would honestly
-send (sign flip negates it; f is read from its first dimension), ``server`` the defence: a callable mapping
-an (N, d) matrix to the (d,) aggregate, usually a ``prodigy_core.aggregators.Pipeline``. The server sees
-``torch.cat([byzantine, honest])``: the Byzantine clients are client ids 0..f-1, as in the paper.
-
-Search attacks (ALIE, FOE, alie_spread) are tuned against the real defence: every candidate parameter goes
-through the full pipeline (pre-aggregation included) once, via ``server.peek`` when the server has one so that
-a stateful rule such as CClip is not advanced, and the candidate whose aggregate lands farthest (L2) from the
-honest mean wins; ties go to the first candidate, a non-finite aggregate counts as infinite damage (ALIE
-under ``variant="authors"`` compares as the authors' code does instead, see `ALIE`). All
-candidates are written into one preallocated (N, d) matrix whose honest rows are copied once per craft.
-ALIE's and FOE's candidates lie on one line, so one Gram matrix of the honest updates, the line's two
-end points and the pipeline's reference point (the origin, or CClip's start) holds every candidate's
-geometry: a pipeline whose output is a weighted combination (ProDiGy, Krum, GeoMed, CClip, NNM+...) is then
-evaluated from it alone, and a leading NNM takes its distances from it (`LineSearchAttack._craft`).
-After ``craft``, ``attack.last_param`` holds the chosen parameter (None for attacks without one) and
-``attack.last_search`` the (param, damage) pairs in grid order (empty for attacks without a search).
-
-Label flip is data-level: ``flips_labels`` is True and ``craft`` returns ``own`` unchanged, because those
-clients already trained on labels y' = C-1-y (the data layer flips them, ``Federation.flip_labels``).
+``make_attack(name, params=...)`` builds one from a name of `ATTACKS` (``alie``, ``foe_0.1``, ``sf``, a
+plug-in ``my_attacks.py:MyAttack``); ``attack.craft(honest, own, server) -> (f, d)`` crafts the Byzantine
+rows, which the server sees first (client ids 0..f-1, as in the paper). Search attacks (ALIE, FOE) are tuned
+against the real defense (`LineSearchAttack`); a new attack subclasses `Attack` and implements ``_craft``.
+The search's geometry and tie rules are in docs/semantics.md. Reference: the ProDiGy paper's attacks
+(ALIE, FOE, SF, LF).
 """
 
 from __future__ import annotations
@@ -38,6 +20,10 @@ from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, geometry, pairwise_sq_distances
 from prodigy_core.names import check_variant, did_you_mean
+from prodigy_core.registry import Registry, Settings, check_settings, contract, is_plugin, settings_of
+
+# Every attack a params file can name, filled below the classes (`Registry.register`).
+ATTACKS = Registry("attack")
 
 # ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
 ALIE_Z_STEP = 0.25
@@ -122,7 +108,10 @@ class Attack:
     Subclasses implement ``_craft``; ``craft`` checks the input, handles f = 0 and runs without autograd.
     """
 
-    name: str = "attack"
+    name: str = "attack"  # what a params file writes (`ATTACKS.register` files the class under it)
+    display: str = ""  # what a table prints
+    symbol: str = "parameter"  # the searched parameter, as figures print it (ALIE's z)
+    presets: dict[str, tuple[str, dict[str, Any]]] = {}  # other names: {name: (display, settings)}
     flips_labels: bool = False
     # True: what the Byzantine clients send becomes their local momentum buffer (the training loop writes it
     # back, see `training.server_input`): SF under the authors' code.
@@ -152,6 +141,7 @@ class NoAttack(Attack):
     """No attack: the f clients behave honestly and send ``own``."""
 
     name = "none"
+    display = "No attack"
 
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         return own
@@ -173,6 +163,7 @@ class SignFlip(Attack):
     """
 
     name = "sf"
+    display = "SF"
 
     def __init__(self, variant: str = "paper") -> None:
         super().__init__()
@@ -191,6 +182,7 @@ class LabelFlip(Attack):
     """
 
     name = "lf"
+    display = "LF"
     flips_labels = True
 
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
@@ -205,6 +197,7 @@ class GaussianNoise(Attack):
     """
 
     name = "gaussian"
+    display = "Gaussian"
 
     def __init__(
         self, mean: float = 0.0, std: float = 200.0, generator: torch.Generator | None = None
@@ -230,6 +223,7 @@ class Mimic(Attack):
     """
 
     name = "mimic"
+    display = "Mimic"
 
     def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         dist = geometry(honest).D  # float64 on the host, like every N x N computation (see aggregators)
@@ -295,6 +289,7 @@ class MinMax(_MinMaxMinSum):
     """
 
     name = "minmax"
+    display = "Min-Max"
 
     def _gamma(self, sq_norms: Tensor, dots: Tensor, p_sq: float, dist: Tensor) -> float:
         slack = (dist.max() - sq_norms).clamp_min(0)
@@ -307,6 +302,7 @@ class MinSum(_MinMaxMinSum):
     """
 
     name = "minsum"
+    display = "Min-Sum"
 
     def _gamma(self, sq_norms: Tensor, dots: Tensor, p_sq: float, dist: Tensor) -> float:
         h = sq_norms.shape[0]
@@ -432,6 +428,8 @@ class ALIE(LineSearchAttack):
     """
 
     name = "alie"
+    display = "ALIE"
+    symbol = "z"
 
     def __init__(self, variant: str = "paper", z: float | None = None) -> None:
         super().__init__()
@@ -476,6 +474,9 @@ class FOE(LineSearchAttack):
     """
 
     name = "foe"
+    display = "FOE"
+    symbol = "ε"
+    presets = {"foe_0.1": ("FOE ε=0.1", {"eps": 0.1}), "foe_100": ("FOE ε=100", {"eps": 100.0})}
 
     def __init__(self, eps: float) -> None:
         super().__init__()
@@ -504,6 +505,8 @@ class ALIESpread(LineSearchAttack):
     """
 
     name = "alie_spread"
+    display = "ALIE (spread)"
+    symbol = "(z, ρ)"
 
     def __init__(
         self, rhos: tuple[float, ...] = (0.25, 0.5, 1.0), generator: torch.Generator | None = None
@@ -535,41 +538,59 @@ class ALIESpread(LineSearchAttack):
         self.last_param, self.last_rho = best
 
 
-ATTACKS: dict[str, Callable[..., Attack]] = {
-    "none": NoAttack,
-    "alie": ALIE,
-    "foe_0.1": lambda: FOE(eps=0.1),
-    "foe_100": lambda: FOE(eps=100.0),
-    "sf": SignFlip,
-    "lf": LabelFlip,
-    "mimic": Mimic,
-    "minmax": MinMax,
-    "minsum": MinSum,
-    "gaussian": GaussianNoise,
-    "alie_spread": ALIESpread,
-}
+# The paper's attacks first, in its tables' order (names, menus and did-you-mean lists follow it).
+for _cls in (NoAttack, ALIE, FOE, SignFlip, LabelFlip, Mimic, MinMax, MinSum, GaussianNoise, ALIESpread):
+    ATTACKS.register(_cls)
+contract("attack", Attack)
 
 
-def make_attack(name: str, variant: str = "paper", **params: Any) -> Attack:
-    """Build the attack called ``name`` (a key of `ATTACKS`) with keyword ``params`` (e.g. ``generator``).
-    ``variant``: ``paper`` (the text) or ``authors`` (the authors' code; it changes SF and ALIE)."""
-    given, name = name, str(name).strip().lower()  # case-insensitive, like make_aggregator
-    if name not in ATTACKS:
+def normalise_attack(name: str) -> str:
+    """An attack name as stored: lower case, except a plug-in's path and class (``my_attacks.py:Mine``)."""
+    name = str(name).strip()
+    return name if is_plugin(name) else name.lower()
+
+
+def _known(name: str) -> str:
+    """The stored form of a registered attack's name or of a plug-in spec; a did-you-mean error otherwise."""
+    given, name = name, normalise_attack(name)
+    if not is_plugin(name) and name not in ATTACKS:
         hint = did_you_mean(name, ATTACKS)
         if not hint.startswith("; valid"):
             hint += f"; valid: {', '.join(ATTACKS)}"
         raise ValueError(f"unknown attack {given!r}{hint}")
+    return name
+
+
+def canonical_attack(name: str, params: dict[str, Any] | None = None) -> tuple[str, Settings]:
+    """(name, settings) as a result key stores them (`Registry.canonical`: ``foe`` with eps=0.1 is
+    ``foe_0.1``)."""
+    return ATTACKS.canonical(_known(name), dict(params or {}))
+
+
+def make_attack(
+    name: str, variant: str = "paper", params: dict[str, Any] | None = None, **run: Any
+) -> Attack:
+    """Build the attack called ``name`` (a name of `ATTACKS`, e.g. ``alie`` or ``foe_0.1``, or a plug-in
+    ``my_attacks.py:MyAttack``) with its settings ``params`` (its ``__init__`` keywords, e.g. ``{"eps": 1}``
+    for FOE) and the run's own keywords (``generator``). ``variant``: ``paper`` (the text) or ``authors``
+    (the authors' code; a class that differs takes a ``variant`` keyword, as SF and ALIE)."""
+    name = _known(name)
     check_variant(f"attack {name!r}", variant)
-    factory = ATTACKS[name]
-    valid = list(inspect.signature(factory).parameters)
-    if "variant" in valid:
-        params = {**params, "variant": variant}
-    unknown = sorted(set(params) - set(valid))
+    entry = ATTACKS.lookup(name)
+    accepts = inspect.signature(entry.cls.__init__).parameters
+    unknown = sorted(set(run) - set(accepts))
     if unknown:
-        raise ValueError(
-            f"attack {name!r} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(valid) or 'none'}"
-        )
-    attack = factory(**params)
+        hint = did_you_mean(unknown[0], settings_of(entry.cls)) if settings_of(entry.cls) else ""
+        raise ValueError(f"attack {name!r} has no setting {', '.join(unknown)}{hint}")
+    settings = {k: run.pop(k) for k in list(run) if k in settings_of(entry.cls)}  # make_attack("foe", eps=1)
+    params = {**entry.params, **(params or {}), **settings}
+    check_settings(f"attack {name!r}", entry.cls, params)
+    if "variant" in accepts:
+        run = {**run, "variant": variant}
+    try:
+        attack = entry.cls(**params, **run)
+    except TypeError as e:
+        raise ValueError(f"attack {name!r}: {entry.cls.__name__} cannot be built: {e}") from None
     attack.name = name
     return attack
 

@@ -48,8 +48,12 @@ class RunConfig:
     local_momentum: float = 0.0
     local_steps: int = 1  # 1 = FedSGD, >1 = FedAVG
     rounds: int = 100
-    defense: str = "prodigy"
-    attack: str = "none"
+    defense: str = "prodigy"  # a name of aggregators.RULES (nnm+ in front), or a plug-in file.py:Class
+    attack: str = "none"  # a name of attacks.ATTACKS, or a plug-in file.py:Class
+    # the rule's and the attack's settings (their __init__ keywords: CClip's tau, FOE's eps); stored without
+    # the defaults, so that a run written either way has one key
+    defense_params: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    attack_params: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     lr: float = 0.05
     lr_decay_at: int | None = None  # first decayed round t (0-indexed); None: see decay_round
     lr_decay_factor: float = 0.1
@@ -88,9 +92,24 @@ class RunConfig:
                 object.__setattr__(self, f.name, _distance_rounds(value))
             if float in typing.get_args(hint) + (hint,) and isinstance(value, int):
                 object.__setattr__(self, f.name, float(value))  # 1 and 1.0 must give the same result key
-        for name in ("defense", "attack"):  # `Prodigy` and `prodigy` are one run, stored under one key
-            object.__setattr__(self, name, getattr(self, name).strip().lower())
+        self._canonical_names()
         self.validate()
+
+    def _canonical_names(self) -> None:
+        """Defense and attack with their settings in the one form a key stores (`Prodigy` and `prodigy`, or
+        ``foe`` with eps=0.1 and ``foe_0.1``, are one run): `aggregators.canonical_defense`."""
+        from prodigy_core.aggregators import canonical_defense
+        from prodigy_core.attacks import canonical_attack
+
+        for name, canonical in (("defense", canonical_defense), ("attack", canonical_attack)):
+            value, params = getattr(self, name), getattr(self, f"{name}_params")
+            try:
+                value, params = canonical(value, params)
+            except ValueError as e:
+                field = f"{name}_params" if params and "setting" in str(e) else name
+                raise ConfigError(f"{field}={getattr(self, field)!r}: {e}") from None
+            object.__setattr__(self, name, value)
+            object.__setattr__(self, f"{name}_params", params)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> RunConfig:
@@ -105,7 +124,13 @@ class RunConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     def replace(self, **changes: Any) -> RunConfig:
-        return RunConfig.from_dict({**self.to_dict(), **changes})
+        """This config with some fields changed; a new defense or attack drops the old one's settings
+        unless they are given too."""
+        values = {**self.to_dict(), **changes}
+        for name in ("defense", "attack"):
+            if name in changes and f"{name}_params" not in changes and changes[name] != getattr(self, name):
+                values[f"{name}_params"] = {}
+        return RunConfig.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -135,10 +160,22 @@ class RunConfig:
         )
 
     def key(self) -> str:
-        """Hash of every resolved field that affects the result, and of nothing else."""
+        """Hash of every resolved field that affects the result, and of nothing else: settings only when
+        given (so keys made before settings existed stay valid), a plug-in's file hash
+        (`registry.plugin_hash`). Reads the disk: `resolved` finds the data source, and a plug-in's file
+        is hashed."""
+        from prodigy_core.aggregators import split_defense
+        from prodigy_core.registry import is_plugin, plugin_hash
+
         d = self.resolved().to_dict()
         for name in self.NON_RESULT_FIELDS:
             d.pop(name)
+        for name in ("defense", "attack"):
+            if not d[f"{name}_params"]:
+                d.pop(f"{name}_params")
+            spec = split_defense(d[name])[1] if name == "defense" else d[name]
+            if is_plugin(spec):
+                d[f"{name}_code"] = plugin_hash(spec, name)
         if d["distribution"] != "dirichlet":
             d.pop("dirichlet_alpha")
         if d["dataset"] != "femnist":
@@ -226,17 +263,30 @@ class RunConfig:
         from prodigy_core.attacks import make_attack
 
         try:
-            make_aggregator(self.defense, self.n_byzantine, n_clients=self.n_clients, variant=self.variant)
+            make_aggregator(self.defense, self.n_byzantine, self.n_clients, self.variant, self.defense_params)
         except ValueError as e:
             raise ConfigError(f"defense={self.defense!r}: {e}") from None
         try:
-            make_attack(self.attack, variant=self.variant)
+            make_attack(self.attack, variant=self.variant, params=self.attack_params)
         except ValueError as e:
             raise ConfigError(f"attack={self.attack!r}: {e}") from None
         if self.attack != "none" and self.n_byzantine == 0:
             raise ConfigError(
                 f"attack={self.attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'"
             )
+
+
+def as_row(values: dict[str, Any]) -> dict[str, Any]:
+    """A config's fields as a results frame holds them: defense and attack with their settings as one label
+    ("cclip(tau=5)", `registry.label`), so that a table keeps runs with other settings apart."""
+    from prodigy_core.registry import label
+
+    row = dict(values)
+    for name in ("defense", "attack"):
+        params = row.pop(f"{name}_params", None) or {}
+        if name in row:
+            row[name] = label(row[name], params)
+    return row
 
 
 def decay_round(rounds: int, variant: str = "paper") -> int:
@@ -305,6 +355,10 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         if value is not None:
             raise ConfigError(f"{name}={value!r} must be null")
         return
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{name}={value!r} must be a mapping of setting: value (e.g. {{tau: 5}})")
+        return
     if origin is tuple:
         if not isinstance(value, tuple) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
@@ -335,6 +389,7 @@ def _number_hint(value: Any) -> str:
 
 __all__ = [
     "RunConfig",
+    "as_row",
     "ConfigError",
     "DATA_SOURCES",
     "decay_round",

@@ -24,7 +24,6 @@ from prodigy_core.attacks import ATTACKS
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.names import DATASETS, DISTRIBUTIONS
 from prodigy_core.report import (
-    SEARCH_PARAMETERS,
     byzantine_ids,
     damage_plot,
     display_value,
@@ -34,6 +33,7 @@ from prodigy_core.report import (
     output_dir,
     save_figure,
     score_bars,
+    search_symbol,
     show,
 )
 
@@ -110,7 +110,7 @@ def exploration_summary(ex: Exploration) -> str:
     if flat is not None:  # a tie within rounding: no candidate is "chosen" for a reason
         parts.append(flat)
     elif ex.chosen is not None:
-        symbol = SEARCH_PARAMETERS.get(c.attack, "parameter")
+        symbol = search_symbol(c.attack)
         parts.append(f"chosen {symbol} = {format_parameter(ex.chosen)}")
     elif c.attack != "none" and not ex.search:
         parts.append(f"{attack} has no parameter search")
@@ -250,7 +250,7 @@ def explorer(**setting: Any) -> Any:
         dirichlet_alpha=widgets.FloatLogSlider(
             value=s["dirichlet_alpha"], base=10, min=alpha_low, max=alpha_high
         ),  # fmt: skip
-        attack=widgets.Dropdown(options=choices("attack", list(ATTACKS)), value=s["attack"]),
+        attack=widgets.Dropdown(options=choices("attack", list(ATTACKS.ready())), value=s["attack"]),
         defense=widgets.Dropdown(options=choices("defense", EXPLORER_DEFENSES), value=s["defense"]),
         rounds=widgets.IntSlider(value=s["rounds"], min=t_low, max=t_high),
         seed=widgets.IntText(value=s["seed"]),
@@ -287,7 +287,7 @@ def explorer(**setting: Any) -> Any:
         controls["data_dir"].disabled = dataset == "digits"
         controls["download"].disabled = dataset != "cifar10"
         values = current()
-        attacks = runnable_options("attack", list(ATTACKS), {**values, "defense": "none"})
+        attacks = runnable_options("attack", list(ATTACKS.ready()), {**values, "defense": "none"})
         offer("attack", attacks or ["none"])
         defenses = runnable_options("defense", EXPLORER_DEFENSES, {**current(), "attack": "none"})
         offer("defense", defenses or ["none"])

@@ -33,7 +33,11 @@ import pandas as pd
 import torch
 from matplotlib.figure import Figure
 
+from prodigy_core.aggregators import PRE_AGGREGATORS, RULES, split_defense
+from prodigy_core.attacks import ATTACKS
+from prodigy_core.config import as_row
 from prodigy_core.names import FIGURES  # what a layout's `figures` may name (checked at load too)
+from prodigy_core.registry import split_label
 
 SMOKE_SUBDIR = "smoke"
 MINI_SUBDIR = "mini"
@@ -46,33 +50,9 @@ DIVERGED_NOTE = (
 )
 DIVERGED_NOTE_ONE_SEED = "the model diverged (became non-finite); such a run counts at chance accuracy"
 
-# Names as the paper prints them; values not listed are shown as they are.
+# Names as the paper prints them, for fields without a registry (defense and attack names come from the
+# classes: `aggregators.RULES`, `attacks.ATTACKS`); values not listed are shown as field=value.
 DISPLAY_NAMES: dict[str, dict[Any, str]] = {
-    "defense": {
-        "none": "No defense",
-        "average": "Average",
-        "median": "Median",
-        "trimmed_mean": "Trimmed mean",
-        "geomed": "GeoMed",
-        "krum": "Krum",
-        "cclip": "CClip",
-        "multikrum": "Multi-Krum",
-        "bulyan": "Bulyan",
-        "prodigy": "ProDiGy",
-    },
-    "attack": {
-        "none": "No attack",
-        "alie": "ALIE",
-        "foe_0.1": "FOE ε=0.1",
-        "foe_100": "FOE ε=100",
-        "lf": "LF",
-        "sf": "SF",
-        "mimic": "Mimic",
-        "minmax": "Min-Max",
-        "minsum": "Min-Sum",
-        "gaussian": "Gaussian",
-        "alie_spread": "ALIE (spread)",
-    },
     "distribution": {"iid": "IID", "dirichlet": "Dirichlet", "natural": "Natural"},
 }
 FIELD_SYMBOLS = {"local_momentum": "β", "n_clients": "N", "n_byzantine": "f", "dirichlet_alpha": "α"}
@@ -102,8 +82,14 @@ HONEST_COLOUR = "#1f77b4"
 
 def display_value(field: str, value: Any) -> str:
     """How one value of a config field is printed in tables and figures ("sf" -> "SF", beta -> "β=0.9")."""
-    if field == "defense" and isinstance(value, str) and value.startswith("nnm+"):
-        return "NNM+" + display_value(field, value[4:])
+    if field == "defense" and isinstance(value, str):
+        prefix, base = split_defense(value)
+        if prefix:
+            return f"{PRE_AGGREGATORS[prefix].display}+{display_value(field, base)}"
+    registry = {"defense": RULES, "attack": ATTACKS}.get(field)
+    shown = registry.display_label(value) if registry is not None and isinstance(value, str) else None
+    if shown is not None:
+        return shown
     if value in DISPLAY_NAMES.get(field, {}):
         return DISPLAY_NAMES[field][value]
     if field == "local_steps":
@@ -761,7 +747,12 @@ def score_bars(scores: Any, byzantine_ids: Sequence[int], title: str = "ProDiGy 
     return fig
 
 
-SEARCH_PARAMETERS = {"alie": "z", "foe_0.1": "ε", "foe_100": "ε", "alie_spread": "(z, ρ)"}
+def search_symbol(attack: str) -> str:
+    """The symbol of an attack's searched parameter (``Attack.symbol``: ALIE's z), "parameter" if unknown."""
+    try:
+        return ATTACKS.lookup(split_label(attack)[0]).cls.symbol
+    except (ValueError, AttributeError):
+        return "parameter"
 
 
 def format_parameter(value: Any) -> str:
@@ -803,7 +794,7 @@ def damage_plot(
     print plain numbers (no offset: a flat curve must not look steep). Damages that tie within rounding
     (`flat_damage`, against ``scale``) and an attack without a search are a sentence, not empty or noisy
     axes."""
-    symbol = SEARCH_PARAMETERS.get(attack, "parameter")
+    symbol = search_symbol(attack)
     against = f" against {display_value('defense', defense)}" if defense else ""
     title = title or f"Damage of {display_value('attack', attack)} per candidate{against}"
     flat = flat_damage(search, scale)
@@ -910,6 +901,13 @@ def femnist_label(source: str, df: pd.DataFrame | None = None) -> str:
     return f"FEMNIST, {writers} LEAF writers (writer set {source.removeprefix(FEMNIST_SOURCE_PREFIX)})"
 
 
+def _row(config: Any) -> dict[str, Any]:
+    """A run's fields as its results-frame row holds them (`config.as_row`)."""
+    if hasattr(config, "to_dict"):
+        return as_row(config.to_dict())
+    return as_row(dict(config) if isinstance(config, Mapping) else vars(config))
+
+
 def grid_coverage(experiment: Any, df: pd.DataFrame, layout: Mapping[str, Any]) -> str | None:
     """ "9 of 84 cells run" when the runs cover only part of the experiment's grid (table cells: the layout's
     blocks x rows x columns); None when they cover it all or the grid is unknown."""
@@ -918,7 +916,7 @@ def grid_coverage(experiment: Any, df: pd.DataFrame, layout: Mapping[str, Any]) 
     configs = getattr(experiment, "configs", None) or []
     if not configs or any(k not in df.columns for k in keys):
         return None
-    grid = {tuple(getattr(c, k, None) for k in keys) for c in configs}
+    grid = {tuple(_row(c).get(k) for k in keys) for c in configs}
     ran = {tuple(row) for row in df[keys].itertuples(index=False)} & grid
     return None if len(ran) >= len(grid) else f"{len(ran)} of {len(grid)} cells run"
 
@@ -928,7 +926,7 @@ def grid_order(experiment: Any) -> dict[str, list[Any]]:
     configs = getattr(experiment, "configs", None) or []
     if not configs:
         return {}
-    dicts = [c.to_dict() if hasattr(c, "to_dict") else dict(c) for c in configs]
+    dicts = [_row(c) for c in configs]
     return {k: list(dict.fromkeys(d[k] for d in dicts if not isinstance(d[k], list))) for k in dicts[0]}
 
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import pandas as pd
 
 from prodigy_core import paths
-from prodigy_core.config import ConfigError, RunConfig, field_names
+from prodigy_core.config import ConfigError, RunConfig, as_row, field_names
 from prodigy_core.names import VARIANTS
 from prodigy_core.safe_io import quarantine, write_json_atomic
 
@@ -428,7 +428,7 @@ def load(
 
 
 def _flatten(record: dict[str, Any]) -> dict[str, Any]:
-    row = dict(record.get("config", {}))
+    row = as_row(record.get("config", {}))
     if isinstance(row.get("record_distances_at"), list):
         row["record_distances_at"] = tuple(row["record_distances_at"])  # hashable, like RunConfig's
     for name, value in record.items():

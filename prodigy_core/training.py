@@ -95,11 +95,12 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from tqdm.auto import tqdm
 
 import prodigy_core
-from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
+from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances, split_defense
 from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
+from prodigy_core.registry import is_plugin, plugin_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
 
@@ -133,6 +134,7 @@ class RunResult:
     distance_matrices: dict[int, list[list[float | None]]] = field(default_factory=dict)  # {round: N x N}
     environment: dict[str, Any] = field(default_factory=dict)
     stand_in: str | None = None  # set by callers that ran a stand-in for the paper's setting
+    plugins: dict[str, str] = field(default_factory=dict)  # plug-in spec -> its file's hash (in the key too)
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(dataclasses.asdict(self))
@@ -244,10 +246,10 @@ def start_run(
     stream = make_batch_stream(cfg, fed)  # before anything else: a too small authors client stops here
     seed_everything(cfg.seed)
     model = make_model(cfg.dataset).to(device).train()
-    pipeline = make_aggregator(cfg.defense, f, n_clients=n, variant=cfg.variant)
+    pipeline = make_aggregator(cfg.defense, f, n, cfg.variant, cfg.defense_params)
     attack = None
     if f > 0 and cfg.attack != "none":
-        attack = make_attack(cfg.attack, variant=cfg.variant)
+        attack = make_attack(cfg.attack, variant=cfg.variant, params=cfg.attack_params)
         if attack.flips_labels:
             fed = copy.copy(fed)  # flip_labels replaces the copy's label tensor, never the shared one
             fed.flip_labels(range(f))
@@ -257,6 +259,7 @@ def start_run(
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
     result.environment = _environment(device, engine)
+    result.plugins = plugin_hashes(cfg)
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
     st = RunState(config, cfg, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream)
     if resume and ckpt is not None and ckpt.exists():
@@ -814,6 +817,12 @@ def _load_federation(cfg: RunConfig, device: torch.device) -> Federation:
                            data_dir=cfg.data_dir, download=cfg.download,
                            min_writer_samples=cfg.femnist_min_writer_samples,
                            source=cfg.data_source, variant=cfg.variant)  # fmt: skip
+
+
+def plugin_hashes(config: RunConfig) -> dict[str, str]:
+    """{spec: file hash} of the run's plug-in defense and attack (`registry.plugin_hash`); {} without."""
+    specs = (split_defense(config.defense)[1], config.attack)
+    return {spec: plugin_hash(spec) for spec in specs if is_plugin(spec)}
 
 
 def _environment(device: torch.device, engine: str) -> dict[str, Any]:

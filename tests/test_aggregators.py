@@ -426,7 +426,7 @@ def test_bad_parameters():
     with pytest.raises(ValueError, match=r"ProDiGy: needs f >= 2.*got f=1"):
         ProDiGy(1)
     with pytest.raises(
-        ValueError, match=r"unknown aggregator 'krumm'.*did you mean 'krum'.*valid:.*nnm\+prodigy"
+        ValueError, match=r"unknown defense 'krumm'.*did you mean 'krum'.*valid:.*nnm\+prodigy"
     ):
         make_aggregator("krumm", 2)
     with pytest.raises(ValueError, match=r"krum with 8 clients: Krum\(f=3\) needs N > 2f\+2 = 8"):

@@ -298,7 +298,7 @@ def test_gaussian_is_seeded_and_has_the_stated_distribution():
     assert not torch.allclose(draws[0][0], draws[0][1])
 
 
-@pytest.mark.parametrize("name", list(ATTACKS))
+@pytest.mark.parametrize("name", ATTACKS.ready())
 def test_zero_byzantine_returns_empty(name):
     honest, _ = make_updates(11)
     attack = make_attack(name)
@@ -307,7 +307,7 @@ def test_zero_byzantine_returns_empty(name):
     assert attack.last_param is None and attack.last_search == []
 
 
-@pytest.mark.parametrize("name", list(ATTACKS))
+@pytest.mark.parametrize("name", ATTACKS.ready())
 def test_bad_input_raises_clear_errors(name):
     honest, own = make_updates(12)
     server = make_aggregator("average", F)
@@ -325,10 +325,13 @@ def test_bad_input_raises_clear_errors(name):
 
 
 def test_make_attack_rejects_unknown_names_and_parameters():
-    with pytest.raises(ValueError, match="valid: none, alie, foe_0.1, foe_100, sf, lf, mimic"):
+    with pytest.raises(ValueError, match="valid: none, alie, foe_0.1, foe_100, foe, sf, lf, mimic"):
         make_attack("alei")
-    with pytest.raises(ValueError, match="no parameter.*eps"):
-        make_attack("foe_0.1", eps=3)
+    with pytest.raises(ValueError, match="no setting epss.*did you mean 'eps'"):
+        make_attack("foe_0.1", epss=3)
+    assert make_attack("foe_0.1", params={"eps": 3}).eps == 3.0  # a preset's setting given anew
+    with pytest.raises(ValueError, match="'foe' needs the setting.*eps"):
+        make_attack("foe")
     with pytest.raises(ValueError, match="deviation"):
         make_attack("minmax", deviation="cosine")
     assert {"none", "alie", "foe_0.1", "foe_100", "sf", "lf"} <= set(ATTACKS)
@@ -338,7 +341,7 @@ def test_works_on_every_available_device():
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         honest, own = (t.to(device) for t in make_updates(13))
-        for name in ATTACKS:
+        for name in ATTACKS.ready():
             out = make_attack(name).craft(honest, own, make_aggregator("nnm+trimmed_mean", F))
             assert out.shape == (F, D) and out.device == honest.device and torch.isfinite(out).all()
 

@@ -2,7 +2,7 @@
 
 Every import statement of every module is parsed with `ast` (function-level and `if TYPE_CHECKING:` imports
 included: a lazy import is a dependency all the same), independently of how the package runs. The ground
-floor (`paths`, `names`, `safe_io`, `seeding`, `progress`, the package itself, which imports `progress` only)
+floor (`paths`, `names`, `registry`, `safe_io`, `seeding`, `progress`, the package itself, which imports `progress` only)
 imports no other module of the package;
 the library's rules (`aggregators`, `attacks`) never reach the run configuration nor what runs it; the
 results store never reaches the experiments; and the import graph has no cycle.
@@ -21,8 +21,11 @@ PACKAGE_DIR = Path(prodigy_core.__file__).resolve().parent
 PACKAGE = "prodigy_core"
 INIT = "__init__"  # the package itself (`import prodigy_core`)
 
-# The ground floor and, per module, the ground-floor modules it is designed to import (none so far).
-GROUND: dict[str, set[str]] = {m: set() for m in (INIT, "paths", "names", "safe_io", "seeding", "progress")}
+# The ground floor and, per module, the ground-floor modules it is designed to import.
+GROUND: dict[str, set[str]] = {
+    m: set() for m in (INIT, "paths", "names", "registry", "safe_io", "seeding", "progress")
+}
+GROUND["registry"] = {"names"}  # did-you-mean hints
 GROUND[INIT] = {"progress"}  # settles tqdm.auto before any module imports it
 RULES = ("aggregators", "attacks")
 ABOVE_RULES = {"config", "experiments", "results", "training"}

@@ -1,0 +1,307 @@
+"""Rules and attacks by name: the one registration point, their settings, plug-ins from outside the package.
+
+A class registers itself with a ``name`` (what a params file writes), a ``display`` name (what a table
+prints) and optional named ``presets`` (``foe_0.1`` is FOE with eps=0.1); its settings are its ``__init__``
+keywords. A plug-in is ``path/to/file.py:Class`` or ``package.module:Class``; its file's hash is part of
+every result key.
+Entry points: `Registry`, `settings_of`, `load_plugin`, `is_plugin`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from prodigy_core.names import did_you_mean
+
+# Keywords a rule or an attack receives from the run itself, never from a params file.
+RUN_KEYWORDS = ("self", "f", "variant", "generator")
+SCALARS = (bool, int, float, str, type(None))
+
+
+class Entry(NamedTuple):
+    """What a name stands for: the class, the settings its name fixes ({} for the class's own name), the
+    name a table prints."""
+
+    cls: type
+    params: dict[str, Any]
+    display: str
+
+
+class Registry:
+    """The classes of one kind (``defense``, ``attack``) by the names a params file uses.
+
+    ``register`` (a class decorator) files the class under ``cls.name`` and every name of ``cls.presets``
+    ({name: (display, settings)}); the did-you-mean lists, the report's names and the explorer's menus all
+    read from here."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, cls: type) -> type:
+        presets = {n: (d, dict(p)) for n, (d, p) in getattr(cls, "presets", {}).items()}
+        own = {cls.name: (cls.display or cls.name, {})}
+        names = {**presets, **own} if _needs_settings(cls) else {**own, **presets}  # ready names first
+        for name, (display, params) in names.items():
+            known = self._entries.get(name)
+            if known is not None and known.cls is not cls:
+                raise ValueError(f"{self.kind} name {name!r} is taken by {known.cls.__name__}")
+            self._entries[name] = Entry(cls, params, display)
+        return cls
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def ready(self) -> tuple[str, ...]:
+        """The names that build without settings (``foe_0.1``, not ``foe``, which needs its eps): menus."""
+        return tuple(n for n, e in self._entries.items() if not _needs_settings(e.cls, e.params))
+
+    def lookup(self, name: str) -> Entry:
+        """The entry of a registered name or of a plug-in spec (`load_plugin`); a ValueError with a
+        did-you-mean hint otherwise."""
+        if is_plugin(name):
+            cls = load_plugin(name, self.kind)
+            return Entry(cls, {}, getattr(cls, "display", "") or cls.__name__)
+        if name not in self._entries:
+            hint = did_you_mean(name, self._entries)
+            if not hint.startswith("; valid"):
+                hint += f"; valid: {', '.join(self._entries)}"
+            raise ValueError(f"unknown {self.kind} {name!r}{hint}")
+        return self._entries[name]
+
+    def display(self, name: str, params: Mapping[str, Any] | None = None) -> str:
+        """How a table prints ``name`` with ``params``: "FOE ε=0.1", "CClip (tau=5)"."""
+        entry = self.lookup(name)
+        params = dict(params or {})
+        if not params:
+            return entry.display
+        shown = ", ".join(f"{k}={format_value(v)}" for k, v in sorted(params.items()))
+        return f"{entry.display} ({shown})"
+
+    def display_label(self, text: str) -> str | None:
+        """How a table prints a `label` (``cclip(tau=5)`` -> "CClip (tau=5)"); None when it names nothing
+        this registry knows (or a plug-in whose file is gone)."""
+        name, shown = split_label(text)
+        try:
+            entry = self.lookup(name)
+        except ValueError:
+            return None
+        return f"{entry.display} ({shown})" if shown else entry.display
+
+    def canonical(self, name: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(name, settings) in the one form a result key stores: settings checked against the class
+        (`check_settings`), those equal to the class's defaults dropped, and a class's name with settings
+        that equal a preset's written as that preset (``foe`` with eps=0.1 is ``foe_0.1``), so that one run
+        has one key whichever way it was written."""
+        entry = self.lookup(name)
+        full = check_settings(f"{self.kind} {name!r}", entry.cls, {**entry.params, **params})
+        if full == entry.params:
+            return name, Settings()
+        for preset, other in self._entries.items():
+            if other.cls is entry.cls and other.params and other.params == full:
+                return preset, Settings()
+        return (entry.cls.name if not is_plugin(name) else name), full
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def settings_of(cls: type) -> dict[str, Any]:
+    """The settings a params file may give ``cls``: its ``__init__`` keywords but the run's own (f, variant,
+    generator), with their defaults (``inspect.Parameter.empty`` for a required one)."""
+    signature = inspect.signature(cls.__init__)
+    return {
+        p.name: p.default
+        for p in signature.parameters.values()
+        if p.name not in RUN_KEYWORDS and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _needs_settings(cls: type, given: Mapping[str, Any] = {}) -> bool:  # noqa: B006 (read only)
+    return any(d is inspect.Parameter.empty and k not in given for k, d in settings_of(cls).items())
+
+
+def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` checked against ``cls``'s settings: unknown names are an error with a did-you-mean hint, a
+    required one missing is an error, values are YAML scalars or lists of them, an integer given for a float
+    default becomes a float (1 and 1.0: one key), and values equal to the default are dropped. Sorted."""
+    valid = settings_of(cls)
+    out = {}
+    for key, value in params.items():
+        if key not in valid:
+            hint = did_you_mean(key, valid) if valid else "; it has no settings"
+            raise ValueError(f"{owner} has no setting {key!r}{hint}")
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, SCALARS) for v in items):
+            raise ValueError(f"{owner}: {key}={value!r} must be a number, a string, true/false or a list")
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ValueError(f"{owner}: {key}={value!r} must be finite")
+        default = valid[key]
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
+            continue  # YAML has no tuples: [0.25, 0.5, 1.0] is the default (0.25, 0.5, 1.0)
+        if value != default or type(value) is not type(default):
+            out[key] = value
+    missing = [k for k, d in valid.items() if d is inspect.Parameter.empty and k not in out]
+    if missing:
+        raise ValueError(f"{owner} needs the setting(s) {', '.join(missing)} (e.g. {missing[0]}: 1.0)")
+    return Settings(sorted(out.items()))
+
+
+class Settings(dict):
+    """A rule's or an attack's settings (``defense_params``, ``attack_params``): a dict that hashes, so that a
+    frozen RunConfig holding one does too. Treat it as read-only."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple((k, _frozen(v)) for k, v in sorted(self.items())))
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def label(name: str, params: Mapping[str, Any]) -> str:
+    """One text for a name with settings, as results frames and tables key their rows: ``cclip(tau=5)``;
+    the name alone without settings."""
+    if not params:
+        return name
+    return f"{name}({', '.join(f'{k}={format_value(v)}' for k, v in sorted(params.items()))})"
+
+
+def split_label(text: str) -> tuple[str, str]:
+    """(name, settings text) of a `label`: ("cclip", "tau=5"); (text, "") without settings."""
+    if text.endswith(")") and "(" in text:
+        name, _, rest = text.partition("(")
+        return name, rest[:-1]
+    return text, ""
+
+
+# ------------------------------------------------------------------------------------------ plug-ins
+
+
+def is_plugin(name: str) -> bool:
+    """Whether ``name`` names a class outside the registry: ``file.py:Class`` or ``module:Class``."""
+    return isinstance(name, str) and ":" in name
+
+
+def _split(spec: str, kind: str) -> tuple[str, str]:
+    where, _, cls_name = spec.rpartition(":")
+    if not where or not cls_name.isidentifier():
+        raise ValueError(
+            f"{kind} {spec!r}: a plug-in is written path/to/file.py:ClassName or package.module:ClassName"
+        )
+    return where, cls_name
+
+
+def plugin_file(spec: str, kind: str = "plug-in") -> Path:
+    """The file that defines a plug-in's class (a ``.py`` path is read relative to the current folder)."""
+    where, _ = _split(spec, kind)
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"{kind} {spec!r}: no file {where} (looked in {Path.cwd()}); give a path relative to the "
+                "folder you run from, or an absolute one"
+            )
+        return path.resolve()
+    try:
+        module_spec = importlib.util.find_spec(where)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"{kind} {spec!r}: cannot find module {where!r} ({e})") from None
+    if module_spec is None or module_spec.origin is None or not Path(module_spec.origin).is_file():
+        raise ValueError(f"{kind} {spec!r}: no module {where!r} on the Python path (is it installed?)")
+    return Path(module_spec.origin).resolve()
+
+
+def plugin_hash(spec: str, kind: str = "plug-in") -> str:
+    """sha256 (16 hex digits) of the file that defines the plug-in: part of its runs' result keys, so that an
+    edited rule never reads the records of the old one."""
+    return hashlib.sha256(plugin_file(spec, kind).read_bytes()).hexdigest()[:16]
+
+
+def load_plugin(spec: str, kind: str) -> type:
+    """The class a plug-in spec names, imported without editing the package: a ``.py`` file is loaded as a
+    module of its own (once per content), a module path is imported. A clear ValueError when the file, the
+    module or the class is missing, or the class does not follow the contract (`Rule` / `Attack` subclass
+    with ``name``)."""
+    where, cls_name = _split(spec, kind)
+    path = plugin_file(spec, kind)
+    module = _load_file(str(path), plugin_hash(spec, kind)) if where.endswith(".py") else None
+    if module is None:
+        module = importlib.import_module(where)
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        found = [n for n, v in vars(module).items() if getattr(v, "__module__", None) == module.__name__]
+        hint = did_you_mean(cls_name, found)
+        raise ValueError(f"{kind} {spec!r}: {path.name} has no class {cls_name!r}{hint}")
+    base = _CONTRACTS.get(kind)
+    if base is not None and not issubclass(cls, base):
+        raise ValueError(
+            f"{kind} {spec!r}: {cls_name} must subclass {base.__module__}.{base.__name__} "
+            f"(see its docstring for the few methods a new one implements)"
+        )
+    return cls
+
+
+@functools.cache
+def _load_file(path: str, digest: str) -> Any:
+    name = f"prodigy_plugin_{Path(path).stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"plug-in file {path} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look classes up by module name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ValueError(f"plug-in file {path} failed to import: {type(e).__name__}: {e}") from e
+    return module
+
+
+# kind -> the base class a plug-in must subclass; filled by the modules that define the bases.
+_CONTRACTS: dict[str, type] = {}
+
+
+def contract(kind: str, base: type) -> None:
+    """Declare the base class that a plug-in of ``kind`` must subclass."""
+    _CONTRACTS[kind] = base
+
+
+__all__ = [
+    "Entry",
+    "Registry",
+    "Settings",
+    "check_settings",
+    "contract",
+    "format_value",
+    "is_plugin",
+    "label",
+    "load_plugin",
+    "plugin_file",
+    "plugin_hash",
+    "settings_of",
+    "split_label",
+]
