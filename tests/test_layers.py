@@ -2,8 +2,8 @@
 
 Every import statement of every module is parsed with `ast` (function-level and `if TYPE_CHECKING:` imports
 included: a lazy import is a dependency all the same), independently of how the package runs. The ground
-floor (`paths`, `names`, `registry`, `safe_io`, `seeding`, `progress`, the package itself, which imports `progress` only)
-imports no other module of the package;
+floor (`paths`, `names`, `registry`, `safe_io`, `seeding`, `progress`, the package itself) imports no other
+module of the package but the few named in GROUND (the package `progress`, `registry` `names`);
 the library's rules (`aggregators`, `attacks`) never reach the run configuration nor what runs it; the
 results store never reaches the experiments; and the import graph has no cycle.
 """

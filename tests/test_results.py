@@ -98,7 +98,8 @@ def test_load_gives_config_columns_and_results_one_row_per_run(tmp_path, monkeyp
     assert list(df["key"]) == [c.key() for c in experiment.configs[:3]]  # grid order, stray left out
     assert list(df["final_accuracy"]) == [0.0, 10.0, 20.0]
     settings = {"defense_params", "attack_params"}  # folded into the defense and attack labels (as_row)
-    assert set(field_names()) - settings <= set(df.columns) and {"env_device", "stand_in", "status"} <= set(df.columns)
+    assert set(field_names()) - settings <= set(df.columns)
+    assert {"env_device", "stand_in", "status"} <= set(df.columns)
     assert list(df["defense"]) == [c.defense for c in experiment.configs[:3]]
     assert len(results.load("e")) == 4  # by folder name: every record
     assert len(results.load(experiment, include_failed=True)) == 4
