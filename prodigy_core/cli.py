@@ -31,7 +31,7 @@ from typing import Any
 
 import prodigy_core
 from prodigy_core import paths
-from prodigy_core.config import ConfigError, RunConfig, field_names, parse_value
+from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, field_names, parse_value
 
 EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
@@ -197,13 +197,23 @@ def scale_flag(scale: str) -> str:
 
 
 def parse_fields(pairs: list[str]) -> dict[str, Any]:
-    """`["rounds=50", "defense=prodigy"]` -> {"rounds": 50, "defense": "prodigy"}, typed like RunConfig."""
-    fields = {}
+    """`["rounds=50", "defense=prodigy"]` -> {"rounds": 50, "defense": "prodigy"}, typed like RunConfig;
+    ``defense_params.tau=5`` sets one setting of the rule (``attack_params.eps=1`` of the attack)."""
+    fields: dict[str, Any] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep:
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set rounds=50")
-        fields[name.strip()] = parse_value(name.strip(), text)
+        name, dot, setting = name.strip().partition(".")
+        if dot and name in SETTINGS_FIELDS and setting:
+            fields.setdefault(name, {})[setting] = parse_value(name, text)
+        elif dot:
+            raise ConfigError(
+                f"--set {pair!r}: only {' and '.join(SETTINGS_FIELDS)} take a dotted setting "
+                "(e.g. --set defense_params.tau=5)"
+            )
+        else:
+            fields[name] = parse_value(name, text)
     return fields
 
 

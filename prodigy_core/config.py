@@ -32,6 +32,7 @@ AUTHORS_REVISION = 3
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
+SETTINGS_FIELDS = ("defense_params", "attack_params")  # a rule's and an attack's own settings
 
 
 class ConfigError(ValueError):
@@ -282,7 +283,7 @@ def as_row(values: dict[str, Any]) -> dict[str, Any]:
     from prodigy_core.registry import label
 
     row = dict(values)
-    for name in ("defense", "attack"):
+    for name in ("defense", "attack"):  # SETTINGS_FIELDS
         params = row.pop(f"{name}_params", None) or {}
         if name in row:
             row[name] = label(row[name], params)
@@ -389,6 +390,7 @@ def _number_hint(value: Any) -> str:
 
 __all__ = [
     "RunConfig",
+    "SETTINGS_FIELDS",
     "as_row",
     "ConfigError",
     "DATA_SOURCES",

@@ -124,8 +124,8 @@ def test_one_name_per_rule_and_only_runnable_options():
     assert "none" in defenses and "average" not in defenses and len(labels) == len(set(labels))
     assert not any(d.endswith("average") for d in defenses)
     # every offered option runs with the current N and f; every one left out does not
-    offered = (("defense", explorer.EXPLORER_DEFENSES), ("attack", explorer.ATTACKS.ready()))
-    for field, everything in offered:
+    menus = (("defense", explorer.EXPLORER_DEFENSES), ("attack", explorer.ATTACKS.ready()))
+    for field, everything in menus:
         setting = {k: ctl.value for k, ctl in c.items()}
         for option in everything:
             fixed = {"attack": "none"} if field == "defense" else {"defense": "none"}

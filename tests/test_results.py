@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from prodigy_core import results
-from prodigy_core.config import RunConfig, field_names
+from prodigy_core.config import SETTINGS_FIELDS, RunConfig, field_names
 from prodigy_core.experiments import experiment_from_spec
 
 REFERENCE_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "paper_results.csv"
@@ -97,8 +97,8 @@ def test_load_gives_config_columns_and_results_one_row_per_run(tmp_path, monkeyp
     df = results.load(experiment)
     assert list(df["key"]) == [c.key() for c in experiment.configs[:3]]  # grid order, stray left out
     assert list(df["final_accuracy"]) == [0.0, 10.0, 20.0]
-    settings = {"defense_params", "attack_params"}  # folded into the defense and attack labels (as_row)
-    assert set(field_names()) - settings <= set(df.columns)
+    # the settings are folded into the defense and attack labels (as_row)
+    assert set(field_names()) - set(SETTINGS_FIELDS) <= set(df.columns)
     assert {"env_device", "stand_in", "status"} <= set(df.columns)
     assert list(df["defense"]) == [c.defense for c in experiment.configs[:3]]
     assert len(results.load("e")) == 4  # by folder name: every record
