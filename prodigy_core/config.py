@@ -328,6 +328,18 @@ def parse_value(name: str, text: str) -> Any:
     return value
 
 
+def parse_settings(name: str, text: str) -> dict[str, Any]:
+    """A rule's or an attack's settings written as one line, ``"tau=5, L=2"`` -> {"tau": 5, "L": 2} (values
+    read as `parse_value` reads them); "" -> {}."""
+    settings: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"{name}={text!r}: write setting=value pairs, commas between, e.g. tau=5, L=2")
+        settings[key.strip()] = parse_value(name, value)
+    return settings
+
+
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _WRITE = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
 
@@ -396,5 +408,6 @@ __all__ = [
     "DATA_SOURCES",
     "decay_round",
     "field_names",
+    "parse_settings",
     "parse_value",
 ]

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from prodigy_core import training
 from prodigy_core.aggregators import AGGREGATOR_NAMES, ProDiGy, pairwise_sq_distances
 from prodigy_core.attacks import ATTACKS
-from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, parse_settings
 from prodigy_core.names import DATASETS, DISTRIBUTIONS
 from prodigy_core.report import (
     byzantine_ids,
@@ -136,8 +136,10 @@ def exploration_figures(ex: Exploration) -> dict[str, Figure]:
 
 EXPLORER_LABELS = {"dataset": "data set", "n_clients": "clients N", "n_byzantine": "Byzantine f",
                    "distribution": "split", "dirichlet_alpha": "Dirichlet α", "attack": "attack",
-                   "defense": "defense", "rounds": "rounds T", "seed": "seed", "data_dir": "data folder",
-                   "download": "download CIFAR-10 if missing"}  # fmt: skip
+                   "defense": "defense", "defense_params": "defense settings",
+                   "attack_params": "attack settings", "rounds": "rounds T", "seed": "seed",
+                   "data_dir": "data folder", "download": "download CIFAR-10 if missing"}  # fmt: skip
+SETTINGS_PLACEHOLDER = "e.g. tau=5, L=2"  # empty: the class's defaults (the tooltip says so)
 DATASET_LABELS = {"digits": "digits (offline)", "femnist": "FEMNIST (LEAF folder)", "cifar10": "CIFAR-10"}
 DATA_DIR_PLACEHOLDER = "empty: data/ or $PRODIGY_DATA_DIR"
 # The controls' grid: two columns of COLUMN_EM, each control filling its column, labels DESCRIPTION_EM wide.
@@ -150,7 +152,7 @@ def explorer_defaults(**setting: Any) -> dict[str, Any]:
     """The widget's first setting: ``EXPLORE_DEFAULTS`` and the explorer's own, then ``setting``."""
     return {**EXPLORE_DEFAULTS, "n_clients": 10, "n_byzantine": 3, "distribution": "dirichlet",
             "dirichlet_alpha": 0.1, "defense": "prodigy", "seed": 0, "data_dir": None, "download": False,
-            **setting}  # fmt: skip
+            "defense_params": {}, "attack_params": {}, **setting}  # fmt: skip
 
 
 # The sliders' ranges: a setting outside them is refused, not clamped by the slider.
@@ -185,6 +187,7 @@ def explorer_setting(**setting: Any) -> dict[str, Any]:
     except ConfigError as e:
         raise ConfigError(f"explorer: {in_widget_words(str(e))}") from None
     s["attack"], s["defense"] = config.attack, config.defense
+    s["attack_params"], s["defense_params"] = dict(config.attack_params), dict(config.defense_params)
     if s["defense"] not in EXPLORER_DEFENSES:  # "average" and its prefixed forms: "none" under another name
         s["defense"] = s["defense"].replace("average", "none")
     return s
@@ -193,7 +196,7 @@ def explorer_setting(**setting: Any) -> dict[str, Any]:
 def runnable_options(field: str, options: Sequence[str], setting: dict[str, Any]) -> list[str]:
     """The values of ``field`` (defense, attack) that can run with the rest of ``setting`` (N, f, the data
     set): those RunConfig accepts, so that the rules and attacks keep one source of truth for their limits."""
-    base = {k: v for k, v in setting.items() if k in EXPLORER_LABELS}
+    base = {k: v for k, v in setting.items() if k in EXPLORER_LABELS and k not in SETTINGS_FIELDS}
     ok = []
     for option in options:
         try:
@@ -202,6 +205,11 @@ def runnable_options(field: str, options: Sequence[str], setting: dict[str, Any]
             continue
         ok.append(option)
     return ok
+
+
+def settings_text(settings: dict[str, Any]) -> str:
+    """Settings as the explorer's text box shows them: {"tau": 5} -> "tau=5" (`config.parse_settings`)."""
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def max_byzantine(n_clients: int) -> int:
@@ -236,6 +244,10 @@ def explorer(**setting: Any) -> Any:
     def choices(field: str, values: Sequence[str]) -> list[tuple[str, str]]:
         return [(display_value(field, v), v) for v in values]
 
+    def settings_box(settings: dict[str, Any]) -> Any:
+        tip = "the rule's or the attack's own settings, setting=value, commas between; empty: its defaults"
+        return widgets.Text(value=settings_text(settings), placeholder=SETTINGS_PLACEHOLDER, tooltip=tip)
+
     s = explorer_setting(**setting)
     (n_low, n_high), (t_low, t_high) = EXPLORER_RANGES["n_clients"], EXPLORER_RANGES["rounds"]
     alpha_low, alpha_high = (math.log10(a) for a in EXPLORER_RANGES["dirichlet_alpha"])
@@ -252,6 +264,8 @@ def explorer(**setting: Any) -> Any:
         ),  # fmt: skip
         attack=widgets.Dropdown(options=choices("attack", list(ATTACKS.ready())), value=s["attack"]),
         defense=widgets.Dropdown(options=choices("defense", EXPLORER_DEFENSES), value=s["defense"]),
+        defense_params=settings_box(s["defense_params"]),
+        attack_params=settings_box(s["attack_params"]),
         rounds=widgets.IntSlider(value=s["rounds"], min=t_low, max=t_high),
         seed=widgets.IntText(value=s["seed"]),
         data_dir=widgets.Text(value=s["data_dir"] or "", placeholder=DATA_DIR_PLACEHOLDER),
@@ -307,6 +321,8 @@ def explorer(**setting: Any) -> Any:
         values = current()
         values["data_dir"] = values["data_dir"].strip() or None
         try:
+            for name in SETTINGS_FIELDS:
+                values[name] = parse_settings(name, values[name])
             ex = explore(on_progress=progress, eval_every=values["rounds"], **values)
         except (ConfigError, ValueError, FileNotFoundError) as e:
             with out:

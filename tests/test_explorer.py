@@ -126,7 +126,7 @@ def test_one_name_per_rule_and_only_runnable_options():
     # every offered option runs with the current N and f; every one left out does not
     menus = (("defense", explorer.EXPLORER_DEFENSES), ("attack", explorer.ATTACKS.ready()))
     for field, everything in menus:
-        setting = {k: ctl.value for k, ctl in c.items()}
+        setting = {k: ctl.value for k, ctl in c.items() if k not in ("defense_params", "attack_params")}
         for option in everything:
             fixed = {"attack": "none"} if field == "defense" else {"defense": "none"}
             try:
