@@ -1,0 +1,229 @@
+"""Extending the package without editing it: a rule and an attack from files outside the package, run through
+`grid` and `report` (real training on digits, 2 rounds); settings (defense_params, attack_params) from params
+files and --set; and every result key made before settings existed, unchanged."""
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from prodigy_core import results
+from prodigy_core.aggregators import RULES, make_aggregator
+from prodigy_core.attacks import ATTACKS, make_attack
+from prodigy_core.cli import main, parse_fields
+from prodigy_core.config import ConfigError, RunConfig, parse_settings
+from prodigy_core.experiments import experiment_from_spec, load_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Keys printed by the code of commit 8c0b1d6, before rules and attacks had settings (FOE's eps lived in its
+# name): stored results must keep them.
+KEYS_BEFORE_SETTINGS = [
+    ({}, "c93c76b619b3e9ca"),
+    (dict(dataset="digits", defense="nnm+cclip", attack="foe_0.1", n_clients=10, n_byzantine=3,
+          local_steps=10, local_momentum=0.9, rounds=90), "19ae46a2ce4ba68e"),
+    (dict(dataset="digits", defense="none", attack="foe_100", rounds=90), "0e303d1c966c0747"),
+    (dict(dataset="digits", defense="average", attack="alie", variant="authors"), "c2d1ad71bb5e771e"),
+    (dict(dataset="digits", defense="bucketing+krum", attack="sf", n_byzantine=1), "0aba452c8a3accb5"),
+    (dict(dataset="digits", defense="NNM+trimmed_mean", attack="LF", distribution="iid"), "839b537214b91dee"),
+    (dict(dataset="cifar10", data_source="cifar10-jpeg", defense="prodigy", attack="alie", rounds=1000,
+          local_steps=10, local_momentum=0.9), "925202a92fa96ff5"),
+    (dict(dataset="digits", defense="prodigy", attack="alie_spread", n_byzantine=3), "b19231e7a12ebba8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, key", KEYS_BEFORE_SETTINGS)
+def test_keys_recorded_before_settings_existed_are_unchanged(fields, key):
+    assert RunConfig(**fields).key() == key
+
+
+def test_foe_written_with_its_setting_is_the_preset_and_its_old_key():
+    old = RunConfig(attack="foe_0.1", rounds=90)
+    new = RunConfig(attack="foe", attack_params={"eps": 0.1}, rounds=90)
+    assert (new.attack, dict(new.attack_params), new.key()) == ("foe_0.1", {}, old.key())
+    assert RunConfig(attack="foe_0.1", attack_params={"eps": 100}).attack == "foe_100"
+    other = RunConfig(attack="foe", attack_params={"eps": 1})
+    assert other.attack == "foe" and other.key() not in (old.key(), RunConfig(attack="foe_100").key())
+    assert make_attack("foe", params={"eps": 1}).eps == 1.0
+
+
+def test_the_committed_gpu_records_keep_their_keys():
+    with tarfile.open(REPO / "figures" / "gpu" / "results.tar.gz") as tar:
+        records = [json.load(tar.extractfile(m)) for m in tar.getmembers() if m.name.endswith(".json")]
+    records = [r for r in records if isinstance(r, dict) and "config" in r and "key" in r]
+    assert len(records) >= 30
+    for r in records:
+        if r["config"].get("variant") == "authors":  # older revisions are stored apart on purpose
+            continue
+        assert RunConfig.from_dict(r["config"]).key() == r["key"]
+
+
+def test_settings_default_values_leave_the_key_alone_and_others_change_it():
+    base = RunConfig(defense="nnm+cclip")
+    assert RunConfig(defense="nnm+cclip", defense_params={"tau": 10, "L": 3}).key() == base.key()
+    changed = RunConfig(defense="nnm+cclip", defense_params={"tau": 5})
+    assert changed.key() != base.key() and changed.defense_params == {"tau": 5.0}
+    assert RunConfig(defense="nnm+cclip", defense_params={"tau": 5.0}).key() == changed.key()  # 5 is 5.0
+    assert make_aggregator("nnm+cclip", 3, params={"tau": 5}).rule.tau == 5
+    bucketed = RunConfig(defense="bucketing+krum", n_clients=20, n_byzantine=1, defense_params={"s": 3})
+    assert make_aggregator(bucketed.defense, 1, params=bucketed.defense_params).pre[0].s == 3
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"defense": "cclip", "defense_params": {"tua": 5}}, r"defense_params=.*no setting 'tua'.*'tau'"),
+        ({"defense": "krum", "defense_params": {"tau": 5}}, r"defense_params=.*no setting 'tau'; it has no"),
+        ({"attack": "foe"}, r"attack='foe'.*needs the setting\(s\) eps"),
+        ({"attack": "alie", "attack_params": {"z": [1, {}]}}, r"must be a number"),
+        ({"defense": "cclip", "defense_params": "tau=5"}, r"defense_params='tau=5' must be a mapping"),
+    ],
+)
+def test_bad_settings_are_named_with_the_fix(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**fields)
+
+
+def test_settings_from_the_command_line_and_a_text_box():
+    fields = parse_fields(["defense_params.tau=5", "defense_params.L=2", "attack_params={eps: 1}"])
+    assert fields == {"defense_params": {"tau": 5, "L": 2}, "attack_params": {"eps": 1}}
+    with pytest.raises(ConfigError, match="only defense_params and attack_params take a dotted"):
+        parse_fields(["rounds.x=5"])
+    assert parse_settings("defense_params", "tau=5, L=2") == {"tau": 5, "L": 2}
+    assert parse_settings("defense_params", " ") == {}
+    with pytest.raises(ConfigError, match="setting=value pairs"):
+        parse_settings("defense_params", "tau 5")
+
+
+def test_registries_name_display_and_symbol_come_from_the_classes():
+    assert RULES.display("none") == "No defense" and RULES.display("cclip", {"tau": 5}) == "CClip (tau=5)"
+    assert ATTACKS.display("foe_100") == "FOE ε=100" and ATTACKS.lookup("alie").cls.symbol == "z"
+    assert "foe" in ATTACKS and "foe" not in ATTACKS.ready()  # FOE needs its eps; its presets do not
+
+
+# ------------------------------------------------------------------------------------------- plug-ins
+
+RULE_FILE = '''
+import torch
+from prodigy_core.aggregators import Rule
+
+
+class ClosestToMedian(Rule):
+    """Mean of the N - 2f vectors closest to the coordinate-wise median."""
+
+    display = "Closest to median"
+
+    def __init__(self, f: int, keep_extra: int = 0):
+        self.f, self.keep_extra = f, keep_extra
+
+    def aggregate(self, G):
+        far = (G - G.median(dim=0).values).norm(dim=1)
+        return G[far.argsort()[: len(G) - 2 * self.f + self.keep_extra]].mean(dim=0)
+'''
+
+ATTACK_FILE = '''
+from prodigy_core.attacks import Attack
+
+
+class Shift(Attack):
+    """Every Byzantine client sends the honest mean plus a constant."""
+
+    display = "Shift"
+
+    def __init__(self, by: float = 1.0):
+        super().__init__()
+        self.by = by
+
+    def _craft(self, honest, own, server):
+        return (honest.mean(dim=0) + self.by).expand(own.shape).clone()
+'''
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    """my_rules.py and my_attacks.py in a folder of their own, the current folder."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "my_rules.py").write_text(RULE_FILE)
+    (folder / "my_attacks.py").write_text(ATTACK_FILE)
+    monkeypatch.chdir(folder)
+    return folder
+
+
+GRID = """
+experiment: own_defense
+title: "My rule beside ProDiGy"
+base: {dataset: digits, n_clients: 10, n_byzantine: 3, rounds: 2, eval_every: 1}
+grid:
+  defense: [prodigy, "my_rules.py:ClosestToMedian"]
+  attack: [none, "my_attacks.py:Shift"]
+seeds: [0]
+report: {rows: defense, columns: attack}
+"""
+
+
+def test_a_rule_and_an_attack_from_files_outside_the_package_run_through_grid_and_report(plugins, capsys):
+    (plugins / "own.yaml").write_text(GRID)
+    args = ["--results-dir", str(plugins / "results")]
+    assert main(["grid", "own.yaml", "--batch-runs", "1", *args]) == 0
+    experiment = load_experiment(plugins / "own.yaml")
+    df = results.load(experiment, plugins / "results")
+    assert len(df) == 4 and df["final_accuracy"].between(0, 100).all()
+    record = json.loads(
+        (plugins / "results" / "own_defense" / f"{experiment.configs[-1].key()}.json").read_text()
+    )
+    assert set(record["plugins"]) == {"my_rules.py:ClosestToMedian", "my_attacks.py:Shift"}
+    capsys.readouterr()
+    assert main(["report", "own.yaml", "--out-dir", str(plugins / "figures"), *args]) == 0
+    table = (plugins / "figures" / "own_defense.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| Defense"))
+    assert "| Shift |" in header + " " and "| Closest to median |" in table  # the classes' display names
+
+
+def test_a_plugin_key_follows_its_file_and_settings(plugins):
+    config = RunConfig(defense="nnm+my_rules.py:ClosestToMedian", attack="my_attacks.py:Shift")
+    assert config.defense == "nnm+my_rules.py:ClosestToMedian"  # case kept: a path and a class name
+    with_setting = RunConfig(defense="my_rules.py:ClosestToMedian", defense_params={"keep_extra": 1})
+    assert with_setting.key() != RunConfig(defense="my_rules.py:ClosestToMedian").key()
+    before = config.key()
+    (plugins / "my_rules.py").write_text(RULE_FILE + "\n# edited\n")
+    assert config.key() != before  # an edited rule never reads the old one's records
+    G = torch.cat([torch.full((2, 3), 1e6), torch.ones(6, 3)])
+    assert torch.equal(make_aggregator("my_rules.py:ClosestToMedian", 2)(G), torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    "defense, message",
+    [
+        ("missing.py:Rule", r"no file missing.py \(looked in"),
+        ("my_rules.py:ClosestToMedain", r"has no class 'ClosestToMedain' \(did you mean 'ClosestToMedian'"),
+        ("my_attacks.py:Shift", r"Shift must subclass prodigy_core.aggregators.Rule"),
+        ("no_such_module:Rule", r"no module 'no_such_module'"),
+        ("my_rules.py:", r"a plug-in is written path/to/file.py:ClassName"),
+    ],
+)
+def test_a_broken_plugin_is_named_with_the_fix(plugins, defense, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(defense=defense)
+
+
+def test_a_plugin_that_fails_to_import_says_so(plugins):
+    (plugins / "broken.py").write_text("import no_such_package_here\n")
+    with pytest.raises(ConfigError, match="broken.py failed to import: ModuleNotFoundError"):
+        RunConfig(defense="broken.py:Rule")
+
+
+def test_settings_in_a_grid_make_rows_of_their_own(fake_training, tmp_path):
+    spec = {"experiment": "taus", "base": {"defense": "nnm+cclip", "rounds": 2},
+            "grid": {"defense_params": [{}, {"tau": 5}], "attack": ["alie"]}}  # fmt: skip
+    experiment = experiment_from_spec(spec)
+    assert [dict(c.defense_params) for c in experiment.configs] == [{}, {"tau": 5.0}]
+    from prodigy_core.experiments import run_grid
+
+    df = run_grid(experiment, results_dir=tmp_path, progress=False)
+    assert list(df["defense"]) == ["nnm+cclip", "nnm+cclip(tau=5)"]
+    from prodigy_core.report import display_value
+
+    assert [display_value("defense", d) for d in df["defense"]] == ["NNM+CClip", "NNM+CClip (tau=5)"]
