@@ -365,7 +365,7 @@ class Rule:
 
 @RULES.register
 class Average(Rule):
-    """Plain mean (1/N) sum_i g_i: FedAvg, the paper's ``none`` defence.
+    """Plain mean (1/N) sum_i g_i: FedAvg, the paper's ``none`` defense.
 
     Not robust: one Byzantine vector moves it arbitrarily, and a NaN/Inf vector makes it non-finite (it
     warns then, and returns the non-finite mean so that the training loop sees the divergence)."""

@@ -418,7 +418,7 @@ class _LineGeometry:
 class ALIE(LineSearchAttack):
     """A Little Is Enough (Baruch, Baruch and Goldberg, NeurIPS 2019): every Byzantine client sends
     mu_H - z* sigma_H (honest mean and per-coordinate population std), z* from `alie_grid` (multiples of
-    0.25 z_max up to 2, z_max from `alie_z_max`) chosen against the real defence (ProDiGy paper).
+    0.25 z_max up to 2, z_max from `alie_z_max`) chosen against the real defense (ProDiGy paper).
 
     ``variant="authors"`` (the authors' ``ALIE_optim``, malicious.py lines 44-72): z is `alie_authors_z`
     (hand-typed, or ``z`` if given), the candidates `alie_authors_grid` (``arange(0.25 z, 2.01, 0.25 z)``),
@@ -469,7 +469,7 @@ class ALIE(LineSearchAttack):
 
 class FOE(LineSearchAttack):
     """Fall of Empires / inner-product manipulation (Xie, Koyejo and Gupta, UAI 2019): every Byzantine client
-    sends -eps* mu_H, eps* in {0.1 eps, 0.2 eps, ..., eps} chosen against the real defence (ProDiGy paper:
+    sends -eps* mu_H, eps* in {0.1 eps, 0.2 eps, ..., eps} chosen against the real defense (ProDiGy paper:
     eps = 0.1 and eps = 100, the attacks ``foe_0.1`` and ``foe_100``).
     """
 
