@@ -54,7 +54,8 @@ def _check_input(G: Tensor, rule: str) -> None:
         raise ValueError(f"{rule}: the client vectors are empty (d=0)")
 
 
-def _check_f(rule: str, f: int, minimum: int = 0) -> int:
+def check_f(rule: str, f: int, minimum: int = 0) -> int:
+    """f, or a ValueError naming ``rule`` when f is not an integer >= minimum (for a rule's ``__init__``)."""
     if isinstance(f, bool) or not isinstance(f, int) or f < minimum:
         raise ValueError(f"{rule}: f must be an integer >= {minimum}, got f={f!r}")
     return f
@@ -280,16 +281,14 @@ def _on_inputs(w: Tensor, record: Any = None) -> Combination:
 class Rule:
     """A robust aggregation rule: ``rule(G) -> (d,)``. ``peek`` gives the same result and changes no state.
 
-    A rule computes its output either directly (``aggregate``) or, when ``by_weights``, as the weighted
-    combination that ``combine`` reads from one Gram matrix of [G; reference] (then one weighted sum over G;
-    ``aggregate`` is the fallback where ``combine`` gives no weights).
-
-    A new rule needs ``aggregate`` alone (and ``check_n`` for its limits). This one averages the N - 2f
-    vectors closest to the coordinate-wise median; NNM goes in front of it as in front of any rule:
+    A new rule needs ``__init__(f, **settings)`` and ``aggregate(G) -> (d,)`` alone. This one averages the
+    N - 2f vectors closest to the coordinate-wise median; NNM goes in front of it as in front of any rule, and
+    ``RULES.register`` (or a plug-in spec, ``defense: my_rules.py:Closest``) lets params files name it:
 
     >>> import torch
     >>> from prodigy_core.aggregators import NNM, Pipeline, Rule
     >>> class Closest(Rule):
+    ...     display = "Closest to the median"  # what tables print
     ...     def __init__(self, f: int):
     ...         self.f = f
     ...     def aggregate(self, G):
@@ -298,6 +297,13 @@ class Rule:
     >>> G = torch.cat([torch.full((2, 3), 1e6), torch.ones(6, 3)])  # 2 Byzantine rows, 6 honest
     >>> Closest(2)(G), Pipeline("nnm+closest", Closest(2), [NNM(2)])(G)
     (tensor([1., 1., 1.]), tensor([1., 1., 1.]))
+
+    Optional, by need: ``check_n(n)`` raises on an N the rule cannot run on (``need`` words the error,
+    `check_f` checks f); a rule whose output is a weighted combination of its inputs may give it as
+    ``combine(K, D, bad) -> Combination`` from the Gram matrix alone (NNM in front and the attack search
+    then cost no pass over G; ``by_weights = True`` uses it when the rule runs alone too, ``reference`` names
+    the one extra point it may weigh); a stateful rule keeps its state in ``commit`` (never in ``peek``) and
+    implements ``reset``, ``state_dict``, ``load_state_dict``, and ``new_round`` if it reads the model.
     """
 
     name: str = ""  # what a params file writes (`RULES.register` files the class under it)
@@ -346,7 +352,7 @@ class Rule:
     def check_n(self, n: int) -> None:
         """Raise a ValueError when the rule cannot run on n vectors."""
 
-    def _need(self, ok: bool, n: int, limit: str) -> None:
+    def need(self, ok: bool, n: int, limit: str) -> None:
         if not ok:
             raise ValueError(f"{self!r} needs {limit}, got N={n}")
 
@@ -375,7 +381,7 @@ class Average(Rule):
     presets = {"none": ("No defense", {})}
 
     def __init__(self, f: int = 0):
-        self.f = _check_f("Average", f)
+        self.f = check_f("Average", f)
 
     def aggregate(self, G: Tensor) -> Tensor:
         out = G.mean(dim=0)
@@ -407,10 +413,10 @@ class Median(Rule):
     display = "Median"
 
     def __init__(self, f: int = 0):
-        self.f = _check_f("Median", f)
+        self.f = check_f("Median", f)
 
     def check_n(self, n: int) -> None:
-        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
+        self.need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
 
     def aggregate(self, G: Tensor) -> Tensor:
         return _coordinate_median(_nan_to_inf(G))
@@ -433,11 +439,11 @@ class TrimmedMean(Rule):
     display = "Trimmed mean"
 
     def __init__(self, f: int, variant: str = "paper"):
-        self.f = _check_f("TrimmedMean", f)
+        self.f = check_f("TrimmedMean", f)
         self.variant = check_variant("TrimmedMean", variant)
 
     def check_n(self, n: int) -> None:
-        self._need(n > 2 * self.f, n, f"N > 2f = {2 * self.f}")
+        self.need(n > 2 * self.f, n, f"N > 2f = {2 * self.f}")
 
     def aggregate(self, G: Tensor) -> Tensor:
         N, f = G.shape[0], self.f
@@ -466,13 +472,13 @@ class GeoMed(Rule):
     by_weights = True
 
     def __init__(self, f: int = 0, nu: float = 0.1, R: int = 3):
-        self.f = _check_f("GeoMed", f)
+        self.f = check_f("GeoMed", f)
         if not nu > 0 or R < 1:
             raise ValueError(f"GeoMed: needs nu > 0 and R >= 1, got nu={nu}, R={R}")
         self.nu, self.R = nu, R
 
     def check_n(self, n: int) -> None:
-        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
+        self.need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         N = len(bad)  # point N, the reference, is the origin z_0
@@ -502,10 +508,10 @@ class Krum(Rule):
     display = "Krum"
 
     def __init__(self, f: int):
-        self.f = _check_f("Krum", f)
+        self.f = check_f("Krum", f)
 
     def check_n(self, n: int) -> None:
-        self._need(n > 2 * self.f + 2, n, f"N > 2f+2 = {2 * self.f + 2}")
+        self.need(n > 2 * self.f + 2, n, f"N > 2f+2 = {2 * self.f + 2}")
 
     def aggregate(self, G: Tensor) -> Tensor:
         return G[int(krum_scores(geometry(G).D, self.f).argmin())].clone()
@@ -526,13 +532,13 @@ class MultiKrum(Rule):
     by_weights = True
 
     def __init__(self, f: int, m: int | None = None):
-        self.f = _check_f("MultiKrum", f)
+        self.f = check_f("MultiKrum", f)
         self.m = m
 
     def check_n(self, n: int) -> None:
-        self._need(n > 2 * self.f + 2, n, f"N > 2f+2 = {2 * self.f + 2}")
+        self.need(n > 2 * self.f + 2, n, f"N > 2f+2 = {2 * self.f + 2}")
         m = n - self.f if self.m is None else self.m
-        self._need(1 <= m <= n - self.f, n, f"1 <= m <= N - f, m={m}")
+        self.need(1 <= m <= n - self.f, n, f"1 <= m <= N - f, m={m}")
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         N = D.shape[0]
@@ -557,10 +563,10 @@ class Bulyan(Rule):
     display = "Bulyan"
 
     def __init__(self, f: int):
-        self.f = _check_f("Bulyan", f)
+        self.f = check_f("Bulyan", f)
 
     def check_n(self, n: int) -> None:
-        self._need(n >= 4 * self.f + 3, n, f"N >= 4f+3 = {4 * self.f + 3}")
+        self.need(n >= 4 * self.f + 3, n, f"N >= 4f+3 = {4 * self.f + 3}")
 
     def aggregate(self, G: Tensor) -> Tensor:
         N, f = G.shape[0], self.f
@@ -597,7 +603,7 @@ class CClip(Rule):
     by_weights = True
 
     def __init__(self, f: int = 0, tau: float = 10.0, L: int = 3, variant: str = "paper"):
-        self.f = _check_f("CClip", f)
+        self.f = check_f("CClip", f)
         if not tau > 0 or L < 1:
             raise ValueError(f"CClip: needs tau > 0 and L >= 1, got tau={tau}, L={L}")
         self.tau, self.L = tau, L
@@ -689,11 +695,11 @@ class ProDiGy(Rule):
     def __init__(self, f: int):
         if isinstance(f, int) and not isinstance(f, bool) and f < 2:
             raise ValueError(f"ProDiGy: needs f >= 2 (with f < 2 every dissimilarity score is 0), got f={f}")
-        self.f = _check_f("ProDiGy", f)
+        self.f = check_f("ProDiGy", f)
         self.last_scores: ProDiGyScores | None = None
 
     def check_n(self, n: int) -> None:
-        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
+        self.need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
 
     def scores(self, G: Tensor) -> ProDiGyScores:
         _check_input(G, repr(self))
@@ -759,10 +765,10 @@ class NNM(Rule):
     display = "NNM"
 
     def __init__(self, f: int):
-        self.f = _check_f("NNM", f)
+        self.f = check_f("NNM", f)
 
     def check_n(self, n: int) -> int:
-        self._need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
+        self.need(2 * self.f < n, n, f"f < N/2, i.e. N > 2f = {2 * self.f}")
         return n
 
     def __call__(self, G: Tensor) -> Tensor:
@@ -1044,7 +1050,7 @@ def make_aggregator(
     key = normalise_defense(name)
     prefix, base = split_defense(key)
     canonical_defense(key, params)  # the name and the settings checked, with did-you-mean hints
-    _check_f(key, f)
+    check_f(key, f)
     check_variant(key, variant)
     entry = RULES.lookup(base)
     params = {**entry.params, **(params or {})}
