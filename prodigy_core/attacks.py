@@ -3,7 +3,7 @@
 ``make_attack(name, params=...)`` builds one from a name of `ATTACKS` (``alie``, ``foe_0.1``, ``sf``, a
 plug-in ``my_attacks.py:MyAttack``); ``attack.craft(honest, own, server) -> (f, d)`` crafts the Byzantine
 rows, which the server sees first (client ids 0..f-1, as in the paper). Search attacks (ALIE, FOE) are tuned
-against the real defense (`LineSearchAttack`); a new attack subclasses `Attack` and implements ``_craft``.
+against the real defense (`LineSearchAttack`); a new attack subclasses `Attack` and implements ``send``.
 The search's geometry and tie rules are in docs/semantics.md. Reference: the ProDiGy paper's attacks
 (ALIE, FOE, SF, LF).
 """
@@ -105,7 +105,26 @@ def alie_authors_grid(z: float) -> list[float]:
 class Attack:
     """An attack: ``craft(honest, own, server) -> (f, d)`` Byzantine updates, plus what it chose.
 
-    Subclasses implement ``_craft``; ``craft`` checks the input, handles f = 0 and runs without autograd.
+    A new attack calls ``super().__init__()`` and implements ``send(honest, own, server) -> (f, d)``:
+    ``honest`` (h, d) this round's honest updates, ``own`` (f, d) what the Byzantine clients would honestly
+    send, ``server`` the defense (``server.peek(G)`` aggregates without changing its state). ``craft`` checks
+    the input, handles f = 0 and runs ``send`` without autograd. ``ATTACKS.register`` (or a plug-in spec,
+    ``attack: my_attacks.py:Shift``) lets params files name it; its ``__init__`` keywords are its settings:
+
+    >>> import torch
+    >>> from prodigy_core.aggregators import make_aggregator
+    >>> class Shift(Attack):
+    ...     display = "Shift"  # what tables print
+    ...     def __init__(self, by: float = 1.0):
+    ...         super().__init__()
+    ...         self.by = by
+    ...     def send(self, honest, own, server):
+    ...         return (honest.mean(dim=0) + self.by).expand(own.shape).clone()
+    >>> Shift(by=2.0).craft(torch.zeros(5, 3), torch.zeros(2, 3), make_aggregator("median", 2))
+    tensor([[2., 2., 2.],
+            [2., 2., 2.]])
+
+    A search over one parameter against the real defense subclasses `LineSearchAttack` instead (ALIE, FOE).
     """
 
     name: str = "attack"  # what a params file writes (`ATTACKS.register` files the class under it)
@@ -128,9 +147,9 @@ class Attack:
             return own.new_empty((0, own.shape[1]))
         _check_honest(self.name, honest)
         with torch.no_grad():
-            return self._craft(honest, own, server)
+            return self.send(honest, own, server)
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -143,7 +162,7 @@ class NoAttack(Attack):
     name = "none"
     display = "No attack"
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         return own
 
 
@@ -170,7 +189,7 @@ class SignFlip(Attack):
         self.variant = check_variant("sf", variant)
         self.sent_is_momentum = variant == "authors"
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         return -own
 
 
@@ -185,7 +204,7 @@ class LabelFlip(Attack):
     display = "LF"
     flips_labels = True
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         return own
 
 
@@ -207,7 +226,7 @@ class GaussianNoise(Attack):
             raise ValueError(f"gaussian: std={std} must be >= 0")
         self.mean, self.std, self.generator = float(mean), float(std), generator
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         return self.mean + self.std * _randn(own.shape, honest, self.generator)
 
 
@@ -225,7 +244,7 @@ class Mimic(Attack):
     name = "mimic"
     display = "Mimic"
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         dist = geometry(honest).D  # float64 on the host, like every N x N computation (see aggregators)
         h = dist.shape[0]
         centring = torch.eye(h, dtype=dist.dtype, device=dist.device) - 1.0 / h
@@ -262,7 +281,7 @@ class _MinMaxMinSum(Attack):
     def _gamma(self, sq_norms: Tensor, dots: Tensor, p_sq: float, dist: Tensor) -> float:
         raise NotImplementedError
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         mean, sigma = _mean_std(honest)
         if self.deviation == "std":
             p = sigma
@@ -328,22 +347,22 @@ class LineSearchAttack(Attack):
         """The choice and damage a candidate must beat: none, -inf (the first candidate always wins)."""
         return None, -math.inf
 
-    def _prepare(self, honest: Tensor, f: int) -> dict[str, Tensor]:
+    def statistics(self, honest: Tensor, f: int) -> dict[str, Tensor]:
         # population std (Baruch et al.); the mean is honest.mean(0) itself, so FOE sends exactly -eps* mu_H
         mean, sigma = _mean_std(honest)
         return {"mean": mean, "sigma": sigma}
 
-    def _rows(self, param: Any, stats: dict[str, Tensor]) -> Tensor:
+    def rows(self, param: Any, stats: dict[str, Tensor]) -> Tensor:
         """The Byzantine rows for ``param``: (d,) when all f clients send the same vector, else (f, d)."""
         raise NotImplementedError
 
-    def _line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+    def line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
         """End points (p0, p1) when every candidate sends the one vector (1 - param) p0 + param p1."""
         return None
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         f, (h, d) = own.shape[0], honest.shape
-        stats = self._prepare(honest, f)
+        stats = self.statistics(honest, f)
         grams = self._candidate_grams(honest, f, stats, server)
         evaluate = server.peek if hasattr(server, "peek") else server
         candidates = None
@@ -351,7 +370,7 @@ class LineSearchAttack(Attack):
         for param in self.grid(f + h, f):
             gram = weights = None
             if grams is not None:
-                gram = grams.send(param)
+                gram = grams.gram_at(param)
                 weights = server.weights(gram)
             if weights is not None:
                 damage = grams.damage(weights)
@@ -359,19 +378,19 @@ class LineSearchAttack(Attack):
                 if candidates is None:
                     candidates = torch.empty((f + h, d), dtype=honest.dtype, device=honest.device)
                     candidates[f:] = honest
-                candidates[:f] = self._rows(param, stats)
+                candidates[:f] = self.rows(param, stats)
                 aggregate = evaluate(candidates) if gram is None else evaluate(candidates, gram=gram)
                 damage = _damage(aggregate, stats["mean"], self.name, raw=self.raw_damage)
             self.last_search.append((param, damage))
             if damage > best_damage:
                 best, best_damage = param, damage
         self._record(best)
-        return self._rows(best, stats).expand(f, d).clone()
+        return self.rows(best, stats).expand(f, d).clone()
 
     def _candidate_grams(
         self, honest: Tensor, f: int, stats: dict[str, Tensor], server: Server
     ) -> _LineGeometry | None:
-        line = self._line(stats)
+        line = self.line(stats)
         if line is None or not (isinstance(server, Pipeline) and server.takes_gram):
             return None
         reference = server.reference(honest)
@@ -403,7 +422,7 @@ class _LineGeometry:
         self.mean = torch.zeros(h + 3, dtype=K.dtype, device=K.device)
         self.mean[:h] = 1.0 / h
 
-    def send(self, t: float) -> Tensor:
+    def gram_at(self, t: float) -> Tensor:
         """The Gram matrix of [byzantine; honest; r] when the Byzantine clients send (1 - t) p0 + t p1."""
         h = self.n - self.f
         self.C[: self.f, h], self.C[: self.f, h + 1] = 1.0 - t, t
@@ -453,17 +472,17 @@ class ALIE(LineSearchAttack):
             return self.authors_z(n, f), 0.0  # malicious.py lines 57-58: max_dist = 0, best_z = z
         return super()._start(n, f)
 
-    def _craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         f = own.shape[0]
         if self.variant == "authors" and self.authors_z(f + honest.shape[0], f) == 0:
             self.last_param = 0.0  # malicious.py lines 52-53: no attack, the honest update goes out
             return own
-        return super()._craft(honest, own, server)
+        return super().send(honest, own, server)
 
-    def _rows(self, z: float, stats: dict[str, Tensor]) -> Tensor:
+    def rows(self, z: float, stats: dict[str, Tensor]) -> Tensor:
         return stats["mean"] - z * stats["sigma"]
 
-    def _line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         return stats["mean"], stats["mean"] - stats["sigma"]
 
 
@@ -487,10 +506,10 @@ class FOE(LineSearchAttack):
     def grid(self, n: int, f: int) -> list[float]:
         return [k * self.eps / FOE_STEPS for k in range(1, FOE_STEPS + 1)]
 
-    def _rows(self, eps: float, stats: dict[str, Tensor]) -> Tensor:
+    def rows(self, eps: float, stats: dict[str, Tensor]) -> Tensor:
         return -eps * stats["mean"]
 
-    def _line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         return torch.zeros_like(stats["mean"]), -stats["mean"]
 
 
@@ -525,12 +544,12 @@ class ALIESpread(LineSearchAttack):
     def grid(self, n: int, f: int) -> list[tuple[float, float]]:
         return [(z, rho) for z in alie_grid(n, f) for rho in self.rhos]
 
-    def _prepare(self, honest: Tensor, f: int) -> dict[str, Tensor]:
-        stats = super()._prepare(honest, f)
+    def statistics(self, honest: Tensor, f: int) -> dict[str, Tensor]:
+        stats = super().statistics(honest, f)
         stats["spread"] = _randn((f, honest.shape[1]), honest, self.generator) * stats["sigma"]
         return stats
 
-    def _rows(self, param: tuple[float, float], stats: dict[str, Tensor]) -> Tensor:
+    def rows(self, param: tuple[float, float], stats: dict[str, Tensor]) -> Tensor:
         z, rho = param
         return torch.add(stats["mean"] - z * stats["sigma"], stats["spread"], alpha=rho)
 

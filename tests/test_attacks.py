@@ -497,3 +497,15 @@ def test_alie_authors_search_matches_brute_force_on_their_grid(defense):
     assert [d for _, d in attack.last_search] == pytest.approx(damages, rel=1e-4, abs=1e-6)
     assert attack.last_param == pytest.approx(best, abs=1e-12)
     torch.testing.assert_close(rows[0], mean - best * sigma)
+
+
+def test_the_attack_contracts_example_runs_as_written():
+    """The `Attack` docstring's example of a new attack (a doctest: its printed outputs are checked)."""
+    import doctest
+
+    from prodigy_core.attacks import Attack
+
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    (test,) = doctest.DocTestFinder(recurse=False).find(Attack, "Attack", globs={"Attack": Attack})
+    assert len(test.examples) >= 4
+    assert runner.run(test).failed == 0

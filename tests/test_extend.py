@@ -136,7 +136,7 @@ class Shift(Attack):
         super().__init__()
         self.by = by
 
-    def _craft(self, honest, own, server):
+    def send(self, honest, own, server):
         return (honest.mean(dim=0) + self.by).expand(own.shape).clone()
 '''
 
