@@ -167,7 +167,7 @@ report: {rows: defense, columns: attack}
 def test_a_rule_and_an_attack_from_files_outside_the_package_run_through_grid_and_report(plugins, capsys):
     (plugins / "own.yaml").write_text(GRID)
     args = ["--results-dir", str(plugins / "results")]
-    assert main(["grid", "own.yaml", "--batch-runs", "1", *args]) == 0
+    assert main(["grid", "own.yaml", "--jobs", "2", *args]) == 0  # pool workers import the files again
     experiment = load_experiment(plugins / "own.yaml")
     df = results.load(experiment, plugins / "results")
     assert len(df) == 4 and df["final_accuracy"].between(0, 100).all()
@@ -227,3 +227,16 @@ def test_settings_in_a_grid_make_rows_of_their_own(fake_training, tmp_path):
     from prodigy_core.report import display_value
 
     assert [display_value("defense", d) for d in df["defense"]] == ["NNM+CClip", "NNM+CClip (tau=5)"]
+
+
+def test_a_notebooks_papermill_parameters_carry_settings():
+    base = {"dataset": "digits", "rounds": 2, "defense_params": {"tau": 5}}
+    grid = {"defense": ["nnm+cclip"], "attack": ["foe", "alie"], "attack_params": [{"eps": 2}]}
+    with pytest.raises(ConfigError, match=r"attack_params=\{'eps': 2\}.*'alie' has no setting 'eps'"):
+        load_experiment("quickstart_digits", overrides={"base": base, "grid": grid})
+    grid = {"defense": ["nnm+cclip"], "attack": ["foe"], "attack_params": [{"eps": 2}, {"eps": 0.1}]}
+    experiment = load_experiment("quickstart_digits", overrides={"base": base, "grid": grid})
+    assert [(c.attack, dict(c.attack_params), dict(c.defense_params)) for c in experiment.configs] == [
+        ("foe", {"eps": 2.0}, {"tau": 5.0}),
+        ("foe_0.1", {}, {"tau": 5.0}),
+    ]
