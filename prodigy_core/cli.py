@@ -185,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", help="make a project folder: notebooks, params, empty results/ figures/ data/")
     p.add_argument("dir", nargs="?", type=Path, default=Path("."), help="the folder (default: the current)")
     p.set_defaults(command=cmd_init)
+
+    about = "once per clone: nbstripout for notebooks and JupyterLab's post-save hook (a clean git status)"
+    p = sub.add_parser("git-setup", help=about, description=about[0].upper() + about[1:] + ".")
+    p.set_defaults(command=cmd_git_setup)
     return parser
 
 
@@ -449,6 +453,14 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from prodigy_core.reproduce import reproduce
 
     return reproduce(scale=args.scale, only=args.only, executor=args.executor)
+
+
+def cmd_git_setup(args: argparse.Namespace) -> int:
+    from prodigy_core.lab import setup_git
+
+    for line in setup_git(Path.cwd()):
+        print(line)
+    return 0
 
 
 def cmd_init(args: argparse.Namespace) -> int:

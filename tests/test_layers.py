@@ -2,8 +2,8 @@
 
 Every import statement of every module is parsed with `ast` (function-level and `if TYPE_CHECKING:` imports
 included: a lazy import is a dependency all the same), independently of how the package runs. The ground
-floor (`paths`, `names`, `registry`, `safe_io`, `seeding`, `progress`, the package itself) imports no other
-module of the package but the few named in GROUND (the package `progress`, `registry` `names`);
+floor (`paths`, `names`, `registry`, `safe_io`, `seeding`, `progress`, `lab`, the package itself) imports
+no other module of the package but the few named in GROUND (the package `progress`, `registry` `names`);
 the library's rules (`aggregators`, `attacks`) never reach the run configuration nor what runs it; the
 results store never reaches the experiments; and the import graph has no cycle.
 """
@@ -23,7 +23,7 @@ INIT = "__init__"  # the package itself (`import prodigy_core`)
 
 # The ground floor and, per module, the ground-floor modules it is designed to import.
 GROUND: dict[str, set[str]] = {
-    m: set() for m in (INIT, "paths", "names", "registry", "safe_io", "seeding", "progress")
+    m: set() for m in (INIT, "paths", "names", "registry", "safe_io", "seeding", "progress", "lab")
 }
 GROUND["registry"] = {"names"}  # did-you-mean hints
 GROUND[INIT] = {"progress"}  # settles tqdm.auto before any module imports it

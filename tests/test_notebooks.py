@@ -13,7 +13,7 @@ import papermill
 import pytest
 import yaml
 
-from prodigy_core import reproduce
+from prodigy_core import lab, reproduce
 from prodigy_core.experiments import PARAMS_DIR
 
 RUN_CONTROLS = {"scale", "executor", "jobs"}
@@ -65,6 +65,7 @@ def filter_setup() -> str:
     assert keys, ".gitattributes documents the one-time filter setup"
     hook = yaml.safe_load((REPO / ".pre-commit-config.yaml").read_text())["repos"][0]["hooks"][0]
     assert hook["id"] == "nbstripout" and f'--extra-keys "{keys[1]}"' in hook["entry"]
+    assert keys[1] == lab.NBSTRIPOUT_EXTRA_KEYS  # what `prodigy-fl git-setup` sets
     return keys[1]
 
 
@@ -93,7 +94,6 @@ def git(folder: Path, *args: str) -> str:
 
 def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
     import shutil
-    import sys
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
@@ -103,12 +103,11 @@ def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
     git(repo, "init", "-q")
     git(repo, "config", "user.email", "t@example.org")
     git(repo, "config", "user.name", "t")
-    # the documented one-time setup, with this interpreter's nbstripout
-    git(repo, "config", "filter.nbstripout.clean", f'"{sys.executable}" -m nbstripout')
-    git(repo, "config", "filter.nbstripout.smudge", "cat")
-    git(repo, "config", "filter.nbstripout.required", "true")
-    git(repo, "config", "filter.nbstripout.extrakeys", keys)
     shutil.copy(REPO / ".gitattributes", repo / ".gitattributes")
+    done = lab.setup_git(repo, prefix=str(tmp_path / "env"))  # the documented one-time setup
+    assert git(repo, "config", "filter.nbstripout.extrakeys").strip() == keys
+    hook = json.loads((lab.config_dir(str(tmp_path / "env")) / lab.CONFIG_NAME).read_text())
+    assert hook == {"ContentsManager": {"post_save_hook": lab.HOOK}} and len(done) == 2
     names = sorted(n for n, _ in reproduce.NOTEBOOKS.values())
     for name in names:
         shutil.copy(reproduce.NOTEBOOKS_DIR / name, repo / name)
@@ -117,12 +116,26 @@ def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
     for name in names:  # the committed files are what the filter makes of them
         assert git(repo, "show", f"HEAD:{name}") == (reproduce.NOTEBOOKS_DIR / name).read_text(), name
         nbformat.write(saved_by_jupyterlab(read(name)), repo / name)
-    # No change to commit: `git diff` is empty and `git add` stages nothing (git lists a file whose size
-    # changed as modified until `git add` refreshes its stat, without running the filter: a git shortcut)
-    assert git(repo, "diff", "--stat") == ""
-    git(repo, "add", "-A")
+        assert lab.refresh_git_index(str(repo / name)), name  # what JupyterLab runs after its save
     assert git(repo, "status", "--porcelain") == "" and git(repo, "diff", "--cached", "--stat") == ""
     assert "ran 0" in (repo / names[0]).read_text()  # the working copy keeps its outputs
+    # a real change stays the user's: listed as modified, nothing staged by the hook
+    edited = saved_by_jupyterlab(read(names[0]))
+    edited.cells[-1].source += "\n# my change"
+    nbformat.write(edited, repo / names[0])
+    assert not lab.refresh_git_index(str(repo / names[0]))
+    assert git(repo, "status", "--porcelain").split() == ["M", names[0]]
+    assert git(repo, "diff", "--cached", "--stat") == ""
+    assert not lab.refresh_git_index(str(tmp_path / "not_in_git.ipynb"))  # outside a clone: nothing
+
+
+def test_jupyter_server_takes_the_post_save_hook_by_its_name():
+    contents = pytest.importorskip("jupyter_server.services.contents.filemanager")
+    manager = contents.FileContentsManager(post_save_hook=lab.HOOK)
+    assert manager.post_save_hook is lab.refresh_git_index
+    from jupyter_core.paths import jupyter_config_path
+
+    assert str(lab.config_dir().parent) in jupyter_config_path()  # where install_hook writes is read
 
 
 def write_notebook(path, *sources):

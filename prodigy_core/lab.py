@@ -1,0 +1,85 @@
+"""JupyterLab and git: a saved notebook whose content git would not change stays out of `git status`.
+
+Git lists a file whose size changed as modified without running its clean filter, so a notebook saved by
+JupyterLab (outputs, the kernel's metadata) shows as modified although the nbstripout filter makes it the
+committed file again (`git diff` is empty). `refresh_git_index`, JupyterLab's post-save hook, refreshes git's
+record of such a file (``git add`` of an unchanged content: nothing is staged); `install_hook` registers it.
+Entry points: `refresh_git_index`, `install_hook`, `setup_git` (`prodigy-fl git-setup`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HOOK = "prodigy_core.lab.refresh_git_index"
+CONFIG_NAME = "prodigy-fl.json"  # in <prefix>/etc/jupyter/jupyter_server_config.d/
+# What nbstripout strips besides outputs: language_info names the Python of whoever saved last
+# (.gitattributes and .pre-commit-config.yaml say the same; tests/test_notebooks.py checks it).
+NBSTRIPOUT_EXTRA_KEYS = "metadata.language_info"
+
+
+def setup_git(folder: Path, prefix: str | None = None) -> list[str]:
+    """The one-time setup of a clone for notebooks: nbstripout as git's filter for them (with
+    `NBSTRIPOUT_EXTRA_KEYS`) and JupyterLab's post-save hook (`install_hook`, for the Python environment at
+    ``prefix``, this one by default). Returns what it did."""
+    top = _git(folder, "rev-parse", "--show-toplevel")
+    if top.returncode != 0:
+        raise ValueError(f"{folder} is not in a git clone: run git-setup inside your clone of prodigy-fl")
+    repo = Path(top.stdout.strip())
+    strip = subprocess.run([sys.executable, "-m", "nbstripout", "--install"], cwd=repo,
+                           capture_output=True, text=True, check=False)  # fmt: skip
+    if strip.returncode != 0:
+        raise ValueError(
+            f"nbstripout --install failed ({(strip.stderr or strip.stdout).strip()[:200]}): it comes with "
+            'the dev extra, pip install -e ".[dev]"'
+        )
+    _git(repo, "config", "filter.nbstripout.extrakeys", NBSTRIPOUT_EXTRA_KEYS)
+    hook = install_hook(prefix)
+    return [f"nbstripout filters notebooks in {repo} (extra keys: {NBSTRIPOUT_EXTRA_KEYS})",
+            f"JupyterLab's post-save hook: {hook} (delete it to undo)"]  # fmt: skip
+
+
+def _git(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, check=False)
+
+
+def refresh_git_index(os_path: str, model: Any = None, contents_manager: Any = None) -> bool:
+    """After JupyterLab saves ``os_path``: when the file is tracked by git, not in a merge, and its content
+    after git's filters equals what the index holds (``git diff --quiet``), ``git add`` it, which only
+    refreshes git's stat record (the staged content is unchanged). True when it did. Never raises: a save
+    must not fail because of git."""
+    path = Path(os_path)
+    if path.suffix != ".ipynb":
+        return False
+    try:
+        folder, name = path.parent, path.name
+        staged = _git(folder, "ls-files", "--stage", "--", name).stdout.splitlines()
+        if len(staged) != 1 or staged[0].split()[2] != "0":  # untracked, or unmerged (stages 1-3)
+            return False
+        if _git(folder, "diff", "--quiet", "--", name).returncode != 0:
+            return False  # a real change (or git failed): the user's to stage
+        return _git(folder, "add", "--", name).returncode == 0
+    except (OSError, IndexError):
+        return False
+
+
+def config_dir(prefix: str | None = None) -> Path:
+    """Where Jupyter reads this environment's server config snippets
+    (<prefix>/etc/jupyter is on `jupyter --paths`)."""
+    return Path(prefix or sys.prefix) / "etc" / "jupyter" / "jupyter_server_config.d"
+
+
+def install_hook(prefix: str | None = None) -> Path:
+    """Register `refresh_git_index` as JupyterLab's post-save hook for this Python environment (a JSON
+    snippet in `config_dir`; delete it to undo). Returns its path."""
+    path = config_dir(prefix) / CONFIG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"ContentsManager": {"post_save_hook": HOOK}}, indent=2) + "\n")
+    return path
+
+
+__all__ = ["HOOK", "NBSTRIPOUT_EXTRA_KEYS", "config_dir", "install_hook", "refresh_git_index", "setup_git"]
