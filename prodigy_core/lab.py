@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 HOOK = "prodigy_core.lab.refresh_git_index"
-CONFIG_NAME = "prodigy-fl.json"  # in <prefix>/etc/jupyter/jupyter_server_config.d/
 # What nbstripout strips besides outputs: language_info names the Python of whoever saved last
 # (.gitattributes and .pre-commit-config.yaml say the same; tests/test_notebooks.py checks it).
 NBSTRIPOUT_EXTRA_KEYS = "metadata.language_info"
@@ -39,8 +38,10 @@ def setup_git(folder: Path, prefix: str | None = None) -> list[str]:
         )
     _git(repo, "config", "filter.nbstripout.extrakeys", NBSTRIPOUT_EXTRA_KEYS)
     hook = install_hook(prefix)
-    return [f"nbstripout filters notebooks in {repo} (extra keys: {NBSTRIPOUT_EXTRA_KEYS})",
-            f"JupyterLab's post-save hook: {hook} (delete it to undo)"]  # fmt: skip
+    return [
+        f"nbstripout filters notebooks in {repo} (extra keys: {NBSTRIPOUT_EXTRA_KEYS})",
+        f"JupyterLab's post-save hook in {hook} (undo: remove ContentsManager.post_save_hook)",
+    ]
 
 
 def _git(folder: Path, *args: str) -> subprocess.CompletedProcess:
@@ -67,19 +68,28 @@ def refresh_git_index(os_path: str, model: Any = None, contents_manager: Any = N
         return False
 
 
-def config_dir(prefix: str | None = None) -> Path:
-    """Where Jupyter reads this environment's server config snippets
-    (<prefix>/etc/jupyter is on `jupyter --paths`)."""
-    return Path(prefix or sys.prefix) / "etc" / "jupyter" / "jupyter_server_config.d"
+def config_file(prefix: str | None = None) -> Path:
+    """This Python environment's Jupyter server config (<prefix>/etc/jupyter is on `jupyter --paths`; its
+    ``jupyter_server_config.d`` snippets enable extensions only, so the hook goes in the file itself)."""
+    return Path(prefix or sys.prefix) / "etc" / "jupyter" / "jupyter_server_config.json"
 
 
 def install_hook(prefix: str | None = None) -> Path:
-    """Register `refresh_git_index` as JupyterLab's post-save hook for this Python environment (a JSON
-    snippet in `config_dir`; delete it to undo). Returns its path."""
-    path = config_dir(prefix) / CONFIG_NAME
+    """Register `refresh_git_index` as JupyterLab's post-save hook for the Python environment at ``prefix``
+    (this one by default): ``ContentsManager.post_save_hook`` in `config_file`, the file's other settings
+    kept. A different hook already there is an error (never replaced). Returns the file's path."""
+    path = config_file(prefix)
+    config = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else {}
+    section = config.setdefault("ContentsManager", {})
+    if section.get("post_save_hook") not in (None, HOOK):
+        raise ValueError(
+            f"{path} already sets ContentsManager.post_save_hook={section['post_save_hook']!r}; call "
+            f"{HOOK} from it, or remove it and run git-setup again"
+        )
+    section["post_save_hook"] = HOOK
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"ContentsManager": {"post_save_hook": HOOK}}, indent=2) + "\n")
+    path.write_text(json.dumps(config, indent=2) + "\n")
     return path
 
 
-__all__ = ["HOOK", "NBSTRIPOUT_EXTRA_KEYS", "config_dir", "install_hook", "refresh_git_index", "setup_git"]
+__all__ = ["HOOK", "NBSTRIPOUT_EXTRA_KEYS", "config_file", "install_hook", "refresh_git_index", "setup_git"]

@@ -106,7 +106,7 @@ def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
     shutil.copy(REPO / ".gitattributes", repo / ".gitattributes")
     done = lab.setup_git(repo, prefix=str(tmp_path / "env"))  # the documented one-time setup
     assert git(repo, "config", "filter.nbstripout.extrakeys").strip() == keys
-    hook = json.loads((lab.config_dir(str(tmp_path / "env")) / lab.CONFIG_NAME).read_text())
+    hook = json.loads(lab.config_file(str(tmp_path / "env")).read_text())
     assert hook == {"ContentsManager": {"post_save_hook": lab.HOOK}} and len(done) == 2
     names = sorted(n for n, _ in reproduce.NOTEBOOKS.values())
     for name in names:
@@ -129,13 +129,22 @@ def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
     assert not lab.refresh_git_index(str(tmp_path / "not_in_git.ipynb"))  # outside a clone: nothing
 
 
-def test_jupyter_server_takes_the_post_save_hook_by_its_name():
-    contents = pytest.importorskip("jupyter_server.services.contents.filemanager")
-    manager = contents.FileContentsManager(post_save_hook=lab.HOOK)
+def test_jupyter_server_reads_the_hook_where_git_setup_writes_it(tmp_path, monkeypatch):
+    serverapp = pytest.importorskip("jupyter_server.serverapp")
+    config = lab.config_file(str(tmp_path))
+    config.parent.mkdir(parents=True)
+    config.write_text('{"ServerApp": {"port_retries": 3}}')
+    assert lab.install_hook(str(tmp_path)) == config
+    assert json.loads(config.read_text())["ServerApp"] == {"port_retries": 3}  # the file's other settings
+    monkeypatch.setenv("JUPYTER_CONFIG_PATH", str(config.parent))  # as <prefix>/etc/jupyter is for a venv
+    app = serverapp.ServerApp()
+    app.load_config_file()
+    assert app.config.ContentsManager.post_save_hook == lab.HOOK
+    manager = serverapp.AsyncLargeFileManager(config=app.config)
     assert manager.post_save_hook is lab.refresh_git_index
-    from jupyter_core.paths import jupyter_config_path
-
-    assert str(lab.config_dir().parent) in jupyter_config_path()  # where install_hook writes is read
+    config.write_text('{"ContentsManager": {"post_save_hook": "my.hook"}}')
+    with pytest.raises(ValueError, match="already sets ContentsManager.post_save_hook='my.hook'"):
+        lab.install_hook(str(tmp_path))
 
 
 def write_notebook(path, *sources):
