@@ -265,10 +265,59 @@ def experiment_from_spec(
 ) -> Experiment:
     """Validate a params mapping (as read from YAML) and expand its grid; see `load_experiment`."""
     scale = check_scale(scale, smoke)
-    where = str(source)
-    for key in spec:
-        if key not in TOP_LEVEL_KEYS:
-            raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
+    return expand_params(ParamsSpec.parse(spec, source, fields), scale)
+
+
+@dataclass(frozen=True)
+class ParamsSpec:
+    """A params mapping, validated (`parse`) and not yet expanded (`expand_params`): every key checked, the
+    grid's fields known, `--set` fields pinned. Its runs are not built yet: a value that RunConfig rejects
+    is found by the expansion, which names the params key that set it."""
+
+    where: str  # the source as error messages name it
+    source: Path | None  # the params file, when read from one
+    name: str
+    title: str
+    paper_table: str | None
+    base: dict[str, Any]  # RunConfig fields of every run (`--set` fields included, no seed)
+    grids: tuple[tuple[str, dict[str, list]], ...]  # (label, {field: values}) per grid mapping
+    seeds: tuple[int, ...]
+    report: dict[str, Any]
+    mini: dict[str, Any]  # the `mini` section, its rounds checked
+
+    @classmethod
+    def parse(
+        cls, spec: dict[str, Any], source: Path | str = "params", fields: dict[str, Any] | None = None
+    ) -> ParamsSpec:
+        """Check a params mapping: a ConfigError naming the source, the key and the value at the first
+        problem. `fields`: RunConfig fields pinned in every run (`--set`), see `load_experiment`."""
+        where, fields = str(source), fields or {}
+        for key in spec:
+            if key not in TOP_LEVEL_KEYS:
+                raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
+        name, title, paper_table = _header(spec, source, where)
+        base = _mapping(spec.get("base") or {}, f"{where}: base")
+        base.update(fields)
+        grids = _grid_mappings(spec.get("grid"), where)
+        seeds = _seeds(spec.get("seeds"), base, fields, where)
+        report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
+        mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
+        if "rounds" in mini:
+            mini["rounds"] = _mini_rounds(mini["rounds"], f"{where}: mini.rounds")
+        _check_report_types(report, where)
+        _check_report_fields(report, where)
+        names = field_names()
+        for key in base:
+            if key not in names:
+                raise ConfigError(f"{where}: base.{key} is not a run field{did_you_mean(key, names)}")
+        labelled = [("grid" if len(grids) == 1 else f"grid[{i}]", grid) for i, grid in enumerate(grids)]
+        axes = tuple((label, _axes(grid, label, fields, where)) for label, grid in labelled)
+        return cls(where, source if isinstance(source, Path) else None, name, title, paper_table, base, axes,
+                   tuple(seeds), report, mini)  # fmt: skip
+
+
+def _header(spec: dict[str, Any], source: Path | str, where: str) -> tuple[str, str, str | None]:
+    """The params file's experiment name (its file name by default), title and paper table, checked."""
     name = spec.get("experiment") or (Path(source).stem if isinstance(source, Path) else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or ".." in name:
         raise ConfigError(
@@ -282,9 +331,11 @@ def experiment_from_spec(
     paper_table = spec.get("paper_table")
     if paper_table is not None and not isinstance(paper_table, str):
         raise ConfigError(f"{where}: paper_table={paper_table!r} must be a table name or null")
-    base = _mapping(spec.get("base") or {}, f"{where}: base")
-    base.update(fields or {})
-    grids = spec.get("grid")
+    return name, title, paper_table
+
+
+def _grid_mappings(grids: Any, where: str) -> list[dict]:
+    """The `grid` key as a list of mappings ([{}] without one: `base` runs alone)."""
     if grids is not None and not grids:
         raise ConfigError(
             f"{where}: grid={grids!r} is empty: give field: [values] (e.g. grid: {{defense: [prodigy]}}), or "
@@ -295,9 +346,13 @@ def experiment_from_spec(
     grids = [{}] if grids is None else [grids] if isinstance(grids, dict) else grids
     if not isinstance(grids, list):
         raise ConfigError(f"{where}: grid must be a mapping of field: [values] or a list of such mappings")
-    grids = [_mapping(g, f"{where}: grid[{i}]") for i, g in enumerate(grids)]
-    seeds = spec.get("seeds")
-    if "seed" in (fields or {}) or (seeds is None and "seed" in base):
+    return [_mapping(g, f"{where}: grid[{i}]") for i, g in enumerate(grids)]
+
+
+def _seeds(seeds: Any, base: dict[str, Any], fields: dict[str, Any], where: str) -> list[int]:
+    """The seeds every grid point runs with; a seed in `base` (from `--set seed=...`, or a file without
+    `seeds`) is taken out of it and replaces them."""
+    if "seed" in fields or (seeds is None and "seed" in base):
         seeds = [base.pop("seed")]  # --set seed=... replaces the file's seeds
     elif "seed" in base:
         raise ConfigError(
@@ -306,47 +361,41 @@ def experiment_from_spec(
     seeds = [RunConfig.seed] if seeds is None else seeds
     if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds):
         raise ConfigError(f"{where}: seeds={seeds!r} must be a non-empty list of integers, e.g. [0, 1, 2]")
-    report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
-    mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
-    if "rounds" in mini:
-        mini["rounds"] = _mini_rounds(mini["rounds"], f"{where}: mini.rounds")
-    _check_report_types(report, where)
-    for key in ("rows", "columns", "blocks"):
-        for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
-            if value not in field_names():
-                raise ConfigError(
-                    f"{where}: report.{key}={value!r} is not a run field{did_you_mean(value, field_names())}"
-                )
+    return seeds
 
+
+def _axes(grid: dict, label: str, fields: dict[str, Any], where: str) -> dict[str, list]:
+    """One grid mapping's axes {field: values}, checked; a field pinned by `--set` is no axis."""
     names = field_names()
-    for key in base:
+    axes = {}
+    for key, values in grid.items():
         if key not in names:
-            raise ConfigError(f"{where}: base.{key} is not a run field{did_you_mean(key, names)}")
+            raise ConfigError(f"{where}: {label}.{key} is not a run field{did_you_mean(key, names)}")
+        if key == "seed":
+            raise ConfigError(f"{where}: {label}.seed: list the seeds in the top-level `seeds` key")
+        if key in fields:
+            continue  # pinned by --set
+        if not isinstance(values, list) or not values:
+            raise ConfigError(
+                f"{where}: {label}.{key}={values!r} must be a non-empty list of values (e.g. [{values}])"
+            )
+        axes[key] = values
+    return axes
+
+
+def expand_params(params: ParamsSpec, scale: str = "paper") -> Experiment:
+    """A validated params mapping's Experiment at `scale` (SCALES): every grid mapping's Cartesian product
+    once per seed, in grid order, a run that two mappings give kept once (by key); then `smoke_profile` or
+    `mini_profile`. A grid of more than LARGE_GRID runs announces its size and expansion time first."""
+    where, seeds = params.where, params.seeds
+    size = len(seeds) * sum(math.prod(len(v) for v in axes.values()) for _, axes in params.grids)
     configs: dict[str, RunConfig] = {}
-    all_axes: list[tuple[str, dict[str, list]]] = []
-    for i, grid in enumerate(grids):
-        label = "grid" if len(grids) == 1 else f"grid[{i}]"
-        axes = {}
-        for key, values in grid.items():
-            if key not in names:
-                raise ConfigError(f"{where}: {label}.{key} is not a run field{did_you_mean(key, names)}")
-            if key == "seed":
-                raise ConfigError(f"{where}: {label}.seed: list the seeds in the top-level `seeds` key")
-            if key in (fields or {}):
-                continue  # pinned by --set
-            if not isinstance(values, list) or not values:
-                raise ConfigError(
-                    f"{where}: {label}.{key}={values!r} must be a non-empty list of values (e.g. [{values}])"
-                )
-            axes[key] = values
-        all_axes.append((label, axes))
-    size = len(seeds) * sum(math.prod(len(v) for v in axes.values()) for _, axes in all_axes)
     started, built = time.perf_counter(), 0
-    for label, axes in all_axes:
+    for label, axes in params.grids:
         for point in itertools.product(*axes.values()):
             chosen = dict(zip(axes, point, strict=True))
             for seed in seeds:
-                config = _build(base, chosen, seed, where, label)
+                config = _build(params.base, chosen, seed, where, label)
                 configs.setdefault(config.key(), config)  # the union of products may repeat a run
                 built += 1
                 if size > LARGE_GRID and built == LARGE_GRID_SAMPLE:  # announced at once, timed on a sample
@@ -354,8 +403,8 @@ def experiment_from_spec(
                     print(f"{where}: the grid expands to {size:,} runs, about {rate * size:.0f} s to expand "
                           f"(~{rate * 1e3:.2f} ms a run); checking them...", file=sys.stderr)  # fmt: skip
     experiment = Experiment(
-        name=name, title=title, paper_table=paper_table, configs=list(configs.values()), report=report,
-        source=Path(source) if isinstance(source, Path) else None, mini_spec=mini,
+        name=params.name, title=params.title, paper_table=params.paper_table, configs=list(configs.values()),
+        report=dict(params.report), source=params.source, mini_spec=dict(params.mini),
     )  # fmt: skip
     return {"smoke": smoke_profile, "mini": mini_profile}.get(scale, lambda e: e)(experiment)
 
@@ -381,6 +430,16 @@ def _check_report_types(report: dict[str, Any], where: str) -> None:
         for name in figures:
             if name not in FIGURES:
                 raise ConfigError(f"{where}: report.figures: unknown {name!r}{did_you_mean(name, FIGURES)}")
+
+
+def _check_report_fields(report: dict[str, Any], where: str) -> None:
+    """The report layout's rows, columns and blocks name run fields."""
+    for key in ("rows", "columns", "blocks"):
+        for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
+            if value not in field_names():
+                raise ConfigError(
+                    f"{where}: report.{key}={value!r} is not a run field{did_you_mean(value, field_names())}"
+                )
 
 
 def _strings(value: Any) -> bool:
@@ -1000,6 +1059,8 @@ __all__ = [
     "execute",
     "execute_group",
     "experiment_from_spec",
+    "expand_params",
+    "ParamsSpec",
     "select",
     "load_experiment",
     "mini_profile",
