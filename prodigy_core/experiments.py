@@ -762,14 +762,50 @@ def run_grid(
     batch_runs: up to this many compatible runs train as one batched group (`prodigy_core.groups`; each
     run's record is the one it gets alone), in this process, in a pool worker or in one Ray task; "auto"
     (default) stacks where it is faster (`groups.batch_size_for`), 1 trains one run at a time.
-    """
-    from prodigy_core import groups
-    from prodigy_core.progress import bar_class, line_stream
 
-    # a widget bar in JupyterLab with ipywidgets; text in a terminal, without ipywidgets, and under papermill
-    # (PROGRESS_ENV: a widget bar would go unseen); the per-run lines on stdout in a notebook, else stderr
-    tqdm = bar_class(text=os.environ.get(PROGRESS_ENV) == "text")
-    lines = line_stream()
+    The steps: `plan_grid` (which runs, as which tasks and work items), `execute_grid` (training them,
+    recording each outcome), `grid_summary` (the closing lines, printed with progress).
+    """
+    from prodigy_core.progress import line_stream
+
+    plan = plan_grid(experiment, executor, jobs, force, results_dir, batch_runs)
+    finished, failed = execute_grid(plan, executor, progress, address, num_cpus, num_gpus)
+    if progress:
+        print("\n".join(grid_summary(plan, finished, failed)), file=line_stream())
+    return store.load(experiment, results_dir)
+
+
+@dataclass
+class GridPlan:
+    """What `run_grid` is to do (`plan_grid`): the runs without a record as tasks, in work items."""
+
+    experiment: Experiment
+    folder: Path  # its results folder
+    todo: list[RunConfig]  # the runs to train: without a valid record (all of them with force)
+    tasks: dict[str, Task]  # by run key
+    batches: list[list[str]]  # the work items' run keys: a run alone or a group (`groups.make_groups`)
+    jobs: int
+    threads: int | None  # a pool worker's torch threads (None: this machine's cores shared among the jobs)
+    force: bool
+    varying: list[str]  # the fields that differ between the grid's runs: a run's name in the progress lines
+
+    def describe(self, config: RunConfig) -> str:
+        """A run's name in the progress lines: its varying fields (its key when none varies)."""
+        return " ".join(f"{n}={getattr(config, n)}" for n in self.varying) or config.key()
+
+
+def plan_grid(
+    experiment: Experiment,
+    executor: str = "local",
+    jobs: int | str = 1,
+    force: bool = False,
+    results_dir: str | os.PathLike | None = None,
+    batch_runs: int | str = "auto",
+) -> GridPlan:
+    """Which runs of the experiment to train (`run_grid`'s arguments checked, the femnist writers counted,
+    the results folder writable when there is a run to do), as tasks grouped into work items, and with how
+    many worker processes. Trains nothing and claims nothing."""
+    from prodigy_core import groups
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
@@ -797,10 +833,30 @@ def run_grid(
     if jobs == "auto":
         jobs, threads = auto_jobs(todo, len(batches))
     varying = [n for n in field_names() if len({getattr(c, n) for c in experiment.configs}) > 1]
-    claims = store.Claims(folder, skip_done=not force)
+    return GridPlan(experiment, folder, todo, tasks, batches, int(jobs), threads, force, varying)
+
+
+def execute_grid(
+    plan: GridPlan,
+    executor: str = "local",
+    progress: bool = True,
+    address: str | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+) -> tuple[int, int]:
+    """Train the plan's work items that this process can claim, on `executor` (see `run_grid`), each run's
+    outcome recorded as it comes (`_record_outcome`) under a progress bar; returns (finished, failed)."""
+    from prodigy_core.progress import bar_class, line_stream
+
+    # a widget bar in JupyterLab with ipywidgets; text in a terminal, without ipywidgets, and under papermill
+    # (PROGRESS_ENV: a widget bar would go unseen); the per-run lines on stdout in a notebook, else stderr
+    tqdm = bar_class(text=os.environ.get(PROGRESS_ENV) == "text")
+    lines = line_stream()
+    tasks, batches, jobs = plan.tasks, plan.batches, plan.jobs
+    claims = store.Claims(plan.folder, skip_done=not plan.force)
     finished = failed = 0
-    total = len(experiment.configs)
-    bar = tqdm(total=total, initial=total - len(todo), unit="run", desc=experiment.results_name,
+    total = len(plan.experiment.configs)
+    bar = tqdm(total=total, initial=total - len(plan.todo), unit="run", desc=plan.experiment.results_name,
                disable=not progress, file=lines, dynamic_ncols=True)  # fmt: skip
     try:
         if executor == "ray":
@@ -808,20 +864,13 @@ def run_grid(
         elif jobs == 1:
             outcomes = _inline_outcomes(tasks, batches, claims)
         else:
-            outcomes = _pool_outcomes(tasks, batches, claims, jobs, threads)
+            outcomes = _pool_outcomes(tasks, batches, claims, jobs, plan.threads)
         for key, outcome, seconds in outcomes:
-            config = RunConfig.from_dict(tasks[key].config)
-            what = " ".join(f"{n}={getattr(config, n)}" for n in varying) or config.key()
-            if isinstance(outcome, BaseException):
-                store.save_failure(folder, key, tasks[key].config, outcome, experiment.results_name)
-                failed += 1
-                line = f"FAILED {what}: {type(outcome).__name__}: {outcome}"
-            else:
-                if store.stored_record(folder, key) is None:  # a worker that could not write it
-                    store.save_record(folder, key, outcome, experiment.results_name)
+            done, line = _record_outcome(plan, key, outcome, seconds)
+            if done:
                 finished += 1
-                flag = " [stand-in]" if outcome.get("stand_in") else ""
-                line = f"done   {what}: {outcome['final_accuracy']:.2f}% in {seconds:.1f}s{flag}"
+            else:
+                failed += 1
             claims.release(key)
             bar.update(1)
             if progress:
@@ -829,21 +878,38 @@ def run_grid(
     finally:
         claims.release_all()
         bar.close()
-    if progress:
-        skipped = len(experiment.configs) - len(todo)
-        busy = [c for c in todo if store.stored_record(folder, c.key()) is None
-                and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
-        for c in busy:
-            what = " ".join(f"{n}={getattr(c, n)}" for n in varying) or c.key()
-            print(f"undone {what}: {store.lock_state(folder / f'{c.key()}.lock')}", file=lines)
-        print(
-            f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
-            f"{failed} failed"
-            + (f", {len(busy)} left undone (claimed, see above)" if busy else "")
-            + f"; records in {folder}",
-            file=lines,
-        )
-    return store.load(experiment, results_dir)
+    return finished, failed
+
+
+def _record_outcome(plan: GridPlan, key: str, outcome: Outcome, seconds: float) -> tuple[bool, str]:
+    """Store one run's outcome: a failure record for an error, the record when its worker could not write
+    it; returns (whether it finished, its progress line)."""
+    folder, name, task = plan.folder, plan.experiment.results_name, plan.tasks[key]
+    what = plan.describe(RunConfig.from_dict(task.config))
+    if isinstance(outcome, BaseException):
+        store.save_failure(folder, key, task.config, outcome, name)
+        return False, f"FAILED {what}: {type(outcome).__name__}: {outcome}"
+    if store.stored_record(folder, key) is None:  # a worker that could not write it
+        store.save_record(folder, key, outcome, name)
+    flag = " [stand-in]" if outcome.get("stand_in") else ""
+    return True, f"done   {what}: {outcome['final_accuracy']:.2f}% in {seconds:.1f}s{flag}"
+
+
+def grid_summary(plan: GridPlan, finished: int, failed: int) -> list[str]:
+    """The lines `run_grid` ends with: each run of the plan left undone (claimed by another process, with
+    its lock's state), then the counts and where the records are."""
+    folder, experiment = plan.folder, plan.experiment
+    skipped = len(experiment.configs) - len(plan.todo)
+    busy = [c for c in plan.todo if store.stored_record(folder, c.key()) is None
+            and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
+    lines = [f"undone {plan.describe(c)}: {store.lock_state(folder / f'{c.key()}.lock')}" for c in busy]
+    lines.append(
+        f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
+        f"{failed} failed"
+        + (f", {len(busy)} left undone (claimed, see above)" if busy else "")
+        + f"; records in {folder}"
+    )
+    return lines
 
 
 def plural(n: int, noun: str) -> str:
@@ -1059,6 +1125,10 @@ __all__ = [
     "execute",
     "execute_group",
     "experiment_from_spec",
+    "GridPlan",
+    "plan_grid",
+    "execute_grid",
+    "grid_summary",
     "expand_params",
     "ParamsSpec",
     "select",
