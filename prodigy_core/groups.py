@@ -63,16 +63,16 @@ CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 def group_key(config: RunConfig) -> tuple | None:
     """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`)."""
-    cfg = config.resolved()
+    resolved = config.resolved()
     try:
-        device = resolve_device(cfg.device)
+        device = resolve_device(resolved.device)
     except ValueError:  # the run alone reports it
         return None
-    if training.pick_engine(cfg.engine, device, cfg.dataset) != "batched":
+    if training.pick_engine(resolved.engine, device, resolved.dataset) != "batched":
         return None
     # which RNG draws the split (`data.load_federation`): numpy's under ``authors``, except FEMNIST's writers
-    split_rng = "numpy" if cfg.variant == "authors" and cfg.distribution != "natural" else "torch"
-    return (*(getattr(cfg, name) for name in GROUP_FIELDS), split_rng)
+    split_rng = "numpy" if resolved.variant == "authors" and resolved.distribution != "natural" else "torch"
+    return (*(getattr(resolved, name) for name in GROUP_FIELDS), split_rng)
 
 
 def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[list[RunConfig]]:
@@ -103,14 +103,14 @@ def batch_size_for(config: RunConfig) -> int:
     as one batched computation"); the CIFAR-10 and FEMNIST CNNs run the sequential engine on a CPU anyway. A
     CPU's cores are used by `run_grid(jobs="auto")` instead. CUDA: as many as `CUDA_MEMORY_FRACTION` of the
     free memory holds, by `memory_per_run`."""
-    cfg = config.resolved()
-    device = resolve_device(cfg.device)
-    if group_key(cfg) is None:
+    resolved = config.resolved()
+    device = resolve_device(resolved.device)
+    if group_key(resolved) is None:
         return 1
     if device.type != "cuda":
         return 1
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, int(CUDA_MEMORY_FRACTION * free // memory_per_run(cfg)))
+    return max(1, int(CUDA_MEMORY_FRACTION * free // memory_per_run(resolved)))
 
 
 def memory_per_run(config: RunConfig) -> int:
@@ -120,19 +120,19 @@ def memory_per_run(config: RunConfig) -> int:
     from prodigy_core.data import load_federation
     from prodigy_core.models import make_model
 
-    cfg = config.resolved()
-    model = make_model(cfg.dataset)
+    resolved = config.resolved()
+    model = make_model(resolved.dataset)
     d = sum(p.numel() for p in model.parameters())
-    shape = {"cifar10": (3, 32, 32), "femnist": (1, 28, 28)}.get(cfg.dataset)
+    shape = {"cifar10": (3, 32, 32), "femnist": (1, 28, 28)}.get(resolved.dataset)
     if shape is None:
-        shape = load_federation(cfg.dataset, 2, distribution="iid").image_shape
+        shape = load_federation(resolved.dataset, 2, distribution="iid").image_shape
     sizes: list[int] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel())) for m in model.modules()]
     with torch.no_grad():
         model.eval()(torch.zeros(1, *shape))
     for h in hooks:
         h.remove()
-    return 4 * (4 * cfg.n_clients * d + 2 * cfg.n_clients * cfg.batch_size * sum(sizes))
+    return 4 * (4 * resolved.n_clients * d + 2 * resolved.n_clients * resolved.batch_size * sum(sizes))
 
 
 @dataclasses.dataclass
@@ -194,13 +194,13 @@ def iter_group(
             return
         grad_fn = training.per_client_grad(members[0].st.model)
         eval_net = training.FunctionalNet(members[0].st.model)
-        steps = max(m.st.cfg.rounds - m.st.start for m in members)
+        steps = max(m.st.resolved.rounds - m.st.start for m in members)
         bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"group of {len(configs)}")
         with bar:  # closed before an error propagates
             active = members
             for step in range(1, steps + 1):
                 tic = time.perf_counter()
-                lrs = [m.st.cfg.lr_at(m.r - 1) for m in active]
+                lrs = [m.st.resolved.lr_at(m.r - 1) for m in active]
                 outs = training.local_steps_stacked(
                     [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
                     [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
@@ -227,7 +227,7 @@ def iter_group(
                     try:
                         with m.own_rng():
                             ok = training.end_round(m.st, m.r, scores.get(m.index))
-                        if not ok or m.r == m.st.cfg.rounds:
+                        if not ok or m.r == m.st.resolved.rounds:
                             outcome = training.finish_run(m.st, keep_checkpoints)
                     except Exception as e:
                         outcome = e
@@ -248,11 +248,11 @@ def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[i
     """{member index: (accuracy, loss)} of the members whose round ends with an evaluation, evaluated
     together (`training.evaluate_runs`): one pass per variant (`training.eval_settings`: the ``authors``
     ones in training mode), each member drawing its dropout masks from its own RNG state."""
-    due = [m for m in members if training.eval_due(m.st.cfg, m.r)]
+    due = [m for m in members if training.eval_due(m.st.resolved, m.r)]
     scores: dict[int, tuple[float, float]] = {}
-    for variant in sorted({m.st.cfg.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
-        part = [m for m in due if m.st.cfg.variant == variant]
-        train_mode, batch_size = training.eval_settings(part[0].st.cfg)
+    for variant in sorted({m.st.resolved.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
+        part = [m for m in due if m.st.resolved.variant == variant]
+        train_mode, batch_size = training.eval_settings(part[0].st.resolved)
         models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
         found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
         scores.update({m.index: score for m, score in zip(part, found, strict=True)})

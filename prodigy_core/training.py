@@ -171,9 +171,9 @@ def run(
     """
     if not isinstance(config, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
-    cfg = config.resolved()
-    device = resolve_device(cfg.device)
-    engine = pick_engine(cfg.engine, device, cfg.dataset)
+    resolved = config.resolved()
+    device = resolve_device(resolved.device)
+    engine = pick_engine(resolved.engine, device, resolved.dataset)
     st = start_run(config, device, engine, checkpoint_dir, resume=resume)
     if engine == "sequential":
         local_steps = _local_steps_sequential
@@ -181,14 +181,14 @@ def run(
         grad_fn = per_client_grad(st.model, compiled=engine == "compiled")
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
 
-    bar = tqdm(total=cfg.rounds, initial=st.start, disable=not progress, unit="round",
-               desc=f"{cfg.dataset} {cfg.defense}/{cfg.attack}")  # fmt: skip
+    bar = tqdm(total=resolved.rounds, initial=st.start, disable=not progress, unit="round",
+               desc=f"{resolved.dataset} {resolved.defense}/{resolved.attack}")  # fmt: skip
     with bar:  # closed before an error propagates, so that the message starts on a line of its own
-        for r in range(st.start + 1, cfg.rounds + 1):
+        for r in range(st.start + 1, resolved.rounds + 1):
             tic = time.perf_counter()
-            gamma = cfg.lr_at(r - 1)
+            gamma = resolved.lr_at(r - 1)
             pseudo_grads, client_buffers = local_steps(
-                st.model, st.fed, cfg.local_steps, gamma, cfg, st.data_gen, stream=st.stream
+                st.model, st.fed, resolved.local_steps, gamma, resolved, st.data_gen, stream=st.stream
             )
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
@@ -211,7 +211,7 @@ class RunState:
     one; `prodigy_core.groups` keeps one per run of a group and calls the same step functions."""
 
     config: RunConfig  # as given: its key names the checkpoint and the record
-    cfg: RunConfig  # resolved
+    resolved: RunConfig  # config.resolved(): the fields every round reads
     fed: Federation  # this run's (label-flipped clients included)
     model: nn.Module  # the server model
     pipeline: Pipeline
@@ -238,34 +238,36 @@ def start_run(
     its checkpoint in `checkpoint_dir` when one exists (not with `resume=False`; an unreadable one is moved
     aside with a warning and the state starts at round 0). `fed`: the run's federation when the caller
     already loaded it (it is not modified: label flipping works on a shallow copy)."""
-    cfg = config.resolved()
-    n, f = cfg.n_clients, cfg.n_byzantine
-    fed = loaded = _load_federation(cfg, device) if fed is None else fed
-    stream = make_batch_stream(cfg, fed)  # before anything else: a too small authors client stops here
-    seed_everything(cfg.seed)
-    model = make_model(cfg.dataset).to(device).train()
-    pipeline = make_aggregator(cfg.defense, f, n_clients=n, variant=cfg.variant)
+    resolved = config.resolved()
+    n, f = resolved.n_clients, resolved.n_byzantine
+    fed = loaded = _load_federation(resolved, device) if fed is None else fed
+    stream = make_batch_stream(resolved, fed)  # before anything else: a too small authors client stops here
+    seed_everything(resolved.seed)
+    model = make_model(resolved.dataset).to(device).train()
+    pipeline = make_aggregator(resolved.defense, f, n_clients=n, variant=resolved.variant)
     attack = None
-    if f > 0 and cfg.attack != "none":
-        attack = make_attack(cfg.attack, variant=cfg.variant)
+    if f > 0 and resolved.attack != "none":
+        attack = make_attack(resolved.attack, variant=resolved.variant)
         if attack.flips_labels:
             fed = copy.copy(fed)  # flip_labels replaces the copy's label tensor, never the shared one
             fed.flip_labels(range(f))
-    data_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    data_gen = torch.Generator(device=device).manual_seed(resolved.seed)
     momentum = torch.zeros(n, sum(p.numel() for p in model.parameters()), device=device)
     # the record names the data source used (resolved: same key as `config`)
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
     result.environment = _environment(device, engine)
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
-    st = RunState(config, cfg, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream)
+    st = RunState(
+        config, resolved, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream
+    )
     if resume and ckpt is not None and ckpt.exists():
         try:
             state = torch.load(ckpt, map_location=device, weights_only=True)
             if state["key"] != config.key():
                 raise ValueError(f"it belongs to another config ({state['key']} != {config.key()})")
             st.start, saved = int(state["round"]), state["momentum"]
-            if not 0 < st.start < cfg.rounds or saved.shape != momentum.shape:
+            if not 0 < st.start < resolved.rounds or saved.shape != momentum.shape:
                 raise ValueError(f"round {st.start} or momentum shape {tuple(saved.shape)} does not fit")
             st.momentum = saved.to(device)
             model.load_state_dict(state["model"])
@@ -297,7 +299,7 @@ def server_round(
 ) -> bool:
     """Steps 2-4 of round r from the clients' pseudo-gradients (N, d) and BatchNorm reports: momentum, attack,
     aggregation, server step. Returns False when the run diverged (recorded in `st.result`)."""
-    cfg, result, f, beta = st.cfg, st.result, st.cfg.n_byzantine, st.cfg.local_momentum
+    resolved, result, f, beta = st.resolved, st.result, st.resolved.n_byzantine, st.resolved.local_momentum
     st.momentum = momentum = local_momentum(st.momentum, pseudo_grads, beta)
     if not bool(torch.isfinite(momentum[f:]).all()):  # honest training blew up: the model has diverged
         result.diverged, result.diverged_at, result.rounds_completed = True, r, r
@@ -305,13 +307,14 @@ def server_round(
     st.pipeline.new_round(parameters_to_vector(st.model.parameters()).detach())
     updates = server_input(momentum, f, st.attack, st.pipeline)
     result.attack_params.append(None if st.attack is None else _as_float(st.attack.last_param))
-    if r in cfg.record_distances_at:
+    if r in resolved.record_distances_at:
         result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
     if on_round is not None:
         on_round(r, updates, momentum, st.pipeline, st.attack)
     aggregate = st.pipeline(updates)
-    if isinstance(st.pipeline.rule, ProDiGy) and len(st.pipeline.rule.last_scores.weight) == cfg.n_clients:
-        zeroed = torch.nonzero(st.pipeline.rule.last_scores.weight == 0).flatten().tolist()
+    rule = st.pipeline.rule
+    if isinstance(rule, ProDiGy) and len(rule.last_scores.weight) == resolved.n_clients:
+        zeroed = torch.nonzero(rule.last_scores.weight == 0).flatten().tolist()
         result.zeroed_clients.append(zeroed)
         st.hits += sum(k < f for k in zeroed)
     theta = parameters_to_vector(st.model.parameters()) - gamma * aggregate
@@ -329,19 +332,19 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     False when the run diverged (``authors``: a test loss that is not finite; recorded in `st.result`).
     `scores`: the due evaluation's (accuracy, loss) when the caller made it (`groups`: all members in one
     pass, `evaluate_runs`); None: evaluated here."""
-    cfg, result = st.cfg, st.result
-    if eval_due(cfg, r):
+    resolved, result = st.resolved, st.result
+    if eval_due(resolved, r):
         if scores is None:
-            train_mode, batch_size = eval_settings(cfg)
+            train_mode, batch_size = eval_settings(resolved)
             scores = evaluate(st.model, st.fed, batch_size, train_mode)
         result.final_accuracy, result.final_loss = scores
         result.accuracy_curve.append([r, result.final_accuracy])
         # The authors' code stops at a NaN test loss and repeats that evaluation's accuracy (what argmax gave
         # on that network); an infinite loss goes on.
-        if cfg.variant == "authors" and math.isnan(result.final_loss):
+        if resolved.variant == "authors" and math.isnan(result.final_loss):
             result.diverged, result.diverged_at, st.stopped_at_nan_loss = True, r, True
             return False
-    if st.ckpt is not None and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
+    if st.ckpt is not None and r % resolved.checkpoint_every == 0 and r < resolved.rounds:
         state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
                  "rng": _get_rng_states(st.data_gen)}  # fmt: skip
@@ -358,10 +361,10 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
 def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
     """The final record once the run completed or diverged; its checkpoint is deleted (kept with
     keep_checkpoint: the caller deletes it once the record is stored)."""
-    result, f = st.result, st.cfg.n_byzantine
+    result, f = st.result, st.resolved.n_byzantine
     if result.diverged:
         if not st.stopped_at_nan_loss:
-            result.final_accuracy = diverged_accuracy(st.fed, st.cfg.variant)
+            result.final_accuracy = diverged_accuracy(st.fed, st.resolved.variant)
         result.final_loss = None
     if result.zeroed_clients and f > 0:
         flagged = sum(len(z) for z in result.zeroed_clients)
@@ -469,10 +472,10 @@ class AuthorsBatchStream:
         self.perms, self.pos = perms.to(self.fed.device, torch.int64).clone(), pos
 
 
-def make_batch_stream(cfg: RunConfig, fed: Federation) -> AuthorsBatchStream | None:
+def make_batch_stream(resolved: RunConfig, fed: Federation) -> AuthorsBatchStream | None:
     """The run's batch stream: `AuthorsBatchStream` under ``authors`` (raises `ClientTooSmallError` for a
     client smaller than batch_size), None under ``paper`` (every step draws `Federation.sample_batch`)."""
-    return AuthorsBatchStream(fed, cfg.batch_size) if cfg.variant == "authors" else None
+    return AuthorsBatchStream(fed, resolved.batch_size) if resolved.variant == "authors" else None
 
 
 def _draw_batch(
@@ -581,7 +584,7 @@ def _local_steps_batched(
     fed: Federation,
     steps: int,
     lr: float,
-    cfg: RunConfig,
+    resolved: RunConfig,
     gen: torch.Generator,
     grad_fn: ClientGrad | None = None,
     stream: AuthorsBatchStream | None = None,
@@ -592,7 +595,7 @@ def _local_steps_batched(
     (``authors``), None: `Federation.sample_batch` (``paper``)."""
     step = grad_fn or per_client_grad(model)
     ((pseudo_grads, buffers),) = local_steps_stacked(
-        [model], [fed], steps, [lr], cfg, [gen], step, streams=[stream]
+        [model], [fed], steps, [lr], resolved, [gen], step, streams=[stream]
     )
     return pseudo_grads, buffers
 
@@ -602,15 +605,15 @@ def local_steps_stacked(
     feds: list[Federation],
     steps: int,
     lrs: list[float],
-    cfg: RunConfig,
+    resolved: RunConfig,
     gens: list[torch.Generator],
     grad_fn: ClientGrad,
     own_rng: list[Callable[[], Any]] | None = None,
     streams: list[AuthorsBatchStream | None] | None = None,
 ) -> list[tuple[Tensor, dict[str, Tensor]]]:
     """The E local SGD steps of R runs' N clients each (R = len(models), same architecture, same client
-    data sizes, same E, batch size and weight decay `cfg`) as one vmapped computation over R x N clients;
-    returns every run's (pseudo-gradients (N, d), BatchNorm buffers {name: (N, ...)}).
+    data sizes, same E, batch size and weight decay: `resolved`'s) as one vmapped computation over R x N
+    clients; returns every run's (pseudo-gradients (N, d), BatchNorm buffers {name: (N, ...)}).
 
     Run i draws its batches from `gens[i]` (through its `streams[i]` when it has one: ``authors``) and,
     within `own_rng[i]()` (a context manager that makes run i's RNG state the global one; None: the global
@@ -630,7 +633,7 @@ def local_steps_stacked(
     params = {name: stack([p[name] for p in named]) for name in named[0]}
     named = [dict(m.named_buffers()) for m in models]
     buffers = {name: stack([b[name] for b in named]) for name in named[0]}
-    solo = _width_groups(feds[0], cfg.batch_size)
+    solo = _width_groups(feds[0], resolved.batch_size)
     stacked = [None if ids is None else torch.cat([ids + i * n for i in range(runs)]) for _, ids in solo]
     # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
     per_run = len(set(lrs)) > 1
@@ -638,7 +641,7 @@ def local_steps_stacked(
         parts = []  # per run, per width group: (images, labels, dropout masks)
         for i in range(runs):
             with contexts[i]():
-                x, y, _ = _draw_batch(feds[i], cfg.batch_size, gens[i], streams[i])
+                x, y, _ = _draw_batch(feds[i], resolved.batch_size, gens[i], streams[i])
                 sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
                 parts.append([(xg, yg, grad_fn.masks(xg)) for xg, yg in sub])
         for g, ids in enumerate(stacked):
@@ -653,8 +656,8 @@ def local_steps_stacked(
             for i, lr in enumerate(lrs if per_run else lrs[:1]):
                 sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
                 g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
-                if cfg.weight_decay:
-                    torch._foreach_add_(g_i, w_i, alpha=cfg.weight_decay)
+                if resolved.weight_decay:
+                    torch._foreach_add_(g_i, w_i, alpha=resolved.weight_decay)
                 torch._foreach_add_(w_i, g_i, alpha=-lr)
             if ids is not None:  # write the group's weights and BatchNorm buffers back
                 for name, v in p.items():
@@ -683,7 +686,7 @@ def _local_steps_sequential(
     fed: Federation,
     steps: int,
     lr: float,
-    cfg: RunConfig,
+    resolved: RunConfig,
     gen: torch.Generator,
     stream: AuthorsBatchStream | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -691,7 +694,7 @@ def _local_steps_sequential(
 
     The copy runs in channels-last memory format (1.2-1.5x faster convolutions on a CPU, native for cuDNN);
     flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
-    batches = [_draw_batch(fed, cfg.batch_size, gen, stream) for _ in range(steps)]
+    batches = [_draw_batch(fed, resolved.batch_size, gen, stream) for _ in range(steps)]
     server_state = copy.deepcopy(model.state_dict())
     client = copy.deepcopy(model).to(memory_format=torch.channels_last)
     weights = list(client.parameters())
@@ -704,8 +707,8 @@ def _local_steps_sequential(
             loss = F.cross_entropy(client(xk), y[k][mask[k]])
             grads = list(torch.autograd.grad(loss, weights))
             with torch.no_grad():
-                if cfg.weight_decay:
-                    torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
+                if resolved.weight_decay:
+                    torch._foreach_add_(grads, weights, alpha=resolved.weight_decay)
                 torch._foreach_add_(weights, grads, alpha=-lr)
         rows.append((start - torch.cat([w.detach().reshape(-1) for w in weights])) / lr)
         reports.append({name: b.detach().clone() for name, b in client.named_buffers()})
@@ -785,17 +788,17 @@ def evaluate_runs(
     return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
 
 
-def eval_settings(cfg: RunConfig) -> tuple[bool, int]:
+def eval_settings(resolved: RunConfig) -> tuple[bool, int]:
     """(train_mode, batch size) of a run's test evaluation: eval mode in batches of `EVAL_BATCH_SIZE`
     (``paper``), or as the authors' server tests (``authors``): training mode over DataLoader(test_set,
     batch_size=<the clients' batch size>, shuffle=False) (server.py l.29, l.51-68), where each test batch's
     own BatchNorm statistics make the batch size and the test set's order matter."""
-    return (True, cfg.batch_size) if cfg.variant == "authors" else (False, EVAL_BATCH_SIZE)
+    return (True, resolved.batch_size) if resolved.variant == "authors" else (False, EVAL_BATCH_SIZE)
 
 
-def eval_due(cfg: RunConfig, r: int) -> bool:
+def eval_due(resolved: RunConfig, r: int) -> bool:
     """Whether round r ends with an evaluation: every `eval_every` rounds and after the last."""
-    return r % cfg.eval_every == 0 or r == cfg.rounds
+    return r % resolved.eval_every == 0 or r == resolved.rounds
 
 
 def diverged_accuracy(fed: Federation, variant: str) -> float:
@@ -807,13 +810,13 @@ def diverged_accuracy(fed: Federation, variant: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _load_federation(cfg: RunConfig, device: torch.device) -> Federation:
-    """The run's federation, from the data source its key was computed with (`cfg` is resolved)."""
-    return load_federation(cfg.dataset, cfg.n_clients, distribution=cfg.distribution,
-                           dirichlet_alpha=cfg.dirichlet_alpha, seed=cfg.data_seed, device=device,
-                           data_dir=cfg.data_dir, download=cfg.download,
-                           min_writer_samples=cfg.femnist_min_writer_samples,
-                           source=cfg.data_source, variant=cfg.variant)  # fmt: skip
+def _load_federation(resolved: RunConfig, device: torch.device) -> Federation:
+    """The run's federation from `config.resolved()`: the data source its key was computed with."""
+    return load_federation(resolved.dataset, resolved.n_clients, distribution=resolved.distribution,
+                           dirichlet_alpha=resolved.dirichlet_alpha, seed=resolved.data_seed, device=device,
+                           data_dir=resolved.data_dir, download=resolved.download,
+                           min_writer_samples=resolved.femnist_min_writer_samples,
+                           source=resolved.data_source, variant=resolved.variant)  # fmt: skip
 
 
 def _environment(device: torch.device, engine: str) -> dict[str, Any]:
