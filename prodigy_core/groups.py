@@ -161,12 +161,22 @@ def iter_group(
     checkpoint_dir: str | Path | None = None,
     progress: bool = False,
     keep_checkpoints: bool = False,
-    _stop_after: int | None = None,
 ) -> Iterator[tuple[int, Outcome]]:
     """Train compatible runs together; yields (index in `configs`, record or the error it raised) as each
     run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone
-    (`keep_checkpoints`: a finished run's checkpoint is left for the caller, as `training.run`'s).
-    `_stop_after` (tests only) returns after that many steps of the group, as if the process were killed."""
+    (`keep_checkpoints`: a finished run's checkpoint is left for the caller, as `training.run`'s)."""
+    yield from _iter_group(configs, checkpoint_dir, progress, keep_checkpoints)
+
+
+def _iter_group(
+    configs: Sequence[RunConfig],
+    checkpoint_dir: str | Path | None = None,
+    progress: bool = False,
+    keep_checkpoints: bool = False,
+    stop_after: int | None = None,
+) -> Iterator[tuple[int, Outcome]]:
+    """`iter_group`; `stop_after` (tests): return after that many steps of the group, as if the process
+    were killed."""
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
         return
@@ -238,7 +248,7 @@ def iter_group(
                         yield m.index, outcome
                 active = still
                 bar.update(1)
-                if not active or _stop_after == step:
+                if not active or stop_after == step:
                     break
     finally:
         training._set_rng_states(outside, torch.Generator())

@@ -154,14 +154,12 @@ def run(
     resume: bool = True,
     on_round: Callable[..., None] | None = None,
     keep_checkpoint: bool = False,
-    _stop_after: int | None = None,
 ) -> RunResult:
     """Train one federated run described by `config` and return its `RunResult`.
 
     `checkpoint_dir`: save a checkpoint every `config.checkpoint_every` rounds and resume from it when one
     for the same `config.key()` exists (`resume=False`: ignore it and start from round 0, replacing it at
-    the next checkpoint; an unreadable one is moved aside and the run starts from round 0). `_stop_after`
-    (tests only) returns after that round without finishing, as if the process had been killed.
+    the next checkpoint; an unreadable one is moved aside and the run starts from round 0).
     `keep_checkpoint`: leave the checkpoint of a completed run for the caller to delete once it has stored
     the record (`results.save_record` does), so that a record that cannot be written loses no work.
     `on_round(r, updates, momentum, pipeline, attack)`, if given, is called every round once the server's
@@ -169,6 +167,20 @@ def run(
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
     (used by `prodigy_core.explorer.explore`).
     """
+    return _run(config, progress, checkpoint_dir, resume, on_round, keep_checkpoint)
+
+
+def _run(
+    config: RunConfig,
+    progress: bool = True,
+    checkpoint_dir: str | Path | None = None,
+    resume: bool = True,
+    on_round: Callable[..., None] | None = None,
+    keep_checkpoint: bool = False,
+    stop_after: int | None = None,
+) -> RunResult:
+    """`run`; `stop_after` (tests): return after that round without finishing, as if the process had been
+    killed (its checkpoint left as it was)."""
     if not isinstance(config, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
     resolved = config.resolved()
@@ -199,7 +211,7 @@ def run(
                 break
             bar.set_postfix(lr=gamma, acc=f"{st.result.final_accuracy:.1f}", refresh=False)
             bar.update(1)
-            if _stop_after == r:
+            if stop_after == r:
                 return st.result
     return finish_run(st, keep_checkpoint)
 
@@ -283,7 +295,7 @@ def start_run(
                 f"checkpoint {ckpt} cannot be resumed ({type(e).__name__}: {why}); "
                 f"moved to {moved.name}, the run restarts from round 0",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,  # the caller of `run` (start_run < _run < run) or of `groups.iter_group`
             )
             return start_run(config, device, engine, checkpoint_dir, loaded, resume=False)
     return st
