@@ -1,36 +1,10 @@
-"""Experiments: a params file (one paper table or figure) expanded into run configs, and the executors that
-run a grid into the results store (`prodigy_core.results`), resumably, locally or on a Ray cluster.
+"""Experiments: a params file (one table or figure of the ProDiGy paper) expanded into run configs, and the
+executors that run its grid into the results store (`prodigy_core.results`), resumably, locally or on a Ray
+cluster.
 
-A params file (params/*.yaml) has these top-level keys:
-
-    experiment: table1_cifar10        # results/<experiment>/, figures/<experiment>.*
-    title: "Table I: ..."
-    paper_table: bigtable             # value of `table` in paper_results.csv, or null
-    base: {dataset: cifar10, ...}     # RunConfig fields shared by every run
-    grid: {defense: [...], ...}       # Cartesian product of the listed values; or a LIST of such mappings,
-                                      # whose products are joined (use it when one field is tied to another)
-    seeds: [0, 1, 2]                  # sets RunConfig.seed; every grid point runs once per seed
-    mini: {rounds: 30}                # the mini scale's rounds (an int, or {paper rounds: mini rounds})
-    report: {rows: defense, columns: attack, blocks: [...], figures: [...]}
-
-Every file is validated on load: unknown keys (with a "did you mean"), wrong types and impossible runs are
-ConfigErrors that name the file, the key and the value.
-
-Three scales (`scale=`, SCALES): "paper" (the file as written); "smoke" (the same grid shrunk to seconds for
-CI, see `smoke_profile`); "mini" (every run of the paper's grid with its N, f, E, beta, split, defenses and
-attacks, but the params file's `mini` rounds and one seed, see `mini_profile`). Smoke and mini runs are stored
-apart from paper-scale ones (`results/<experiment>-smoke/`, `-mini/`) and say so in every title.
-
-Running a table on a Ray cluster (every node: the same Python environment, `pip install "prodigy-fl[ray]"`,
-and the results folder and datasets on a shared filesystem, since a run's checkpoints are written by the node
-that trains it, which also writes its record):
-
-    ray start --head --port=6379                      # on the head node
-    ray start --address=HEAD_IP:6379                  # on every other node
-    prodigy-fl grid params/table1_cifar10.yaml --executor ray --address auto --num-gpus 0.25 \
-        --set data_dir=/shared/data --results-dir /shared/results
-
-`--num-gpus 0.25` packs four runs per GPU; stop and rerun the same command at will: finished runs are skipped.
+Entry points: `load_experiment` (a params file at a scale: "paper", "smoke" or "mini"; the format is
+`ParamsSpec`'s), `run_grid` (every run without a record, then the results frame), `select` (some rows and
+columns of a grid), `undone` (the runs still without a record).
 """
 
 from __future__ import annotations
@@ -185,6 +159,12 @@ def load_experiment(
     """Load, validate and expand a params file at a scale ("paper" by default, "smoke" also by smoke=True,
     "mini").
 
+    Three scales (`scale=`, SCALES): "paper" (the file as written); "smoke" (the same grid shrunk to seconds
+    for CI, see `smoke_profile`); "mini" (every run of the paper's grid with its N, f, E, beta, split,
+    defenses and attacks, but the params file's `mini` rounds and one seed, see `mini_profile`). Smoke and
+    mini runs are stored apart from paper-scale ones (`results/<experiment>-smoke/`, `-mini/`) and say so in
+    every title.
+
     overrides: top-level YAML keys to replace (base, grid, seeds, ...); keys whose value is None are ignored
     (the notebooks' papermill parameters). fields: RunConfig fields to pin in every run (`--set key=value`):
     they go into `base` and the grid axis of the same name, if any, is dropped.
@@ -272,7 +252,23 @@ def experiment_from_spec(
 class ParamsSpec:
     """A params mapping, validated (`parse`) and not yet expanded (`expand_params`): every key checked, the
     grid's fields known, `--set` fields pinned. Its runs are not built yet: a value that RunConfig rejects
-    is found by the expansion, which names the params key that set it."""
+    is found by the expansion, which names the params key that set it.
+
+    A params file (params/*.yaml) has these top-level keys:
+
+        experiment: table1_cifar10      # results/<experiment>/, figures/<experiment>.*
+        title: "Table I: ..."
+        paper_table: bigtable           # value of `table` in paper_results.csv, or null
+        base: {dataset: cifar10, ...}   # RunConfig fields shared by every run
+        grid: {defense: [...], ...}     # Cartesian product of the listed values; or a LIST of such
+                                        # mappings, whose products are joined (one field tied to another)
+        seeds: [0, 1, 2]                # sets RunConfig.seed; every grid point runs once per seed
+        mini: {rounds: 30}              # the mini scale's rounds (an int, or {paper rounds: mini rounds})
+        report: {rows: defense, columns: attack, blocks: [...], figures: [...]}
+
+    Unknown keys (with a "did you mean"), wrong types and impossible runs are ConfigErrors that name the
+    file, the key and the value.
+    """
 
     where: str  # the source as error messages name it
     source: Path | None  # the params file, when read from one
@@ -762,6 +758,11 @@ def run_grid(
     batch_runs: up to this many compatible runs train as one batched group (`prodigy_core.groups`; each
     run's record is the one it gets alone), in this process, in a pool worker or in one Ray task; "auto"
     (default) stacks where it is faster (`groups.batch_size_for`), 1 trains one run at a time.
+
+    On a Ray cluster (docs/usage.md "On a cluster (Ray)") every node needs the same Python environment
+    (`pip install "prodigy-fl[ray]"`), and the results folder and the datasets on a shared filesystem: a
+    run's checkpoints are written by the node that trains it, which also writes its record. Stop and rerun
+    at will: finished runs are skipped.
 
     The steps: `plan_grid` (which runs, as which tasks and work items), `execute_grid` (training them,
     recording each outcome), `grid_summary` (the closing lines, printed with progress).

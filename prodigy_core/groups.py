@@ -1,41 +1,11 @@
-"""Many runs as one batched computation: R runs' clients stacked (R x N models) in one vmapped local step.
+"""Many runs as one batched computation: R compatible runs' clients stacked (R x N models) in one vmapped
+local step, each run's record the one it gets alone.
 
 Runs of one grid block share the dataset, the model, N, E and b and differ in defense, attack, seed, momentum
-and schedule; on a GPU one run's step (N=10 clients) is far too small for the card (on a CPU it is compute-
-bound already, and `batch_size_for` does not stack). A group trains R compatible runs (`group_key`) together:
-
-- the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at its
-  own learning rate, on its own batches (an ``authors`` run's from its own `training.AuthorsBatchStream`,
-  whose epoch orders it draws from its own data generator) and dropout masks;
-- the evaluation: the members due evaluate their server models in one vmapped forward pass per test batch
-  (`training.evaluate_runs`; one pass per variant);
-- everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
-  flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
-  state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
-  `finish_run` (record).
-
-Independence from the group. Each run owns a full RNG state (torch's CPU and CUDA generators, python's and
-numpy's), seeded from the run alone exactly as `training.run` seeds it; whenever code of run i runs (its
-batch and dropout-mask draws, its server side, its evaluation and checkpoint) its state is made the global
-one and saved back afterwards. Run i thus consumes the same random numbers in the same order as alone, and
-its record (same key, same fields, same checkpoint file) does not depend on which runs share the group or on
-their order; in float64 the parameters agree with a run alone to rounding (tests/test_groups.py). Only
-`round_times` differ: a member's round time is its share of the group's local steps plus its own server
-side; `environment.group_size` records R.
-
-Compatibility: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
-data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the batched
-engine alone (`training.pick_engine`). `variant` is part of the key only where it changes the split (iid
-and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`); otherwise it changes
-the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`, which needs every client
-to hold a full batch: a member whose client is smaller is reported with its `training.ClientTooSmallError`
-before the group starts, and the others go on), the server side (rules, SF written into the momentum, CClip
-from theta_t), the evaluation (train mode) and the diverged accuracy, all of which run per member in
-`local_steps_stacked`, `server_round`, `end_round` and `finish_run`. Runs with
-different splits are not stacked (it would need per-run index tables and width groups); they go to other
-groups. A member that diverges is frozen and recorded as diverged, one whose server side raises is reported
-with its error; the others go on. Runs may be at different rounds (resumed from checkpoints of different
-ages) or have different `rounds`: each member does its own next round every step of the group.
+and schedule; on a GPU one run's step (N=10 clients) is far too small for the card. Entry points:
+`make_groups` (a grid's runs in groups of compatible ones: `group_key`, sized by `batch_size_for`),
+`iter_group` / `run_group` (train one group). The ProDiGy paper's Algorithm 1 itself is `training.run`'s;
+`experiments.run_grid` calls this module (batch_runs).
 """
 
 from __future__ import annotations
@@ -62,7 +32,16 @@ CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
 def group_key(config: RunConfig) -> tuple | None:
-    """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`)."""
+    """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`).
+
+    Compatible: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
+    data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the
+    batched engine alone (`training.pick_engine`). `variant` is part of the key only where it changes the
+    split (iid and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`);
+    otherwise it changes the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`),
+    the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode)
+    and the diverged accuracy, all of which run per member. Runs with different splits are not stacked (it
+    would need per-run index tables and width groups); they go to other groups."""
     resolved = config.resolved()
     try:
         device = resolve_device(resolved.device)
@@ -164,7 +143,34 @@ def iter_group(
 ) -> Iterator[tuple[int, Outcome]]:
     """Train compatible runs together; yields (index in `configs`, record or the error it raised) as each
     run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone
-    (`keep_checkpoints`: a finished run's checkpoint is left for the caller, as `training.run`'s)."""
+    (`keep_checkpoints`: a finished run's checkpoint is left for the caller, as `training.run`'s).
+
+    - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at
+      its own learning rate, on its own batches (an ``authors`` run's from its own
+      `training.AuthorsBatchStream`, whose epoch orders it draws from its own data generator) and dropout
+      masks;
+    - the evaluation: the members due evaluate their server models in one vmapped forward pass per test
+      batch (`training.evaluate_runs`; one pass per variant);
+    - everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
+      flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
+      state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
+      `finish_run` (record).
+
+    Independence from the group. Each run owns a full RNG state (torch's CPU and CUDA generators, python's
+    and numpy's), seeded from the run alone exactly as `training.run` seeds it; whenever code of run i runs
+    (its batch and dropout-mask draws, its server side, its evaluation and checkpoint) its state is made the
+    global one and saved back afterwards. Run i thus consumes the same random numbers in the same order as
+    alone, and its record (same key, same fields, same checkpoint file) does not depend on which runs share
+    the group or on their order; in float64 the parameters agree with a run alone to rounding
+    (tests/test_groups.py). Only `round_times` differ: a member's round time is its share of the group's
+    local steps plus its own server side; `environment.group_size` records R.
+
+    A member that diverges is frozen and recorded as diverged, one whose server side raises is reported with
+    its error, an ``authors`` member with a client smaller than a batch with its
+    `training.ClientTooSmallError` before the group starts; the others go on. Runs may be at different
+    rounds (resumed from checkpoints of different ages) or have different `rounds`: each member does its own
+    next round every step of the group.
+    """
     yield from _iter_group(configs, checkpoint_dir, progress, keep_checkpoints)
 
 

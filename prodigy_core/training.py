@@ -1,73 +1,11 @@
-"""Federated training engine: the paper's Algorithm 1 with local momentum, all clients in one batched step.
+"""Federated training of one run: the ProDiGy paper's Algorithm 1 with local momentum, all N clients' local
+steps as one batched computation.
 
-One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and in
-`config.record_distances_at`, so round 1 is the first server step):
-
-1. every client k starts from the server model theta_t and runs E local SGD steps at lr gamma_t on batches of
-   b = min(batch_size, |D_k|) samples drawn anew without replacement at every step (``paper``; ``authors``:
-   `AuthorsBatchStream`), with weight decay in the step
-   (g <- grad + wd * theta; theta <- theta - gamma_t g) and no client-side SGD momentum;
-2. it forms the pseudo-gradient g_t^k = (theta_t - theta_t^{k,(E)}) / gamma_t and its local momentum
-   m_t^k = beta m_{t-1}^k + (1 - beta) g_t^k, m_{-1}^k = 0 (beta = `local_momentum`; m_t = g_t when beta = 0),
-   kept for ALL clients: a sign-flipping client keeps its honest momentum, the attack negates what is sent;
-3. Byzantine clients are ids 0..f-1: the attack replaces their rows, `attack.craft(m[f:], m[:f], pipeline)`
-   (label flipping instead trains them on y' = C-1-y and sends their honest-looking momentum), see
-   `server_input`; the pipeline is first told theta_t (`Pipeline.new_round`: CClip's start under the
-   ``authors`` variant, in the attack's search too);
-4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t = `config.lr_at(t)`.
-
-``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see `make_aggregator`,
-`make_attack`): every client's batches come from its own epoch shuffles, b = batch_size consecutive samples
-per step, the last partial batch of an epoch dropped, the position carried across rounds and checkpointed
-(`AuthorsBatchStream`, client.py's cycled DataLoader with drop_last=True), and a client with fewer than
-batch_size samples stops the run before it starts (`ClientTooSmallError`: the authors' code would never
-return); evaluation runs the network in training mode in test batches of b (`eval_settings`), a run
-stops at the first evaluation whose test loss is NaN and keeps that evaluation's accuracy, and a run whose
-model became non-finite scores the share of class 0 in the test set (what argmax gives on NaN logits).
-
-The update vector holds the trainable parameters only (BatchNorm buffers and `num_batches_tracked` are not
-part of it).
-
-BatchNorm running statistics: each client starts a round from the server's buffers and updates its own copy
-during its local steps (per-client buffers, stacked along the client axis in the batched engine). The server
-then sets each floating-point buffer to the coordinate-wise median of the N reported buffers (mean of the two
-middle values for even N). Since f < N/2, the median lies within the range of the honest reports whatever
-the Byzantine clients report (in this simulation they report the statistics of their own honest or
-label-flipped training; the attack model only crafts the update vector). The authors' code never sends the
-buffers and evaluates in training mode; we evaluate in eval mode under `no_grad` (``variant="paper"``).
-
-Engines (same semantics, same batches drawn from the same generator):
-- ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters and
-  BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn before the
-  step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout), and passed in
-  (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this way. Clients
-  smaller than batch_size (``paper`` only) are vmapped in groups of equal batch width, so every client's loss
-  and BatchNorm batch statistics use exactly its own b_k samples.
-- ``sequential``: the reference, one model copy trained client after client on exactly its valid entries.
-- ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per run
-  (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
-  It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
-  dropout). Opt-in: `auto` never
-  picks it (see benchmarks/README.md's notes for where it pays).
-- ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
-  (`AUTO_CPU_ENGINE`).
-
-ProDiGy detection: when the rule is `ProDiGy` and its scores have one entry per client, the clients with
-weight 0 are logged each round. Precision and recall against the true Byzantine ids {0..f-1} are
-micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t |Z_t & B| / (T f).
-
-A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is NaN)
-stops with its model frozen and is recorded as diverged, with no loss and the accuracy
-`diverged_accuracy`: chance level 100 / num_classes (``paper``), or what a NaN network predicts in the
-authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set;
-an ``authors`` run stopped by a NaN test loss keeps the accuracy that evaluation measured.
-Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`) hold
-the model, the momentum, the pipeline state, every RNG state and (``authors``) the batch stream, so a
-resumed run reproduces the uninterrupted one; the checkpoint is deleted when the run completes. They hold
-tensors and plain Python values only and are read with `torch.load(weights_only=True)`, so a crafted file on
-a shared disk cannot run code; a checkpoint that cannot be read or restored (garbage, truncated, crafted,
-another version's) is named in a warning, moved aside (`safe_io.quarantine`) and the run restarts from round
-0.
+Entry points: `run` (a `RunConfig` trained to its `RunResult`; its docstring states one round, the spec of
+Algorithm 1), `evaluate` / `evaluate_runs` (test accuracy and loss). `run`'s steps, `start_run`,
+`server_round`, `end_round` and `finish_run`, are shared with `prodigy_core.groups`, which trains several
+runs in one batched step. ``variant="authors"`` follows the authors' public code where it departs from the
+paper's text (docs/semantics.md).
 """
 
 from __future__ import annotations
@@ -103,11 +41,9 @@ from prodigy_core.models import make_model
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
 
-# engine="auto" on a CPU, per dataset, from benchmarks/training.py on 2 CPU cores (torch 2.14, b=64), batched
-# vs sequential seconds per round: FEMNIST CNN N=20 E=2 3.4-3.9 vs 2.2-2.4; CIFAR-10 CNN N=10 E=2 11.5-12.9
-# vs 7.2-7.5 (vmap turns convolutions into grouped ones, slower than plain ones on a CPU once they are large);
-# digits (DigitsCNN, N=10, E=10, one thread as `--jobs auto` runs it, idle): 0.23 vs 0.12 (a Dirichlet split's
-# small clients make 3 vmapped calls a step). Tests pin engine="batched" where they test that path.
+# engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
+# benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
+# that path.
 AUTO_CPU_ENGINE = {"digits": "sequential", "femnist": "sequential", "cifar10": "sequential"}
 # Test batch size of the paper variant: eval mode gives every batch size the same numbers. (The authors' test
 # loader takes the clients' batch size: `eval_settings`.)
@@ -157,11 +93,46 @@ def run(
 ) -> RunResult:
     """Train one federated run described by `config` and return its `RunResult`.
 
+    One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and in
+    `config.record_distances_at`, so round 1 is the first server step):
+
+    1. every client k starts from the server model theta_t and runs E local SGD steps at lr gamma_t on
+       batches of b = min(batch_size, |D_k|) samples drawn anew without replacement at every step
+       (``paper``; ``authors``: `AuthorsBatchStream`), with weight decay in the step
+       (g <- grad + wd * theta; theta <- theta - gamma_t g) and no client-side SGD momentum;
+    2. it forms the pseudo-gradient g_t^k = (theta_t - theta_t^{k,(E)}) / gamma_t and its local momentum
+       m_t^k = beta m_{t-1}^k + (1 - beta) g_t^k, m_{-1}^k = 0 (beta = `local_momentum`; m_t = g_t when
+       beta = 0), kept for ALL clients: a sign-flipping client keeps its honest momentum, the attack negates
+       what is sent;
+    3. Byzantine clients are ids 0..f-1: the attack replaces their rows, `attack.craft(m[f:], m[:f],
+       pipeline)` (label flipping instead trains them on y' = C-1-y and sends their honest-looking
+       momentum), see `server_input`; the pipeline is first told theta_t (`Pipeline.new_round`: CClip's
+       start under the ``authors`` variant, in the attack's search too);
+    4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t =
+       `config.lr_at(t)`, and sets its BatchNorm buffers to the median of the clients' reports
+       (`_set_server_buffers`).
+
+    The update vector holds the trainable parameters only (BatchNorm buffers and `num_batches_tracked` are
+    not part of it). Step 1 is `local_steps_stacked` (or the sequential reference, see `pick_engine`),
+    2-4 `server_round`; `end_round` evaluates and checkpoints, `finish_run` makes the record (divergence,
+    ProDiGy's detection).
+
+    ``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see
+    `make_aggregator`, `make_attack`): every client's batches come from its own epoch shuffles, b =
+    batch_size consecutive samples per step, the last partial batch of an epoch dropped, the position
+    carried across rounds and checkpointed (`AuthorsBatchStream`, client.py's cycled DataLoader with
+    drop_last=True), and a client with fewer than batch_size samples stops the run before it starts
+    (`ClientTooSmallError`: the authors' code would never return); evaluation runs the network in training
+    mode in test batches of b (`eval_settings`), a run stops at the first evaluation whose test loss is NaN
+    and keeps that evaluation's accuracy, and a run whose model became non-finite scores the share of class
+    0 in the test set (what argmax gives on NaN logits).
+
     `checkpoint_dir`: save a checkpoint every `config.checkpoint_every` rounds and resume from it when one
     for the same `config.key()` exists (`resume=False`: ignore it and start from round 0, replacing it at
-    the next checkpoint; an unreadable one is moved aside and the run starts from round 0).
-    `keep_checkpoint`: leave the checkpoint of a completed run for the caller to delete once it has stored
-    the record (`results.save_record` does), so that a record that cannot be written loses no work.
+    the next checkpoint; an unreadable one is moved aside and the run starts from round 0; what a
+    checkpoint holds: `start_run`). `keep_checkpoint`: leave the checkpoint of a completed run for the
+    caller to delete once it has stored the record (`results.save_record` does), so that a record that
+    cannot be written loses no work.
     `on_round(r, updates, momentum, pipeline, attack)`, if given, is called every round once the server's
     input `updates` is formed and before it is aggregated
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
@@ -249,7 +220,15 @@ def start_run(
     """A run's state before its first round to do: seeded model, pipeline, attack, generators, resumed from
     its checkpoint in `checkpoint_dir` when one exists (not with `resume=False`; an unreadable one is moved
     aside with a warning and the state starts at round 0). `fed`: the run's federation when the caller
-    already loaded it (it is not modified: label flipping works on a shallow copy)."""
+    already loaded it (it is not modified: label flipping works on a shallow copy).
+
+    Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`,
+    written by `end_round`) hold the model, the momentum, the pipeline state, every RNG state and
+    (``authors``) the batch stream, so a resumed run reproduces the uninterrupted one; the checkpoint is
+    deleted when the run completes. They hold tensors and plain Python values only and are read with
+    `torch.load(weights_only=True)`, so a crafted file on a shared disk cannot run code; a checkpoint that
+    cannot be read or restored (garbage, truncated, crafted, another version's) is named in a warning, moved
+    aside (`safe_io.quarantine`) and the run restarts from round 0."""
     resolved = config.resolved()
     n, f = resolved.n_clients, resolved.n_byzantine
     fed = loaded = _load_federation(resolved, device) if fed is None else fed
@@ -372,7 +351,18 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
 
 def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
     """The final record once the run completed or diverged; its checkpoint is deleted (kept with
-    keep_checkpoint: the caller deletes it once the record is stored)."""
+    keep_checkpoint: the caller deletes it once the record is stored).
+
+    A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is NaN) stops
+    with its model frozen and is recorded as diverged, with no loss and the accuracy `diverged_accuracy`:
+    chance level 100 / num_classes (``paper``), or what a NaN network predicts in the authors' code, class 0
+    for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set; an ``authors`` run
+    stopped by a NaN test loss keeps the accuracy that evaluation measured.
+
+    ProDiGy detection: when the rule is `ProDiGy` and its scores have one entry per client, the clients with
+    weight 0 are logged each round (`server_round`). Precision and recall against the true Byzantine ids
+    {0..f-1} are micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t
+    |Z_t & B| / (T f)."""
     result, f = st.result, st.resolved.n_byzantine
     if result.diverged:
         if not st.stopped_at_nan_loss:
@@ -388,7 +378,24 @@ def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
 
 
 def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
-    """Resolve engine="auto": batched on CUDA, the measured faster one on CPU (`AUTO_CPU_ENGINE`)."""
+    """Resolve engine="auto": batched on CUDA, the measured faster one on CPU (`AUTO_CPU_ENGINE`).
+
+    Engines (same semantics, same batches drawn from the same generator):
+    - ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters
+      and BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn
+      before the step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout),
+      and passed in (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this
+      way. Clients smaller than batch_size (``paper`` only) are vmapped in groups of equal batch width, so
+      every client's loss and BatchNorm batch statistics use exactly its own b_k samples.
+    - ``sequential``: the reference, one model copy trained client after client on exactly its valid
+      entries.
+    - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
+      run (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
+      It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
+      dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
+    - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
+      (`AUTO_CPU_ENGINE`).
+    """
     if engine != "auto":
         return engine
     return "batched" if device.type == "cuda" else AUTO_CPU_ENGINE[dataset]
@@ -729,7 +736,17 @@ def _local_steps_sequential(
 
 
 def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> None:
-    """Server BatchNorm statistics = coordinate-wise median of the clients' reports (robust for f < N/2)."""
+    """Server BatchNorm statistics = coordinate-wise median of the clients' reports (robust for f < N/2).
+
+    Each client starts a round from the server's buffers and updates its own copy during its local steps
+    (per-client buffers, stacked along the client axis in the batched engine). The server then sets each
+    floating-point buffer to the coordinate-wise median of the N reported buffers (mean of the two middle
+    values for even N). Since f < N/2, the median lies within the range of the honest reports whatever the
+    Byzantine clients report (in this simulation they report the statistics of their own honest or
+    label-flipped training; the attack model only crafts the update vector). The authors' code never sends
+    the buffers and evaluates in training mode; we evaluate in eval mode under `no_grad`
+    (``variant="paper"``).
+    """
     with torch.no_grad():
         for name, b in model.named_buffers():
             reports = client_buffers[name]
