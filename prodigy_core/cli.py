@@ -9,12 +9,8 @@
     prodigy-fl reproduce [--scale smoke|mini|paper] [--only NAME ...]
     prodigy-fl init [DIR]
 
-Outputs go to the project folder (`prodigy_core.paths`): the nearest ancestor of the working directory that
-holds params/, else the working directory; env PRODIGY_RESULTS_DIR, PRODIGY_FIGURES_DIR, PRODIGY_DATA_DIR win.
-
-Bad input (an unknown field, an impossible config, a missing file, a results folder that cannot be
-written, a full disk) ends with one line `prodigy-fl: error: ...` and exit status 2, never a traceback;
-warnings (an invalid record moved aside, an unreadable checkpoint) are one line `prodigy-fl: warning: ...`.
+Entry point: `main` (the console script; each command is a `cmd_*` function). It reproduces the ProDiGy
+paper's tables and figures from params/ (README.md's table of paper items).
 """
 
 from __future__ import annotations
@@ -41,6 +37,15 @@ QUICKSTART_TIME = "about 4 minutes on a 2-core CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `prodigy-fl` command; returns its exit status.
+
+    Outputs go to the project folder (`prodigy_core.paths`): the nearest ancestor of the working directory
+    that holds params/, else the working directory; env PRODIGY_RESULTS_DIR, PRODIGY_FIGURES_DIR,
+    PRODIGY_DATA_DIR win. Bad input (an unknown field, an impossible config, a missing file, a results
+    folder that cannot be written, a full disk) ends with one line `prodigy-fl: error: ...` and exit status
+    2, never a traceback; warnings (an invalid record moved aside, an unreadable checkpoint) are one line
+    `prodigy-fl: warning: ...`.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

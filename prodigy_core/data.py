@@ -1,23 +1,9 @@
-"""Federated datasets held on the device: CIFAR-10, FEMNIST (LEAF) and scikit-learn's embedded digits.
+"""Federated datasets held on the device: CIFAR-10, FEMNIST (LEAF) and scikit-learn's embedded digits (the
+ProDiGy paper's data sets, and a small offline stand-in).
 
-A `Federation` keeps the whole training set as one tensor on the device plus one index tensor per client, and
-produces the batches of all N clients of one local step at once: an (N, B) index tensor drawn without
-replacement within each client, then one gather + batched augmentation + normalisation. No DataLoader and no
-per-sample PIL transform in the training loop (design-notes section 2; benchmarks/data.py measures the gain).
-
-Splits (cifar10, digits): `iid` (a seeded random partition into near-equal parts) and `dirichlet` (the
-NIID-Bench recipe, `dirichlet_split`). FEMNIST is `natural`: one writer per client. Splits are drawn on the
-CPU from a generator seeded with the data seed, so a seed gives the same federation on every device; under
-``variant="authors"`` from numpy's, as the authors' code draws them (`dirichlet_split_numpy`).
-
-Data sources (`RunConfig.data_source`, part of every result key, named in every table): CIFAR-10 comes from
-torchvision's binary batches (`cifar10-binary`, `prodigy-fl data cifar10` with internet) or else from the
-decoded JPEG copy (`cifar10-jpeg`, `prodigy-fl data cifar10 --from cifar10-jpeg.tar.gz`: lossy re-encoded
-images, labelled "CIFAR-10 (JPEG copy)"). FEMNIST comes from a LEAF folder; its source is
-`femnist-leaf-<hash>`, a hash of the writers a run uses (ids and train/test counts), so that runs on different
-writers never share a key. Eligible writers have at least `min_writer_samples` samples over train + test
-(LEAF's `-k`, counted before LEAF's train/test split); clients are the first N eligible writers in sorted
-order, as in the authors' loader.
+Entry points: `load_federation` (a dataset split among N clients: a `Federation`, which draws all clients'
+batches of a local step at once, with no DataLoader in the training loop), `resolve_data_source` (which copy
+of a dataset a run uses: part of its key), `decode_cifar10_jpeg` (`prodigy-fl data cifar10 --from`).
 """
 
 from __future__ import annotations
@@ -118,6 +104,14 @@ def resolve_data_source(
     cifar10: torchvision's binary batches when present, else the decoded JPEG copy (both under `data_dir`,
     default `data_root()`). femnist: `femnist-leaf-<hash>` of the first n_clients eligible writers of
     `data_dir` (default: `default_femnist_dir(n_clients, min_writer_samples)`), None with too few.
+
+    The source (`RunConfig.data_source`) is part of every result key and named in every table. CIFAR-10's
+    sources: torchvision's binary batches (`cifar10-binary`, `prodigy-fl data cifar10` with internet) and
+    the decoded JPEG copy (`cifar10-jpeg`, `prodigy-fl data cifar10 --from cifar10-jpeg.tar.gz`: lossy
+    re-encoded images, labelled "CIFAR-10 (JPEG copy)"). FEMNIST's, `femnist-leaf-<hash>`, hashes the
+    writers a run uses (ids and train/test counts), so that runs on different writers never share a key.
+    Eligible writers have at least `min_writer_samples` samples over train + test (LEAF's `-k`, counted
+    before LEAF's train/test split).
     """
     if dataset == "digits":
         return DIGITS_SOURCE
@@ -386,6 +380,12 @@ def iid_split_numpy(n: int, n_clients: int, seed: int) -> list[Tensor]:
 class Federation:
     """A federated dataset on one device.
 
+    It keeps the whole training set as one tensor on the device plus one index tensor per client, and
+    produces the batches of all N clients of one local step at once: an (N, B) index tensor drawn without
+    replacement within each client, then one gather + batched augmentation + normalisation. No DataLoader
+    and no per-sample PIL transform in the training loop (design-notes section 2; benchmarks/data.py
+    measures the gain).
+
     `train_images` is uint8 (M, C, H, W) for cifar10 (augmented and normalised per batch) and float in [0, 1]
     for femnist and digits; `test_images` is stored the same raw way, `test_batches` normalises it.
     `client_indices[k]` are client k's rows of `train_images`/`train_labels` (disjoint, int64, on the device).
@@ -544,7 +544,12 @@ def load_federation(
     source: str | None = None,
     variant: str = "paper",
 ) -> Federation:
-    """Load dataset `name` and split it among `n_clients` clients (see the module docstring).
+    """Load dataset `name` and split it among `n_clients` clients.
+
+    Splits (cifar10, digits): `iid` (a seeded random partition into near-equal parts) and `dirichlet` (the
+    NIID-Bench recipe, `dirichlet_split`). FEMNIST is `natural`: one writer per client, the first N eligible
+    writers in sorted order, as in the authors' loader. Splits are drawn on the CPU from a generator seeded
+    with the data seed, so a seed gives the same federation on every device.
 
     seed is the data seed (split, digits' train/test split). data_dir: the LEAF directory for femnist
     (default `default_femnist_dir(n_clients, min_writer_samples)`), the data root for cifar10 (default

@@ -1,36 +1,10 @@
-"""Experiments: a params file (one paper table or figure) expanded into run configs, and the executors that
-run a grid into the results store (`prodigy_core.results`), resumably, locally or on a Ray cluster.
+"""Experiments: a params file (one table or figure of the ProDiGy paper) expanded into run configs, and the
+executors that run its grid into the results store (`prodigy_core.results`), resumably, locally or on a Ray
+cluster.
 
-A params file (params/*.yaml) has these top-level keys:
-
-    experiment: table1_cifar10        # results/<experiment>/, figures/<experiment>.*
-    title: "Table I: ..."
-    paper_table: bigtable             # value of `table` in paper_results.csv, or null
-    base: {dataset: cifar10, ...}     # RunConfig fields shared by every run
-    grid: {defense: [...], ...}       # Cartesian product of the listed values; or a LIST of such mappings,
-                                      # whose products are joined (use it when one field is tied to another)
-    seeds: [0, 1, 2]                  # sets RunConfig.seed; every grid point runs once per seed
-    mini: {rounds: 30}                # the mini scale's rounds (an int, or {paper rounds: mini rounds})
-    report: {rows: defense, columns: attack, blocks: [...], figures: [...]}
-
-Every file is validated on load: unknown keys (with a "did you mean"), wrong types and impossible runs are
-ConfigErrors that name the file, the key and the value.
-
-Three scales (`scale=`, SCALES): "paper" (the file as written); "smoke" (the same grid shrunk to seconds for
-CI, see `smoke_profile`); "mini" (every run of the paper's grid with its N, f, E, beta, split, defenses and
-attacks, but the params file's `mini` rounds and one seed, see `mini_profile`). Smoke and mini runs are stored
-apart from paper-scale ones (`results/<experiment>-smoke/`, `-mini/`) and say so in every title.
-
-Running a table on a Ray cluster (every node: the same Python environment, `pip install "prodigy-fl[ray]"`,
-and the results folder and datasets on a shared filesystem, since a run's checkpoints are written by the node
-that trains it, which also writes its record):
-
-    ray start --head --port=6379                      # on the head node
-    ray start --address=HEAD_IP:6379                  # on every other node
-    prodigy-fl grid params/table1_cifar10.yaml --executor ray --address auto --num-gpus 0.25 \
-        --set data_dir=/shared/data --results-dir /shared/results
-
-`--num-gpus 0.25` packs four runs per GPU; stop and rerun the same command at will: finished runs are skipped.
+Entry points: `load_experiment` (a params file at a scale: "paper", "smoke" or "mini"; the format is
+`ParamsSpec`'s), `run_grid` (every run without a record, then the results frame), `select` (some rows and
+columns of a grid), `undone` (the runs still without a record).
 """
 
 from __future__ import annotations
@@ -185,6 +159,12 @@ def load_experiment(
     """Load, validate and expand a params file at a scale ("paper" by default, "smoke" also by smoke=True,
     "mini").
 
+    Three scales (`scale=`, SCALES): "paper" (the file as written); "smoke" (the same grid shrunk to seconds
+    for CI, see `smoke_profile`); "mini" (every run of the paper's grid with its N, f, E, beta, split,
+    defenses and attacks, but the params file's `mini` rounds and one seed, see `mini_profile`). Smoke and
+    mini runs are stored apart from paper-scale ones (`results/<experiment>-smoke/`, `-mini/`) and say so in
+    every title.
+
     overrides: top-level YAML keys to replace (base, grid, seeds, ...); keys whose value is None are ignored
     (the notebooks' papermill parameters). fields: RunConfig fields to pin in every run (`--set key=value`):
     they go into `base` and the grid axis of the same name, if any, is dropped.
@@ -265,10 +245,75 @@ def experiment_from_spec(
 ) -> Experiment:
     """Validate a params mapping (as read from YAML) and expand its grid; see `load_experiment`."""
     scale = check_scale(scale, smoke)
-    where = str(source)
-    for key in spec:
-        if key not in TOP_LEVEL_KEYS:
-            raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
+    return expand_params(ParamsSpec.parse(spec, source, fields), scale)
+
+
+@dataclass(frozen=True)
+class ParamsSpec:
+    """A params mapping, validated (`parse`) and not yet expanded (`expand_params`): every key checked, the
+    grid's fields known, `--set` fields pinned. Its runs are not built yet: a value that RunConfig rejects
+    is found by the expansion, which names the params key that set it.
+
+    A params file (params/*.yaml) has these top-level keys:
+
+        experiment: table1_cifar10      # results/<experiment>/, figures/<experiment>.*
+        title: "Table I: ..."
+        paper_table: bigtable           # value of `table` in paper_results.csv, or null
+        base: {dataset: cifar10, ...}   # RunConfig fields shared by every run
+        grid: {defense: [...], ...}     # Cartesian product of the listed values; or a LIST of such
+                                        # mappings, whose products are joined (one field tied to another)
+        seeds: [0, 1, 2]                # sets RunConfig.seed; every grid point runs once per seed
+        mini: {rounds: 30}              # the mini scale's rounds (an int, or {paper rounds: mini rounds})
+        report: {rows: defense, columns: attack, blocks: [...], figures: [...]}
+
+    Unknown keys (with a "did you mean"), wrong types and impossible runs are ConfigErrors that name the
+    file, the key and the value.
+    """
+
+    where: str  # the source as error messages name it
+    source: Path | None  # the params file, when read from one
+    name: str
+    title: str
+    paper_table: str | None
+    base: dict[str, Any]  # RunConfig fields of every run (`--set` fields included, no seed)
+    grids: tuple[tuple[str, dict[str, list]], ...]  # (label, {field: values}) per grid mapping
+    seeds: tuple[int, ...]
+    report: dict[str, Any]
+    mini: dict[str, Any]  # the `mini` section, its rounds checked
+
+    @classmethod
+    def parse(
+        cls, spec: dict[str, Any], source: Path | str = "params", fields: dict[str, Any] | None = None
+    ) -> ParamsSpec:
+        """Check a params mapping: a ConfigError naming the source, the key and the value at the first
+        problem. `fields`: RunConfig fields pinned in every run (`--set`), see `load_experiment`."""
+        where, fields = str(source), fields or {}
+        for key in spec:
+            if key not in TOP_LEVEL_KEYS:
+                raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
+        name, title, paper_table = _header(spec, source, where)
+        base = _mapping(spec.get("base") or {}, f"{where}: base")
+        base.update(fields)
+        grids = _grid_mappings(spec.get("grid"), where)
+        seeds = _seeds(spec.get("seeds"), base, fields, where)
+        report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
+        mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
+        if "rounds" in mini:
+            mini["rounds"] = _mini_rounds(mini["rounds"], f"{where}: mini.rounds")
+        _check_report_types(report, where)
+        _check_report_fields(report, where)
+        names = field_names()
+        for key in base:
+            if key not in names:
+                raise ConfigError(f"{where}: base.{key} is not a run field{did_you_mean(key, names)}")
+        labelled = [("grid" if len(grids) == 1 else f"grid[{i}]", grid) for i, grid in enumerate(grids)]
+        axes = tuple((label, _axes(grid, label, fields, where)) for label, grid in labelled)
+        return cls(where, source if isinstance(source, Path) else None, name, title, paper_table, base, axes,
+                   tuple(seeds), report, mini)  # fmt: skip
+
+
+def _header(spec: dict[str, Any], source: Path | str, where: str) -> tuple[str, str, str | None]:
+    """The params file's experiment name (its file name by default), title and paper table, checked."""
     name = spec.get("experiment") or (Path(source).stem if isinstance(source, Path) else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or ".." in name:
         raise ConfigError(
@@ -282,9 +327,11 @@ def experiment_from_spec(
     paper_table = spec.get("paper_table")
     if paper_table is not None and not isinstance(paper_table, str):
         raise ConfigError(f"{where}: paper_table={paper_table!r} must be a table name or null")
-    base = _mapping(spec.get("base") or {}, f"{where}: base")
-    base.update(fields or {})
-    grids = spec.get("grid")
+    return name, title, paper_table
+
+
+def _grid_mappings(grids: Any, where: str) -> list[dict]:
+    """The `grid` key as a list of mappings ([{}] without one: `base` runs alone)."""
     if grids is not None and not grids:
         raise ConfigError(
             f"{where}: grid={grids!r} is empty: give field: [values] (e.g. grid: {{defense: [prodigy]}}), or "
@@ -295,9 +342,13 @@ def experiment_from_spec(
     grids = [{}] if grids is None else [grids] if isinstance(grids, dict) else grids
     if not isinstance(grids, list):
         raise ConfigError(f"{where}: grid must be a mapping of field: [values] or a list of such mappings")
-    grids = [_mapping(g, f"{where}: grid[{i}]") for i, g in enumerate(grids)]
-    seeds = spec.get("seeds")
-    if "seed" in (fields or {}) or (seeds is None and "seed" in base):
+    return [_mapping(g, f"{where}: grid[{i}]") for i, g in enumerate(grids)]
+
+
+def _seeds(seeds: Any, base: dict[str, Any], fields: dict[str, Any], where: str) -> list[int]:
+    """The seeds every grid point runs with; a seed in `base` (from `--set seed=...`, or a file without
+    `seeds`) is taken out of it and replaces them."""
+    if "seed" in fields or (seeds is None and "seed" in base):
         seeds = [base.pop("seed")]  # --set seed=... replaces the file's seeds
     elif "seed" in base:
         raise ConfigError(
@@ -306,47 +357,41 @@ def experiment_from_spec(
     seeds = [RunConfig.seed] if seeds is None else seeds
     if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds):
         raise ConfigError(f"{where}: seeds={seeds!r} must be a non-empty list of integers, e.g. [0, 1, 2]")
-    report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
-    mini = _mapping(spec.get("mini") or {}, f"{where}: mini", names=MINI_KEYS, check_fields=False)
-    if "rounds" in mini:
-        mini["rounds"] = _mini_rounds(mini["rounds"], f"{where}: mini.rounds")
-    _check_report_types(report, where)
-    for key in ("rows", "columns", "blocks"):
-        for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
-            if value not in field_names():
-                raise ConfigError(
-                    f"{where}: report.{key}={value!r} is not a run field{did_you_mean(value, field_names())}"
-                )
+    return seeds
 
+
+def _axes(grid: dict, label: str, fields: dict[str, Any], where: str) -> dict[str, list]:
+    """One grid mapping's axes {field: values}, checked; a field pinned by `--set` is no axis."""
     names = field_names()
-    for key in base:
+    axes = {}
+    for key, values in grid.items():
         if key not in names:
-            raise ConfigError(f"{where}: base.{key} is not a run field{did_you_mean(key, names)}")
+            raise ConfigError(f"{where}: {label}.{key} is not a run field{did_you_mean(key, names)}")
+        if key == "seed":
+            raise ConfigError(f"{where}: {label}.seed: list the seeds in the top-level `seeds` key")
+        if key in fields:
+            continue  # pinned by --set
+        if not isinstance(values, list) or not values:
+            raise ConfigError(
+                f"{where}: {label}.{key}={values!r} must be a non-empty list of values (e.g. [{values}])"
+            )
+        axes[key] = values
+    return axes
+
+
+def expand_params(params: ParamsSpec, scale: str = "paper") -> Experiment:
+    """A validated params mapping's Experiment at `scale` (SCALES): every grid mapping's Cartesian product
+    once per seed, in grid order, a run that two mappings give kept once (by key); then `smoke_profile` or
+    `mini_profile`. A grid of more than LARGE_GRID runs announces its size and expansion time first."""
+    where, seeds = params.where, params.seeds
+    size = len(seeds) * sum(math.prod(len(v) for v in axes.values()) for _, axes in params.grids)
     configs: dict[str, RunConfig] = {}
-    all_axes: list[tuple[str, dict[str, list]]] = []
-    for i, grid in enumerate(grids):
-        label = "grid" if len(grids) == 1 else f"grid[{i}]"
-        axes = {}
-        for key, values in grid.items():
-            if key not in names:
-                raise ConfigError(f"{where}: {label}.{key} is not a run field{did_you_mean(key, names)}")
-            if key == "seed":
-                raise ConfigError(f"{where}: {label}.seed: list the seeds in the top-level `seeds` key")
-            if key in (fields or {}):
-                continue  # pinned by --set
-            if not isinstance(values, list) or not values:
-                raise ConfigError(
-                    f"{where}: {label}.{key}={values!r} must be a non-empty list of values (e.g. [{values}])"
-                )
-            axes[key] = values
-        all_axes.append((label, axes))
-    size = len(seeds) * sum(math.prod(len(v) for v in axes.values()) for _, axes in all_axes)
     started, built = time.perf_counter(), 0
-    for label, axes in all_axes:
+    for label, axes in params.grids:
         for point in itertools.product(*axes.values()):
             chosen = dict(zip(axes, point, strict=True))
             for seed in seeds:
-                config = _build(base, chosen, seed, where, label)
+                config = _build(params.base, chosen, seed, where, label)
                 configs.setdefault(config.key(), config)  # the union of products may repeat a run
                 built += 1
                 if size > LARGE_GRID and built == LARGE_GRID_SAMPLE:  # announced at once, timed on a sample
@@ -354,8 +399,8 @@ def experiment_from_spec(
                     print(f"{where}: the grid expands to {size:,} runs, about {rate * size:.0f} s to expand "
                           f"(~{rate * 1e3:.2f} ms a run); checking them...", file=sys.stderr)  # fmt: skip
     experiment = Experiment(
-        name=name, title=title, paper_table=paper_table, configs=list(configs.values()), report=report,
-        source=Path(source) if isinstance(source, Path) else None, mini_spec=mini,
+        name=params.name, title=params.title, paper_table=params.paper_table, configs=list(configs.values()),
+        report=dict(params.report), source=params.source, mini_spec=dict(params.mini),
     )  # fmt: skip
     return {"smoke": smoke_profile, "mini": mini_profile}.get(scale, lambda e: e)(experiment)
 
@@ -381,6 +426,16 @@ def _check_report_types(report: dict[str, Any], where: str) -> None:
         for name in figures:
             if name not in FIGURES:
                 raise ConfigError(f"{where}: report.figures: unknown {name!r}{did_you_mean(name, FIGURES)}")
+
+
+def _check_report_fields(report: dict[str, Any], where: str) -> None:
+    """The report layout's rows, columns and blocks name run fields."""
+    for key in ("rows", "columns", "blocks"):
+        for value in [report[key]] if isinstance(report.get(key), str) else report.get(key) or []:
+            if value not in field_names():
+                raise ConfigError(
+                    f"{where}: report.{key}={value!r} is not a run field{did_you_mean(value, field_names())}"
+                )
 
 
 def _strings(value: Any) -> bool:
@@ -703,14 +758,55 @@ def run_grid(
     batch_runs: up to this many compatible runs train as one batched group (`prodigy_core.groups`; each
     run's record is the one it gets alone), in this process, in a pool worker or in one Ray task; "auto"
     (default) stacks where it is faster (`groups.batch_size_for`), 1 trains one run at a time.
-    """
-    from prodigy_core import groups
-    from prodigy_core.progress import bar_class, line_stream
 
-    # a widget bar in JupyterLab with ipywidgets; text in a terminal, without ipywidgets, and under papermill
-    # (PROGRESS_ENV: a widget bar would go unseen); the per-run lines on stdout in a notebook, else stderr
-    tqdm = bar_class(text=os.environ.get(PROGRESS_ENV) == "text")
-    lines = line_stream()
+    On a Ray cluster (docs/usage.md "On a cluster (Ray)") every node needs the same Python environment
+    (`pip install "prodigy-fl[ray]"`), and the results folder and the datasets on a shared filesystem: a
+    run's checkpoints are written by the node that trains it, which also writes its record. Stop and rerun
+    at will: finished runs are skipped.
+
+    The steps: `plan_grid` (which runs, as which tasks and work items), `execute_grid` (training them,
+    recording each outcome), `grid_summary` (the closing lines, printed with progress).
+    """
+    from prodigy_core.progress import line_stream
+
+    plan = plan_grid(experiment, executor, jobs, force, results_dir, batch_runs)
+    finished, failed = execute_grid(plan, executor, progress, address, num_cpus, num_gpus)
+    if progress:
+        print("\n".join(grid_summary(plan, finished, failed)), file=line_stream())
+    return store.load(experiment, results_dir)
+
+
+@dataclass
+class GridPlan:
+    """What `run_grid` is to do (`plan_grid`): the runs without a record as tasks, in work items."""
+
+    experiment: Experiment
+    folder: Path  # its results folder
+    todo: list[RunConfig]  # the runs to train: without a valid record (all of them with force)
+    tasks: dict[str, Task]  # by run key
+    batches: list[list[str]]  # the work items' run keys: a run alone or a group (`groups.make_groups`)
+    jobs: int
+    threads: int | None  # a pool worker's torch threads (None: this machine's cores shared among the jobs)
+    force: bool
+    varying: list[str]  # the fields that differ between the grid's runs: a run's name in the progress lines
+
+    def describe(self, config: RunConfig) -> str:
+        """A run's name in the progress lines: its varying fields (its key when none varies)."""
+        return " ".join(f"{n}={getattr(config, n)}" for n in self.varying) or config.key()
+
+
+def plan_grid(
+    experiment: Experiment,
+    executor: str = "local",
+    jobs: int | str = 1,
+    force: bool = False,
+    results_dir: str | os.PathLike | None = None,
+    batch_runs: int | str = "auto",
+) -> GridPlan:
+    """Which runs of the experiment to train (`run_grid`'s arguments checked, the femnist writers counted,
+    the results folder writable when there is a run to do), as tasks grouped into work items, and with how
+    many worker processes. Trains nothing and claims nothing."""
+    from prodigy_core import groups
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
@@ -738,10 +834,30 @@ def run_grid(
     if jobs == "auto":
         jobs, threads = auto_jobs(todo, len(batches))
     varying = [n for n in field_names() if len({getattr(c, n) for c in experiment.configs}) > 1]
-    claims = store.Claims(folder, skip_done=not force)
+    return GridPlan(experiment, folder, todo, tasks, batches, int(jobs), threads, force, varying)
+
+
+def execute_grid(
+    plan: GridPlan,
+    executor: str = "local",
+    progress: bool = True,
+    address: str | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+) -> tuple[int, int]:
+    """Train the plan's work items that this process can claim, on `executor` (see `run_grid`), each run's
+    outcome recorded as it comes (`_record_outcome`) under a progress bar; returns (finished, failed)."""
+    from prodigy_core.progress import bar_class, line_stream
+
+    # a widget bar in JupyterLab with ipywidgets; text in a terminal, without ipywidgets, and under papermill
+    # (PROGRESS_ENV: a widget bar would go unseen); the per-run lines on stdout in a notebook, else stderr
+    tqdm = bar_class(text=os.environ.get(PROGRESS_ENV) == "text")
+    lines = line_stream()
+    tasks, batches, jobs = plan.tasks, plan.batches, plan.jobs
+    claims = store.Claims(plan.folder, skip_done=not plan.force)
     finished = failed = 0
-    total = len(experiment.configs)
-    bar = tqdm(total=total, initial=total - len(todo), unit="run", desc=experiment.results_name,
+    total = len(plan.experiment.configs)
+    bar = tqdm(total=total, initial=total - len(plan.todo), unit="run", desc=plan.experiment.results_name,
                disable=not progress, file=lines, dynamic_ncols=True)  # fmt: skip
     try:
         if executor == "ray":
@@ -749,20 +865,13 @@ def run_grid(
         elif jobs == 1:
             outcomes = _inline_outcomes(tasks, batches, claims)
         else:
-            outcomes = _pool_outcomes(tasks, batches, claims, jobs, threads)
+            outcomes = _pool_outcomes(tasks, batches, claims, jobs, plan.threads)
         for key, outcome, seconds in outcomes:
-            config = RunConfig.from_dict(tasks[key].config)
-            what = " ".join(f"{n}={getattr(config, n)}" for n in varying) or config.key()
-            if isinstance(outcome, BaseException):
-                store.save_failure(folder, key, tasks[key].config, outcome, experiment.results_name)
-                failed += 1
-                line = f"FAILED {what}: {type(outcome).__name__}: {outcome}"
-            else:
-                if store.stored_record(folder, key) is None:  # a worker that could not write it
-                    store.save_record(folder, key, outcome, experiment.results_name)
+            done, line = _record_outcome(plan, key, outcome, seconds)
+            if done:
                 finished += 1
-                flag = " [stand-in]" if outcome.get("stand_in") else ""
-                line = f"done   {what}: {outcome['final_accuracy']:.2f}% in {seconds:.1f}s{flag}"
+            else:
+                failed += 1
             claims.release(key)
             bar.update(1)
             if progress:
@@ -770,21 +879,38 @@ def run_grid(
     finally:
         claims.release_all()
         bar.close()
-    if progress:
-        skipped = len(experiment.configs) - len(todo)
-        busy = [c for c in todo if store.stored_record(folder, c.key()) is None
-                and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
-        for c in busy:
-            what = " ".join(f"{n}={getattr(c, n)}" for n in varying) or c.key()
-            print(f"undone {what}: {store.lock_state(folder / f'{c.key()}.lock')}", file=lines)
-        print(
-            f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
-            f"{failed} failed"
-            + (f", {len(busy)} left undone (claimed, see above)" if busy else "")
-            + f"; records in {folder}",
-            file=lines,
-        )
-    return store.load(experiment, results_dir)
+    return finished, failed
+
+
+def _record_outcome(plan: GridPlan, key: str, outcome: Outcome, seconds: float) -> tuple[bool, str]:
+    """Store one run's outcome: a failure record for an error, the record when its worker could not write
+    it; returns (whether it finished, its progress line)."""
+    folder, name, task = plan.folder, plan.experiment.results_name, plan.tasks[key]
+    what = plan.describe(RunConfig.from_dict(task.config))
+    if isinstance(outcome, BaseException):
+        store.save_failure(folder, key, task.config, outcome, name)
+        return False, f"FAILED {what}: {type(outcome).__name__}: {outcome}"
+    if store.stored_record(folder, key) is None:  # a worker that could not write it
+        store.save_record(folder, key, outcome, name)
+    flag = " [stand-in]" if outcome.get("stand_in") else ""
+    return True, f"done   {what}: {outcome['final_accuracy']:.2f}% in {seconds:.1f}s{flag}"
+
+
+def grid_summary(plan: GridPlan, finished: int, failed: int) -> list[str]:
+    """The lines `run_grid` ends with: each run of the plan left undone (claimed by another process, with
+    its lock's state), then the counts and where the records are."""
+    folder, experiment = plan.folder, plan.experiment
+    skipped = len(experiment.configs) - len(plan.todo)
+    busy = [c for c in plan.todo if store.stored_record(folder, c.key()) is None
+            and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
+    lines = [f"undone {plan.describe(c)}: {store.lock_state(folder / f'{c.key()}.lock')}" for c in busy]
+    lines.append(
+        f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
+        f"{failed} failed"
+        + (f", {len(busy)} left undone (claimed, see above)" if busy else "")
+        + f"; records in {folder}"
+    )
+    return lines
 
 
 def plural(n: int, noun: str) -> str:
@@ -1000,6 +1126,12 @@ __all__ = [
     "execute",
     "execute_group",
     "experiment_from_spec",
+    "GridPlan",
+    "plan_grid",
+    "execute_grid",
+    "grid_summary",
+    "expand_params",
+    "ParamsSpec",
     "select",
     "load_experiment",
     "mini_profile",

@@ -1,41 +1,11 @@
-"""Many runs as one batched computation: R runs' clients stacked (R x N models) in one vmapped local step.
+"""Many runs as one batched computation: R compatible runs' clients stacked (R x N models) in one vmapped
+local step, each run's record the one it gets alone.
 
 Runs of one grid block share the dataset, the model, N, E and b and differ in defense, attack, seed, momentum
-and schedule; on a GPU one run's step (N=10 clients) is far too small for the card (on a CPU it is compute-
-bound already, and `batch_size_for` does not stack). A group trains R compatible runs (`group_key`) together:
-
-- the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at its
-  own learning rate, on its own batches (an ``authors`` run's from its own `training.AuthorsBatchStream`,
-  whose epoch orders it draws from its own data generator) and dropout masks;
-- the evaluation: the members due evaluate their server models in one vmapped forward pass per test batch
-  (`training.evaluate_runs`; one pass per variant);
-- everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
-  flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
-  state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
-  `finish_run` (record).
-
-Independence from the group. Each run owns a full RNG state (torch's CPU and CUDA generators, python's and
-numpy's), seeded from the run alone exactly as `training.run` seeds it; whenever code of run i runs (its
-batch and dropout-mask draws, its server side, its evaluation and checkpoint) its state is made the global
-one and saved back afterwards. Run i thus consumes the same random numbers in the same order as alone, and
-its record (same key, same fields, same checkpoint file) does not depend on which runs share the group or on
-their order; in float64 the parameters agree with a run alone to rounding (tests/test_groups.py). Only
-`round_times` differ: a member's round time is its share of the group's local steps plus its own server
-side; `environment.group_size` records R.
-
-Compatibility: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
-data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the batched
-engine alone (`training.pick_engine`). `variant` is part of the key only where it changes the split (iid
-and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`); otherwise it changes
-the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`, which needs every client
-to hold a full batch: a member whose client is smaller is reported with its `training.ClientTooSmallError`
-before the group starts, and the others go on), the server side (rules, SF written into the momentum, CClip
-from theta_t), the evaluation (train mode) and the diverged accuracy, all of which run per member in
-`local_steps_stacked`, `server_round`, `end_round` and `finish_run`. Runs with
-different splits are not stacked (it would need per-run index tables and width groups); they go to other
-groups. A member that diverges is frozen and recorded as diverged, one whose server side raises is reported
-with its error; the others go on. Runs may be at different rounds (resumed from checkpoints of different
-ages) or have different `rounds`: each member does its own next round every step of the group.
+and schedule; on a GPU one run's step (N=10 clients) is far too small for the card. Entry points:
+`make_groups` (a grid's runs in groups of compatible ones: `group_key`, sized by `batch_size_for`),
+`iter_group` / `run_group` (train one group). The ProDiGy paper's Algorithm 1 itself is `training.run`'s;
+`experiments.run_grid` calls this module (batch_runs).
 """
 
 from __future__ import annotations
@@ -62,17 +32,26 @@ CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
 def group_key(config: RunConfig) -> tuple | None:
-    """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`)."""
-    cfg = config.resolved()
+    """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`).
+
+    Compatible: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
+    data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the
+    batched engine alone (`training.pick_engine`). `variant` is part of the key only where it changes the
+    split (iid and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`);
+    otherwise it changes the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`),
+    the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode)
+    and the diverged accuracy, all of which run per member. Runs with different splits are not stacked (it
+    would need per-run index tables and width groups); they go to other groups."""
+    resolved = config.resolved()
     try:
-        device = resolve_device(cfg.device)
+        device = resolve_device(resolved.device)
     except ValueError:  # the run alone reports it
         return None
-    if training.pick_engine(cfg.engine, device, cfg.dataset) != "batched":
+    if training.pick_engine(resolved.engine, device, resolved.dataset) != "batched":
         return None
     # which RNG draws the split (`data.load_federation`): numpy's under ``authors``, except FEMNIST's writers
-    split_rng = "numpy" if cfg.variant == "authors" and cfg.distribution != "natural" else "torch"
-    return (*(getattr(cfg, name) for name in GROUP_FIELDS), split_rng)
+    split_rng = "numpy" if resolved.variant == "authors" and resolved.distribution != "natural" else "torch"
+    return (*(getattr(resolved, name) for name in GROUP_FIELDS), split_rng)
 
 
 def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[list[RunConfig]]:
@@ -103,14 +82,14 @@ def batch_size_for(config: RunConfig) -> int:
     as one batched computation"); the CIFAR-10 and FEMNIST CNNs run the sequential engine on a CPU anyway. A
     CPU's cores are used by `run_grid(jobs="auto")` instead. CUDA: as many as `CUDA_MEMORY_FRACTION` of the
     free memory holds, by `memory_per_run`."""
-    cfg = config.resolved()
-    device = resolve_device(cfg.device)
-    if group_key(cfg) is None:
+    resolved = config.resolved()
+    device = resolve_device(resolved.device)
+    if group_key(resolved) is None:
         return 1
     if device.type != "cuda":
         return 1
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, int(CUDA_MEMORY_FRACTION * free // memory_per_run(cfg)))
+    return max(1, int(CUDA_MEMORY_FRACTION * free // memory_per_run(resolved)))
 
 
 def memory_per_run(config: RunConfig) -> int:
@@ -120,19 +99,19 @@ def memory_per_run(config: RunConfig) -> int:
     from prodigy_core.data import load_federation
     from prodigy_core.models import make_model
 
-    cfg = config.resolved()
-    model = make_model(cfg.dataset)
+    resolved = config.resolved()
+    model = make_model(resolved.dataset)
     d = sum(p.numel() for p in model.parameters())
-    shape = {"cifar10": (3, 32, 32), "femnist": (1, 28, 28)}.get(cfg.dataset)
+    shape = {"cifar10": (3, 32, 32), "femnist": (1, 28, 28)}.get(resolved.dataset)
     if shape is None:
-        shape = load_federation(cfg.dataset, 2, distribution="iid").image_shape
+        shape = load_federation(resolved.dataset, 2, distribution="iid").image_shape
     sizes: list[int] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel())) for m in model.modules()]
     with torch.no_grad():
         model.eval()(torch.zeros(1, *shape))
     for h in hooks:
         h.remove()
-    return 4 * (4 * cfg.n_clients * d + 2 * cfg.n_clients * cfg.batch_size * sum(sizes))
+    return 4 * (4 * resolved.n_clients * d + 2 * resolved.n_clients * resolved.batch_size * sum(sizes))
 
 
 @dataclasses.dataclass
@@ -161,12 +140,49 @@ def iter_group(
     checkpoint_dir: str | Path | None = None,
     progress: bool = False,
     keep_checkpoints: bool = False,
-    _stop_after: int | None = None,
 ) -> Iterator[tuple[int, Outcome]]:
     """Train compatible runs together; yields (index in `configs`, record or the error it raised) as each
     run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone
     (`keep_checkpoints`: a finished run's checkpoint is left for the caller, as `training.run`'s).
-    `_stop_after` (tests only) returns after that many steps of the group, as if the process were killed."""
+
+    - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at
+      its own learning rate, on its own batches (an ``authors`` run's from its own
+      `training.AuthorsBatchStream`, whose epoch orders it draws from its own data generator) and dropout
+      masks;
+    - the evaluation: the members due evaluate their server models in one vmapped forward pass per test
+      batch (`training.evaluate_runs`; one pass per variant);
+    - everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
+      flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
+      state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
+      `finish_run` (record).
+
+    Independence from the group. Each run owns a full RNG state (torch's CPU and CUDA generators, python's
+    and numpy's), seeded from the run alone exactly as `training.run` seeds it; whenever code of run i runs
+    (its batch and dropout-mask draws, its server side, its evaluation and checkpoint) its state is made the
+    global one and saved back afterwards. Run i thus consumes the same random numbers in the same order as
+    alone, and its record (same key, same fields, same checkpoint file) does not depend on which runs share
+    the group or on their order; in float64 the parameters agree with a run alone to rounding
+    (tests/test_groups.py). Only `round_times` differ: a member's round time is its share of the group's
+    local steps plus its own server side; `environment.group_size` records R.
+
+    A member that diverges is frozen and recorded as diverged, one whose server side raises is reported with
+    its error, an ``authors`` member with a client smaller than a batch with its
+    `training.ClientTooSmallError` before the group starts; the others go on. Runs may be at different
+    rounds (resumed from checkpoints of different ages) or have different `rounds`: each member does its own
+    next round every step of the group.
+    """
+    yield from _iter_group(configs, checkpoint_dir, progress, keep_checkpoints)
+
+
+def _iter_group(
+    configs: Sequence[RunConfig],
+    checkpoint_dir: str | Path | None = None,
+    progress: bool = False,
+    keep_checkpoints: bool = False,
+    stop_after: int | None = None,
+) -> Iterator[tuple[int, Outcome]]:
+    """`iter_group`; `stop_after` (tests): return after that many steps of the group, as if the process
+    were killed."""
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
         return
@@ -194,13 +210,13 @@ def iter_group(
             return
         grad_fn = training.per_client_grad(members[0].st.model)
         eval_net = training.FunctionalNet(members[0].st.model)
-        steps = max(m.st.cfg.rounds - m.st.start for m in members)
+        steps = max(m.st.resolved.rounds - m.st.start for m in members)
         bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"group of {len(configs)}")
         with bar:  # closed before an error propagates
             active = members
             for step in range(1, steps + 1):
                 tic = time.perf_counter()
-                lrs = [m.st.cfg.lr_at(m.r - 1) for m in active]
+                lrs = [m.st.resolved.lr_at(m.r - 1) for m in active]
                 outs = training.local_steps_stacked(
                     [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
                     [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
@@ -227,7 +243,7 @@ def iter_group(
                     try:
                         with m.own_rng():
                             ok = training.end_round(m.st, m.r, scores.get(m.index))
-                        if not ok or m.r == m.st.cfg.rounds:
+                        if not ok or m.r == m.st.resolved.rounds:
                             outcome = training.finish_run(m.st, keep_checkpoints)
                     except Exception as e:
                         outcome = e
@@ -238,7 +254,7 @@ def iter_group(
                         yield m.index, outcome
                 active = still
                 bar.update(1)
-                if not active or _stop_after == step:
+                if not active or stop_after == step:
                     break
     finally:
         training._set_rng_states(outside, torch.Generator())
@@ -248,11 +264,11 @@ def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[i
     """{member index: (accuracy, loss)} of the members whose round ends with an evaluation, evaluated
     together (`training.evaluate_runs`): one pass per variant (`training.eval_settings`: the ``authors``
     ones in training mode), each member drawing its dropout masks from its own RNG state."""
-    due = [m for m in members if training.eval_due(m.st.cfg, m.r)]
+    due = [m for m in members if training.eval_due(m.st.resolved, m.r)]
     scores: dict[int, tuple[float, float]] = {}
-    for variant in sorted({m.st.cfg.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
-        part = [m for m in due if m.st.cfg.variant == variant]
-        train_mode, batch_size = training.eval_settings(part[0].st.cfg)
+    for variant in sorted({m.st.resolved.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
+        part = [m for m in due if m.st.resolved.variant == variant]
+        train_mode, batch_size = training.eval_settings(part[0].st.resolved)
         models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
         found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
         scores.update({m.index: score for m, score in zip(part, found, strict=True)})

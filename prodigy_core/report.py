@@ -1048,6 +1048,8 @@ def write_report(
 
     Smoke-scale or stand-in results go to ``<out_dir>/smoke/``, mini-scale ones to ``<out_dir>/mini/`` (their
     side-by-side with the paper matches cells without the rounds), and say so in every title.
+
+    The parts: `write_tables` (under `table_note`), `write_figures`, `write_paper_comparison`.
     """
     smoke = is_smoke(experiment, df)
     mini = bool(getattr(experiment, "mini", False)) and not smoke
@@ -1056,28 +1058,66 @@ def write_report(
     layout = getattr(experiment, "report", None) or {}
     title = report_title(experiment, df)
     order = grid_order(experiment)
-    name = experiment.name
+    coverage = grid_coverage(experiment, df, layout)
+    note = table_note(df, coverage, smoke=smoke, mini=mini)
+    paths = write_tables(experiment, df, folder, layout, title, order, note)
+    paths += write_figures(experiment.name, df, folder, layout, title, order, coverage)
+    if getattr(experiment, "paper_table", None) and not smoke:
+        paths.append(write_paper_comparison(experiment, df, folder, results_dir, mini=mini))
+    return paths
+
+
+def table_note(df: pd.DataFrame, coverage: str | None, smoke: bool = False, mini: bool = False) -> str:
+    """The line under the table: the runs and seeds, the grid's coverage when partial, the scale's label."""
     seeds = sorted(set(df["seed"].tolist())) if "seed" in df.columns else []
     runs = f"{len(df)} run{'s' * (len(df) != 1)}"
     note = f"{runs}, seed{'s' * (len(seeds) != 1)} {', '.join(map(str, seeds))}." if seeds else f"{runs}."
-    coverage = grid_coverage(experiment, df, layout)
     if coverage:
         note += f" {coverage[0].upper()}{coverage[1:]} (the grid's other cells have no stored run)."
     if smoke:
         note = f"**{SMOKE_LABEL}**: tiny scale, not comparable with the paper. " + note
     elif mini:
         note = f"**{MINI_LABEL}**: the paper's settings with fewer rounds and one seed. " + note
+    return note
 
+
+def write_tables(
+    experiment: Any,
+    df: pd.DataFrame,
+    folder: Path,
+    layout: Mapping[str, Any],
+    title: str,
+    order: Mapping[str, Sequence[Any]],
+    note: str,
+) -> list[Path]:
+    """The table as ``<folder>/<name>.md`` (with `note`) and ``.tex``, each with its provenance line."""
+    name = experiment.name
     paths = [folder / f"{name}.md", folder / f"{name}.tex"]
     made_by = provenance(experiment)
     markdown = to_markdown(df, layout, title, order, note=note)
     paths[0].write_text(f"{markdown}\n<!-- provenance: {made_by} -->\n", encoding="utf-8")
     latex = to_latex(df, layout, title, order, label=f"tab:{name}")
     paths[1].write_text(f"% provenance: {made_by}\n{latex}", encoding="utf-8")
+    return paths
+
+
+def write_figures(
+    name: str,
+    df: pd.DataFrame,
+    folder: Path,
+    layout: Mapping[str, Any],
+    title: str,
+    order: Mapping[str, Sequence[Any]],
+    coverage: str | None = None,
+) -> list[Path]:
+    """The layout's figures (DEFAULT_FIGURES when it names none) as ``.pdf`` and ``.png`` in `folder`: the
+    heatmap ``<name>``, the accuracy curves ``<name>_curves`` and, for `distances`, each recorded distance
+    matrix (``<name>``, or ``<name>_<key>_round<r>`` when there are several)."""
     figures = layout.get("figures") or DEFAULT_FIGURES
     unknown = sorted(set(figures) - set(FIGURES))
     if unknown:
         raise ValueError(f"report.figures: unknown {unknown}; valid: {', '.join(FIGURES)}")
+    paths: list[Path] = []
     if "heatmap" in figures:  # 0-100 at every scale: smoke's few points of noise must not look like contrast
         paths += save_figure(heatmap(df, layout, title, order, coverage=coverage), folder / name)
     if "curves" in figures and "accuracy_curve" in df.columns:
@@ -1098,32 +1138,42 @@ def write_report(
             paths += save_figure(
                 distance_heatmap(D, byzantine_ids(run["n_byzantine"]), subtitle), folder / base
             )
-    paper_table = getattr(experiment, "paper_table", None)
-    if paper_table and not smoke:
-        from prodigy_core import results
-        from prodigy_core.names import VARIANTS
-
-        frames = {v: df for v in results.variants_in(df)} or {variants_of(experiment)[0]: df}
-        if hasattr(experiment, "with_variant"):
-            for v in (v for v in VARIANTS if v not in frames):
-                stored = results.load(experiment.with_variant(v), results_dir)
-                if not stored.empty:
-                    frames[v] = stored
-        comparisons = {
-            v: results.compare_with_paper(frame, paper_table, variant=v, match_rounds=not mini)
-            for v, frame in frames.items()
-        }
-        comparisons = {v: comparisons[v] for v in [*VARIANTS, *comparisons] if v in comparisons}
-        base_title = getattr(experiment, "title", None) or name
-        path = folder / f"{name}_vs_paper.md"
-        path.write_text(
-            paper_comparison_markdown(
-                comparisons, f"{base_title}: ours vs the paper (variant: {', '.join(comparisons)})"
-            ),
-            encoding="utf-8",
-        )
-        paths.append(path)
     return paths
+
+
+def write_paper_comparison(
+    experiment: Any,
+    df: pd.DataFrame,
+    folder: Path,
+    results_dir: str | os.PathLike | None = None,
+    mini: bool = False,
+) -> Path:
+    """``<folder>/<name>_vs_paper.md``: each variant of ``df`` beside the paper's table
+    (`results.compare_with_paper`; mini scale: cells matched without the rounds), and, when ``experiment``
+    is an `Experiment`, the stored runs of the same grid under the other variant (from ``results_dir``)."""
+    from prodigy_core import results
+    from prodigy_core.names import VARIANTS
+
+    frames = {v: df for v in results.variants_in(df)} or {variants_of(experiment)[0]: df}
+    if hasattr(experiment, "with_variant"):
+        for v in (v for v in VARIANTS if v not in frames):
+            stored = results.load(experiment.with_variant(v), results_dir)
+            if not stored.empty:
+                frames[v] = stored
+    comparisons = {
+        v: results.compare_with_paper(frame, experiment.paper_table, variant=v, match_rounds=not mini)
+        for v, frame in frames.items()
+    }
+    comparisons = {v: comparisons[v] for v in [*VARIANTS, *comparisons] if v in comparisons}
+    base_title = getattr(experiment, "title", None) or experiment.name
+    path = folder / f"{experiment.name}_vs_paper.md"
+    path.write_text(
+        paper_comparison_markdown(
+            comparisons, f"{base_title}: ours vs the paper (variant: {', '.join(comparisons)})"
+        ),
+        encoding="utf-8",
+    )
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- notebooks

@@ -1,25 +1,10 @@
-"""The results store: one JSON record per run, and the paper's numbers to compare them with.
+"""The results store: one JSON record per run under `<results>/<experiment>/`, and the paper's numbers to
+compare them with.
 
-Layout under the results directory (env PRODIGY_RESULTS_DIR, else `<project folder>/results`, see `paths`):
-
-    <experiment>/<key>.json            a finished run: RunResult.to_dict() plus key, experiment, status
-    <experiment>/<key>.failed.json     a run that raised: its config and the error (retried on the next grid)
-    <experiment>/<key>.lock            a run being worked on: {pid, host, started}; mtime = heartbeat
-    <experiment>/checkpoints/<key>.pt  the training loop's checkpoint, to resume an interrupted run
-    <name>.<why>-<time>                a record, lock or checkpoint found invalid, moved aside
-                                       (`safe_io.quarantine`)
-
-`key` is `RunConfig.key()`, a hash of every result-affecting field of the resolved config. Records are
-written atomically (`safe_io.atomic_write`: a temporary file in the same folder, then os.replace), so a
-reader or a killed writer never sees half a record. A run is claimed with a lock file created with
-O_CREAT | O_EXCL, so two processes working on the same grid never run the same key. The claiming process
-refreshes the lock's mtime every LOCK_HEARTBEAT_S seconds; a lock whose process is dead (same host), or
-whose heartbeat is older than LOCK_STALE_S (any host, any content), is stale and taken over. Smoke runs live
-in `<experiment>-smoke/`.
-
-Records are validated when read (`check_record`: a JSON object whose key matches its file name and its
-config, status done, final_accuracy in [0, 100]); an invalid one is named in a warning and not counted, and
-the grid moves it aside and reruns that run.
+Entry points: `load` (an experiment's stored runs as a frame), `save_record` / `stored_record` (a run's
+record, validated by `check_record`), `Claims` (one lock per run, so that processes sharing a grid never run
+the same key), `compare_with_paper` (ours beside the ProDiGy paper's tables, `paper_results.csv`). The
+folder layout is `experiment_dir`'s.
 """
 
 from __future__ import annotations
@@ -78,6 +63,15 @@ def resolve_results_dir(results_dir: str | os.PathLike | None = None) -> Path:
 
 
 def experiment_dir(name: str, results_dir: str | os.PathLike | None = None) -> Path:
+    """An experiment's folder (smoke runs in `<experiment>-smoke/`, mini ones in `-mini/`). Its layout:
+
+        <key>.json            a finished run: RunResult.to_dict() plus key, experiment, status
+        <key>.failed.json     a run that raised: its config and the error (retried on the next grid)
+        <key>.lock            a run being worked on: {pid, host, started}; mtime = heartbeat (`Claims`)
+        checkpoints/<key>.pt  the training loop's checkpoint, to resume an interrupted run
+        <name>.<why>-<time>   a record, lock or checkpoint found invalid, moved aside (`safe_io.quarantine`)
+
+    `key` is `RunConfig.key()`, a hash of every result-affecting field of the resolved config."""
     return resolve_results_dir(results_dir) / name
 
 
@@ -115,7 +109,9 @@ def checkpoint_dir(folder: Path) -> Path:
 def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str) -> Path:
     """Store a finished run (a RunResult.to_dict()); then clears an earlier failure record of the same key and
     the run's checkpoint (`checkpoint_dir`), which training leaves until the record is written: a record
-    that cannot be written (a full disk) loses no work, the next attempt resumes."""
+    that cannot be written (a full disk) loses no work, the next attempt resumes. Written atomically
+    (`safe_io.atomic_write`: a temporary file in the same folder, then os.replace), so a reader or a killed
+    writer never sees half a record."""
     path = record_path(folder, key)
     write_json_atomic(path, {"key": key, "experiment": experiment, "status": "done", **result})
     failure_path(folder, key).unlink(missing_ok=True)
@@ -124,7 +120,9 @@ def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str)
 
 
 def check_record(record: Any, path: Path) -> str | None:
-    """Why `record`, read from `path`, is not a valid finished run; None when it is one."""
+    """Why `record`, read from `path`, is not a valid finished run; None when it is one: a JSON object whose
+    key matches its file name and its config, status done, final_accuracy in [0, 100]. An invalid record is
+    not counted; the grid moves it aside and reruns that run (`stored_record`)."""
     if not isinstance(record, dict):
         return f"a record is a JSON object, this is {type(record).__name__}"
     key = path.name.removesuffix(".json")

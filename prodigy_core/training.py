@@ -1,73 +1,11 @@
-"""Federated training engine: the paper's Algorithm 1 with local momentum, all clients in one batched step.
+"""Federated training of one run: the ProDiGy paper's Algorithm 1 with local momentum, all N clients' local
+steps as one batched computation.
 
-One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and in
-`config.record_distances_at`, so round 1 is the first server step):
-
-1. every client k starts from the server model theta_t and runs E local SGD steps at lr gamma_t on batches of
-   b = min(batch_size, |D_k|) samples drawn anew without replacement at every step (``paper``; ``authors``:
-   `AuthorsBatchStream`), with weight decay in the step
-   (g <- grad + wd * theta; theta <- theta - gamma_t g) and no client-side SGD momentum;
-2. it forms the pseudo-gradient g_t^k = (theta_t - theta_t^{k,(E)}) / gamma_t and its local momentum
-   m_t^k = beta m_{t-1}^k + (1 - beta) g_t^k, m_{-1}^k = 0 (beta = `local_momentum`; m_t = g_t when beta = 0),
-   kept for ALL clients: a sign-flipping client keeps its honest momentum, the attack negates what is sent;
-3. Byzantine clients are ids 0..f-1: the attack replaces their rows, `attack.craft(m[f:], m[:f], pipeline)`
-   (label flipping instead trains them on y' = C-1-y and sends their honest-looking momentum), see
-   `server_input`; the pipeline is first told theta_t (`Pipeline.new_round`: CClip's start under the
-   ``authors`` variant, in the attack's search too);
-4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t = `config.lr_at(t)`.
-
-``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see `make_aggregator`,
-`make_attack`): every client's batches come from its own epoch shuffles, b = batch_size consecutive samples
-per step, the last partial batch of an epoch dropped, the position carried across rounds and checkpointed
-(`AuthorsBatchStream`, client.py's cycled DataLoader with drop_last=True), and a client with fewer than
-batch_size samples stops the run before it starts (`ClientTooSmallError`: the authors' code would never
-return); evaluation runs the network in training mode in test batches of b (`eval_settings`), a run
-stops at the first evaluation whose test loss is NaN and keeps that evaluation's accuracy, and a run whose
-model became non-finite scores the share of class 0 in the test set (what argmax gives on NaN logits).
-
-The update vector holds the trainable parameters only (BatchNorm buffers and `num_batches_tracked` are not
-part of it).
-
-BatchNorm running statistics: each client starts a round from the server's buffers and updates its own copy
-during its local steps (per-client buffers, stacked along the client axis in the batched engine). The server
-then sets each floating-point buffer to the coordinate-wise median of the N reported buffers (mean of the two
-middle values for even N). Since f < N/2, the median lies within the range of the honest reports whatever
-the Byzantine clients report (in this simulation they report the statistics of their own honest or
-label-flipped training; the attack model only crafts the update vector). The authors' code never sends the
-buffers and evaluates in training mode; we evaluate in eval mode under `no_grad` (``variant="paper"``).
-
-Engines (same semantics, same batches drawn from the same generator):
-- ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters and
-  BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn before the
-  step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout), and passed in
-  (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this way. Clients
-  smaller than batch_size (``paper`` only) are vmapped in groups of equal batch width, so every client's loss
-  and BatchNorm batch statistics use exactly its own b_k samples.
-- ``sequential``: the reference, one model copy trained client after client on exactly its valid entries.
-- ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per run
-  (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
-  It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
-  dropout). Opt-in: `auto` never
-  picks it (see benchmarks/README.md's notes for where it pays).
-- ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
-  (`AUTO_CPU_ENGINE`).
-
-ProDiGy detection: when the rule is `ProDiGy` and its scores have one entry per client, the clients with
-weight 0 are logged each round. Precision and recall against the true Byzantine ids {0..f-1} are
-micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t |Z_t & B| / (T f).
-
-A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is NaN)
-stops with its model frozen and is recorded as diverged, with no loss and the accuracy
-`diverged_accuracy`: chance level 100 / num_classes (``paper``), or what a NaN network predicts in the
-authors' code, class 0 for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set;
-an ``authors`` run stopped by a NaN test loss keeps the accuracy that evaluation measured.
-Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`) hold
-the model, the momentum, the pipeline state, every RNG state and (``authors``) the batch stream, so a
-resumed run reproduces the uninterrupted one; the checkpoint is deleted when the run completes. They hold
-tensors and plain Python values only and are read with `torch.load(weights_only=True)`, so a crafted file on
-a shared disk cannot run code; a checkpoint that cannot be read or restored (garbage, truncated, crafted,
-another version's) is named in a warning, moved aside (`safe_io.quarantine`) and the run restarts from round
-0.
+Entry points: `run` (a `RunConfig` trained to its `RunResult`; its docstring states one round, the spec of
+Algorithm 1), `evaluate` / `evaluate_runs` (test accuracy and loss). `run`'s steps, `start_run`,
+`server_round`, `end_round` and `finish_run`, are shared with `prodigy_core.groups`, which trains several
+runs in one batched step. ``variant="authors"`` follows the authors' public code where it departs from the
+paper's text (docs/semantics.md).
 """
 
 from __future__ import annotations
@@ -104,11 +42,9 @@ from prodigy_core.registry import is_plugin, plugin_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
 
-# engine="auto" on a CPU, per dataset, from benchmarks/training.py on 2 CPU cores (torch 2.14, b=64), batched
-# vs sequential seconds per round: FEMNIST CNN N=20 E=2 3.4-3.9 vs 2.2-2.4; CIFAR-10 CNN N=10 E=2 11.5-12.9
-# vs 7.2-7.5 (vmap turns convolutions into grouped ones, slower than plain ones on a CPU once they are large);
-# digits (DigitsCNN, N=10, E=10, one thread as `--jobs auto` runs it, idle): 0.23 vs 0.12 (a Dirichlet split's
-# small clients make 3 vmapped calls a step). Tests pin engine="batched" where they test that path.
+# engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
+# benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
+# that path.
 AUTO_CPU_ENGINE = {"digits": "sequential", "femnist": "sequential", "cifar10": "sequential"}
 # Test batch size of the paper variant: eval mode gives every batch size the same numbers. (The authors' test
 # loader takes the clients' batch size: `eval_settings`.)
@@ -156,26 +92,73 @@ def run(
     resume: bool = True,
     on_round: Callable[..., None] | None = None,
     keep_checkpoint: bool = False,
-    _stop_after: int | None = None,
 ) -> RunResult:
     """Train one federated run described by `config` and return its `RunResult`.
 
+    One round t (0-indexed internally; round r = t + 1 everywhere in `RunResult` and in
+    `config.record_distances_at`, so round 1 is the first server step):
+
+    1. every client k starts from the server model theta_t and runs E local SGD steps at lr gamma_t on
+       batches of b = min(batch_size, |D_k|) samples drawn anew without replacement at every step
+       (``paper``; ``authors``: `AuthorsBatchStream`), with weight decay in the step
+       (g <- grad + wd * theta; theta <- theta - gamma_t g) and no client-side SGD momentum;
+    2. it forms the pseudo-gradient g_t^k = (theta_t - theta_t^{k,(E)}) / gamma_t and its local momentum
+       m_t^k = beta m_{t-1}^k + (1 - beta) g_t^k, m_{-1}^k = 0 (beta = `local_momentum`; m_t = g_t when
+       beta = 0), kept for ALL clients: a sign-flipping client keeps its honest momentum, the attack negates
+       what is sent;
+    3. Byzantine clients are ids 0..f-1: the attack replaces their rows, `attack.craft(m[f:], m[:f],
+       pipeline)` (label flipping instead trains them on y' = C-1-y and sends their honest-looking
+       momentum), see `server_input`; the pipeline is first told theta_t (`Pipeline.new_round`: CClip's
+       start under the ``authors`` variant, in the attack's search too);
+    4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t =
+       `config.lr_at(t)`, and sets its BatchNorm buffers to the median of the clients' reports
+       (`_set_server_buffers`).
+
+    The update vector holds the trainable parameters only (BatchNorm buffers and `num_batches_tracked` are
+    not part of it). Step 1 is `local_steps_stacked` (or the sequential reference, see `pick_engine`),
+    2-4 `server_round`; `end_round` evaluates and checkpoints, `finish_run` makes the record (divergence,
+    ProDiGy's detection).
+
+    ``variant="authors"`` (the authors' public code) changes, besides the rules and SF (see
+    `make_aggregator`, `make_attack`): every client's batches come from its own epoch shuffles, b =
+    batch_size consecutive samples per step, the last partial batch of an epoch dropped, the position
+    carried across rounds and checkpointed (`AuthorsBatchStream`, client.py's cycled DataLoader with
+    drop_last=True), and a client with fewer than batch_size samples stops the run before it starts
+    (`ClientTooSmallError`: the authors' code would never return); evaluation runs the network in training
+    mode in test batches of b (`eval_settings`), a run stops at the first evaluation whose test loss is NaN
+    and keeps that evaluation's accuracy, and a run whose model became non-finite scores the share of class
+    0 in the test set (what argmax gives on NaN logits).
+
     `checkpoint_dir`: save a checkpoint every `config.checkpoint_every` rounds and resume from it when one
     for the same `config.key()` exists (`resume=False`: ignore it and start from round 0, replacing it at
-    the next checkpoint; an unreadable one is moved aside and the run starts from round 0). `_stop_after`
-    (tests only) returns after that round without finishing, as if the process had been killed.
-    `keep_checkpoint`: leave the checkpoint of a completed run for the caller to delete once it has stored
-    the record (`results.save_record` does), so that a record that cannot be written loses no work.
+    the next checkpoint; an unreadable one is moved aside and the run starts from round 0; what a
+    checkpoint holds: `start_run`). `keep_checkpoint`: leave the checkpoint of a completed run for the
+    caller to delete once it has stored the record (`results.save_record` does), so that a record that
+    cannot be written loses no work.
     `on_round(r, updates, momentum, pipeline, attack)`, if given, is called every round once the server's
     input `updates` is formed and before it is aggregated
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
     (used by `prodigy_core.explorer.explore`).
     """
+    return _run(config, progress, checkpoint_dir, resume, on_round, keep_checkpoint)
+
+
+def _run(
+    config: RunConfig,
+    progress: bool = True,
+    checkpoint_dir: str | Path | None = None,
+    resume: bool = True,
+    on_round: Callable[..., None] | None = None,
+    keep_checkpoint: bool = False,
+    stop_after: int | None = None,
+) -> RunResult:
+    """`run`; `stop_after` (tests): return after that round without finishing, as if the process had been
+    killed (its checkpoint left as it was)."""
     if not isinstance(config, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
-    cfg = config.resolved()
-    device = resolve_device(cfg.device)
-    engine = pick_engine(cfg.engine, device, cfg.dataset)
+    resolved = config.resolved()
+    device = resolve_device(resolved.device)
+    engine = pick_engine(resolved.engine, device, resolved.dataset)
     st = start_run(config, device, engine, checkpoint_dir, resume=resume)
     if engine == "sequential":
         local_steps = _local_steps_sequential
@@ -183,14 +166,14 @@ def run(
         grad_fn = per_client_grad(st.model, compiled=engine == "compiled")
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
 
-    bar = tqdm(total=cfg.rounds, initial=st.start, disable=not progress, unit="round",
-               desc=f"{cfg.dataset} {cfg.defense}/{cfg.attack}")  # fmt: skip
+    bar = tqdm(total=resolved.rounds, initial=st.start, disable=not progress, unit="round",
+               desc=f"{resolved.dataset} {resolved.defense}/{resolved.attack}")  # fmt: skip
     with bar:  # closed before an error propagates, so that the message starts on a line of its own
-        for r in range(st.start + 1, cfg.rounds + 1):
+        for r in range(st.start + 1, resolved.rounds + 1):
             tic = time.perf_counter()
-            gamma = cfg.lr_at(r - 1)
+            gamma = resolved.lr_at(r - 1)
             pseudo_grads, client_buffers = local_steps(
-                st.model, st.fed, cfg.local_steps, gamma, cfg, st.data_gen, stream=st.stream
+                st.model, st.fed, resolved.local_steps, gamma, resolved, st.data_gen, stream=st.stream
             )
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
@@ -201,7 +184,7 @@ def run(
                 break
             bar.set_postfix(lr=gamma, acc=f"{st.result.final_accuracy:.1f}", refresh=False)
             bar.update(1)
-            if _stop_after == r:
+            if stop_after == r:
                 return st.result
     return finish_run(st, keep_checkpoint)
 
@@ -213,7 +196,7 @@ class RunState:
     one; `prodigy_core.groups` keeps one per run of a group and calls the same step functions."""
 
     config: RunConfig  # as given: its key names the checkpoint and the record
-    cfg: RunConfig  # resolved
+    resolved: RunConfig  # config.resolved(): the fields every round reads
     fed: Federation  # this run's (label-flipped clients included)
     model: nn.Module  # the server model
     pipeline: Pipeline
@@ -239,36 +222,46 @@ def start_run(
     """A run's state before its first round to do: seeded model, pipeline, attack, generators, resumed from
     its checkpoint in `checkpoint_dir` when one exists (not with `resume=False`; an unreadable one is moved
     aside with a warning and the state starts at round 0). `fed`: the run's federation when the caller
-    already loaded it (it is not modified: label flipping works on a shallow copy)."""
-    cfg = config.resolved()
-    n, f = cfg.n_clients, cfg.n_byzantine
-    fed = loaded = _load_federation(cfg, device) if fed is None else fed
-    stream = make_batch_stream(cfg, fed)  # before anything else: a too small authors client stops here
-    seed_everything(cfg.seed)
-    model = make_model(cfg.dataset).to(device).train()
-    pipeline = make_aggregator(cfg.defense, f, n, cfg.variant, cfg.defense_params)
+    already loaded it (it is not modified: label flipping works on a shallow copy).
+
+    Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`,
+    written by `end_round`) hold the model, the momentum, the pipeline state, every RNG state and
+    (``authors``) the batch stream, so a resumed run reproduces the uninterrupted one; the checkpoint is
+    deleted when the run completes. They hold tensors and plain Python values only and are read with
+    `torch.load(weights_only=True)`, so a crafted file on a shared disk cannot run code; a checkpoint that
+    cannot be read or restored (garbage, truncated, crafted, another version's) is named in a warning, moved
+    aside (`safe_io.quarantine`) and the run restarts from round 0."""
+    resolved = config.resolved()
+    n, f = resolved.n_clients, resolved.n_byzantine
+    fed = loaded = _load_federation(resolved, device) if fed is None else fed
+    stream = make_batch_stream(resolved, fed)  # before anything else: a too small authors client stops here
+    seed_everything(resolved.seed)
+    model = make_model(resolved.dataset).to(device).train()
+    pipeline = make_aggregator(resolved.defense, f, n, resolved.variant, resolved.defense_params)
     attack = None
-    if f > 0 and cfg.attack != "none":
-        attack = make_attack(cfg.attack, variant=cfg.variant, params=cfg.attack_params)
+    if f > 0 and resolved.attack != "none":
+        attack = make_attack(resolved.attack, variant=resolved.variant, params=resolved.attack_params)
         if attack.flips_labels:
             fed = copy.copy(fed)  # flip_labels replaces the copy's label tensor, never the shared one
             fed.flip_labels(range(f))
-    data_gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    data_gen = torch.Generator(device=device).manual_seed(resolved.seed)
     momentum = torch.zeros(n, sum(p.numel() for p in model.parameters()), device=device)
     # the record names the data source used (resolved: same key as `config`)
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
     result.environment = _environment(device, engine)
-    result.plugins = plugin_hashes(cfg)
+    result.plugins = plugin_hashes(resolved)
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
-    st = RunState(config, cfg, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream)
+    st = RunState(
+        config, resolved, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream
+    )
     if resume and ckpt is not None and ckpt.exists():
         try:
             state = torch.load(ckpt, map_location=device, weights_only=True)
             if state["key"] != config.key():
                 raise ValueError(f"it belongs to another config ({state['key']} != {config.key()})")
             st.start, saved = int(state["round"]), state["momentum"]
-            if not 0 < st.start < cfg.rounds or saved.shape != momentum.shape:
+            if not 0 < st.start < resolved.rounds or saved.shape != momentum.shape:
                 raise ValueError(f"round {st.start} or momentum shape {tuple(saved.shape)} does not fit")
             st.momentum = saved.to(device)
             model.load_state_dict(state["model"])
@@ -284,7 +277,7 @@ def start_run(
                 f"checkpoint {ckpt} cannot be resumed ({type(e).__name__}: {why}); "
                 f"moved to {moved.name}, the run restarts from round 0",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,  # the caller of `run` (start_run < _run < run) or of `groups.iter_group`
             )
             return start_run(config, device, engine, checkpoint_dir, loaded, resume=False)
     return st
@@ -300,7 +293,7 @@ def server_round(
 ) -> bool:
     """Steps 2-4 of round r from the clients' pseudo-gradients (N, d) and BatchNorm reports: momentum, attack,
     aggregation, server step. Returns False when the run diverged (recorded in `st.result`)."""
-    cfg, result, f, beta = st.cfg, st.result, st.cfg.n_byzantine, st.cfg.local_momentum
+    resolved, result, f, beta = st.resolved, st.result, st.resolved.n_byzantine, st.resolved.local_momentum
     st.momentum = momentum = local_momentum(st.momentum, pseudo_grads, beta)
     if not bool(torch.isfinite(momentum[f:]).all()):  # honest training blew up: the model has diverged
         result.diverged, result.diverged_at, result.rounds_completed = True, r, r
@@ -308,13 +301,14 @@ def server_round(
     st.pipeline.new_round(parameters_to_vector(st.model.parameters()).detach())
     updates = server_input(momentum, f, st.attack, st.pipeline)
     result.attack_params.append(None if st.attack is None else _as_float(st.attack.last_param))
-    if r in cfg.record_distances_at:
+    if r in resolved.record_distances_at:
         result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
     if on_round is not None:
         on_round(r, updates, momentum, st.pipeline, st.attack)
     aggregate = st.pipeline(updates)
-    if isinstance(st.pipeline.rule, ProDiGy) and len(st.pipeline.rule.last_scores.weight) == cfg.n_clients:
-        zeroed = torch.nonzero(st.pipeline.rule.last_scores.weight == 0).flatten().tolist()
+    rule = st.pipeline.rule
+    if isinstance(rule, ProDiGy) and len(rule.last_scores.weight) == resolved.n_clients:
+        zeroed = torch.nonzero(rule.last_scores.weight == 0).flatten().tolist()
         result.zeroed_clients.append(zeroed)
         st.hits += sum(k < f for k in zeroed)
     theta = parameters_to_vector(st.model.parameters()) - gamma * aggregate
@@ -332,19 +326,19 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     False when the run diverged (``authors``: a test loss that is not finite; recorded in `st.result`).
     `scores`: the due evaluation's (accuracy, loss) when the caller made it (`groups`: all members in one
     pass, `evaluate_runs`); None: evaluated here."""
-    cfg, result = st.cfg, st.result
-    if eval_due(cfg, r):
+    resolved, result = st.resolved, st.result
+    if eval_due(resolved, r):
         if scores is None:
-            train_mode, batch_size = eval_settings(cfg)
+            train_mode, batch_size = eval_settings(resolved)
             scores = evaluate(st.model, st.fed, batch_size, train_mode)
         result.final_accuracy, result.final_loss = scores
         result.accuracy_curve.append([r, result.final_accuracy])
         # The authors' code stops at a NaN test loss and repeats that evaluation's accuracy (what argmax gave
         # on that network); an infinite loss goes on.
-        if cfg.variant == "authors" and math.isnan(result.final_loss):
+        if resolved.variant == "authors" and math.isnan(result.final_loss):
             result.diverged, result.diverged_at, st.stopped_at_nan_loss = True, r, True
             return False
-    if st.ckpt is not None and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
+    if st.ckpt is not None and r % resolved.checkpoint_every == 0 and r < resolved.rounds:
         state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
                  "rng": _get_rng_states(st.data_gen)}  # fmt: skip
@@ -360,11 +354,22 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
 
 def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
     """The final record once the run completed or diverged; its checkpoint is deleted (kept with
-    keep_checkpoint: the caller deletes it once the record is stored)."""
-    result, f = st.result, st.cfg.n_byzantine
+    keep_checkpoint: the caller deletes it once the record is stored).
+
+    A run whose aggregate or model becomes non-finite (under ``authors`` also: whose test loss is NaN) stops
+    with its model frozen and is recorded as diverged, with no loss and the accuracy `diverged_accuracy`:
+    chance level 100 / num_classes (``paper``), or what a NaN network predicts in the authors' code, class 0
+    for every sample (argmax of NaN logits), i.e. the share of class 0 in the test set; an ``authors`` run
+    stopped by a NaN test loss keeps the accuracy that evaluation measured.
+
+    ProDiGy detection: when the rule is `ProDiGy` and its scores have one entry per client, the clients with
+    weight 0 are logged each round (`server_round`). Precision and recall against the true Byzantine ids
+    {0..f-1} are micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t
+    |Z_t & B| / (T f)."""
+    result, f = st.result, st.resolved.n_byzantine
     if result.diverged:
         if not st.stopped_at_nan_loss:
-            result.final_accuracy = diverged_accuracy(st.fed, st.cfg.variant)
+            result.final_accuracy = diverged_accuracy(st.fed, st.resolved.variant)
         result.final_loss = None
     if result.zeroed_clients and f > 0:
         flagged = sum(len(z) for z in result.zeroed_clients)
@@ -376,7 +381,24 @@ def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
 
 
 def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
-    """Resolve engine="auto": batched on CUDA, the measured faster one on CPU (`AUTO_CPU_ENGINE`)."""
+    """Resolve engine="auto": batched on CUDA, the measured faster one on CPU (`AUTO_CPU_ENGINE`).
+
+    Engines (same semantics, same batches drawn from the same generator):
+    - ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters
+      and BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn
+      before the step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout),
+      and passed in (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this
+      way. Clients smaller than batch_size (``paper`` only) are vmapped in groups of equal batch width, so
+      every client's loss and BatchNorm batch statistics use exactly its own b_k samples.
+    - ``sequential``: the reference, one model copy trained client after client on exactly its valid
+      entries.
+    - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
+      run (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
+      It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
+      dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
+    - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
+      (`AUTO_CPU_ENGINE`).
+    """
     if engine != "auto":
         return engine
     return "batched" if device.type == "cuda" else AUTO_CPU_ENGINE[dataset]
@@ -472,10 +494,10 @@ class AuthorsBatchStream:
         self.perms, self.pos = perms.to(self.fed.device, torch.int64).clone(), pos
 
 
-def make_batch_stream(cfg: RunConfig, fed: Federation) -> AuthorsBatchStream | None:
+def make_batch_stream(resolved: RunConfig, fed: Federation) -> AuthorsBatchStream | None:
     """The run's batch stream: `AuthorsBatchStream` under ``authors`` (raises `ClientTooSmallError` for a
     client smaller than batch_size), None under ``paper`` (every step draws `Federation.sample_batch`)."""
-    return AuthorsBatchStream(fed, cfg.batch_size) if cfg.variant == "authors" else None
+    return AuthorsBatchStream(fed, resolved.batch_size) if resolved.variant == "authors" else None
 
 
 def _draw_batch(
@@ -584,7 +606,7 @@ def _local_steps_batched(
     fed: Federation,
     steps: int,
     lr: float,
-    cfg: RunConfig,
+    resolved: RunConfig,
     gen: torch.Generator,
     grad_fn: ClientGrad | None = None,
     stream: AuthorsBatchStream | None = None,
@@ -595,7 +617,7 @@ def _local_steps_batched(
     (``authors``), None: `Federation.sample_batch` (``paper``)."""
     step = grad_fn or per_client_grad(model)
     ((pseudo_grads, buffers),) = local_steps_stacked(
-        [model], [fed], steps, [lr], cfg, [gen], step, streams=[stream]
+        [model], [fed], steps, [lr], resolved, [gen], step, streams=[stream]
     )
     return pseudo_grads, buffers
 
@@ -605,15 +627,15 @@ def local_steps_stacked(
     feds: list[Federation],
     steps: int,
     lrs: list[float],
-    cfg: RunConfig,
+    resolved: RunConfig,
     gens: list[torch.Generator],
     grad_fn: ClientGrad,
     own_rng: list[Callable[[], Any]] | None = None,
     streams: list[AuthorsBatchStream | None] | None = None,
 ) -> list[tuple[Tensor, dict[str, Tensor]]]:
     """The E local SGD steps of R runs' N clients each (R = len(models), same architecture, same client
-    data sizes, same E, batch size and weight decay `cfg`) as one vmapped computation over R x N clients;
-    returns every run's (pseudo-gradients (N, d), BatchNorm buffers {name: (N, ...)}).
+    data sizes, same E, batch size and weight decay: `resolved`'s) as one vmapped computation over R x N
+    clients; returns every run's (pseudo-gradients (N, d), BatchNorm buffers {name: (N, ...)}).
 
     Run i draws its batches from `gens[i]` (through its `streams[i]` when it has one: ``authors``) and,
     within `own_rng[i]()` (a context manager that makes run i's RNG state the global one; None: the global
@@ -633,7 +655,7 @@ def local_steps_stacked(
     params = {name: stack([p[name] for p in named]) for name in named[0]}
     named = [dict(m.named_buffers()) for m in models]
     buffers = {name: stack([b[name] for b in named]) for name in named[0]}
-    solo = _width_groups(feds[0], cfg.batch_size)
+    solo = _width_groups(feds[0], resolved.batch_size)
     stacked = [None if ids is None else torch.cat([ids + i * n for i in range(runs)]) for _, ids in solo]
     # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
     per_run = len(set(lrs)) > 1
@@ -641,7 +663,7 @@ def local_steps_stacked(
         parts = []  # per run, per width group: (images, labels, dropout masks)
         for i in range(runs):
             with contexts[i]():
-                x, y, _ = _draw_batch(feds[i], cfg.batch_size, gens[i], streams[i])
+                x, y, _ = _draw_batch(feds[i], resolved.batch_size, gens[i], streams[i])
                 sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
                 parts.append([(xg, yg, grad_fn.masks(xg)) for xg, yg in sub])
         for g, ids in enumerate(stacked):
@@ -656,8 +678,8 @@ def local_steps_stacked(
             for i, lr in enumerate(lrs if per_run else lrs[:1]):
                 sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
                 g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
-                if cfg.weight_decay:
-                    torch._foreach_add_(g_i, w_i, alpha=cfg.weight_decay)
+                if resolved.weight_decay:
+                    torch._foreach_add_(g_i, w_i, alpha=resolved.weight_decay)
                 torch._foreach_add_(w_i, g_i, alpha=-lr)
             if ids is not None:  # write the group's weights and BatchNorm buffers back
                 for name, v in p.items():
@@ -686,7 +708,7 @@ def _local_steps_sequential(
     fed: Federation,
     steps: int,
     lr: float,
-    cfg: RunConfig,
+    resolved: RunConfig,
     gen: torch.Generator,
     stream: AuthorsBatchStream | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -694,7 +716,7 @@ def _local_steps_sequential(
 
     The copy runs in channels-last memory format (1.2-1.5x faster convolutions on a CPU, native for cuDNN);
     flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
-    batches = [_draw_batch(fed, cfg.batch_size, gen, stream) for _ in range(steps)]
+    batches = [_draw_batch(fed, resolved.batch_size, gen, stream) for _ in range(steps)]
     server_state = copy.deepcopy(model.state_dict())
     client = copy.deepcopy(model).to(memory_format=torch.channels_last)
     weights = list(client.parameters())
@@ -707,8 +729,8 @@ def _local_steps_sequential(
             loss = F.cross_entropy(client(xk), y[k][mask[k]])
             grads = list(torch.autograd.grad(loss, weights))
             with torch.no_grad():
-                if cfg.weight_decay:
-                    torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
+                if resolved.weight_decay:
+                    torch._foreach_add_(grads, weights, alpha=resolved.weight_decay)
                 torch._foreach_add_(weights, grads, alpha=-lr)
         rows.append((start - torch.cat([w.detach().reshape(-1) for w in weights])) / lr)
         reports.append({name: b.detach().clone() for name, b in client.named_buffers()})
@@ -717,7 +739,17 @@ def _local_steps_sequential(
 
 
 def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> None:
-    """Server BatchNorm statistics = coordinate-wise median of the clients' reports (robust for f < N/2)."""
+    """Server BatchNorm statistics = coordinate-wise median of the clients' reports (robust for f < N/2).
+
+    Each client starts a round from the server's buffers and updates its own copy during its local steps
+    (per-client buffers, stacked along the client axis in the batched engine). The server then sets each
+    floating-point buffer to the coordinate-wise median of the N reported buffers (mean of the two middle
+    values for even N). Since f < N/2, the median lies within the range of the honest reports whatever the
+    Byzantine clients report (in this simulation they report the statistics of their own honest or
+    label-flipped training; the attack model only crafts the update vector). The authors' code never sends
+    the buffers and evaluates in training mode; we evaluate in eval mode under `no_grad`
+    (``variant="paper"``).
+    """
     with torch.no_grad():
         for name, b in model.named_buffers():
             reports = client_buffers[name]
@@ -788,17 +820,17 @@ def evaluate_runs(
     return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
 
 
-def eval_settings(cfg: RunConfig) -> tuple[bool, int]:
+def eval_settings(resolved: RunConfig) -> tuple[bool, int]:
     """(train_mode, batch size) of a run's test evaluation: eval mode in batches of `EVAL_BATCH_SIZE`
     (``paper``), or as the authors' server tests (``authors``): training mode over DataLoader(test_set,
     batch_size=<the clients' batch size>, shuffle=False) (server.py l.29, l.51-68), where each test batch's
     own BatchNorm statistics make the batch size and the test set's order matter."""
-    return (True, cfg.batch_size) if cfg.variant == "authors" else (False, EVAL_BATCH_SIZE)
+    return (True, resolved.batch_size) if resolved.variant == "authors" else (False, EVAL_BATCH_SIZE)
 
 
-def eval_due(cfg: RunConfig, r: int) -> bool:
+def eval_due(resolved: RunConfig, r: int) -> bool:
     """Whether round r ends with an evaluation: every `eval_every` rounds and after the last."""
-    return r % cfg.eval_every == 0 or r == cfg.rounds
+    return r % resolved.eval_every == 0 or r == resolved.rounds
 
 
 def diverged_accuracy(fed: Federation, variant: str) -> float:
@@ -810,13 +842,13 @@ def diverged_accuracy(fed: Federation, variant: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _load_federation(cfg: RunConfig, device: torch.device) -> Federation:
-    """The run's federation, from the data source its key was computed with (`cfg` is resolved)."""
-    return load_federation(cfg.dataset, cfg.n_clients, distribution=cfg.distribution,
-                           dirichlet_alpha=cfg.dirichlet_alpha, seed=cfg.data_seed, device=device,
-                           data_dir=cfg.data_dir, download=cfg.download,
-                           min_writer_samples=cfg.femnist_min_writer_samples,
-                           source=cfg.data_source, variant=cfg.variant)  # fmt: skip
+def _load_federation(resolved: RunConfig, device: torch.device) -> Federation:
+    """The run's federation from `config.resolved()`: the data source its key was computed with."""
+    return load_federation(resolved.dataset, resolved.n_clients, distribution=resolved.distribution,
+                           dirichlet_alpha=resolved.dirichlet_alpha, seed=resolved.data_seed, device=device,
+                           data_dir=resolved.data_dir, download=resolved.download,
+                           min_writer_samples=resolved.femnist_min_writer_samples,
+                           source=resolved.data_source, variant=resolved.variant)  # fmt: skip
 
 
 def plugin_hashes(config: RunConfig) -> dict[str, str]:

@@ -2,6 +2,7 @@
 where the behaviour under test is the store, the real one where it is the executor)."""
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -261,6 +262,23 @@ def test_prodigy_with_one_byzantine_is_rejected_with_the_limit():
         experiment_from_spec(
             {"experiment": "x", "base": {"defense": "prodigy", "n_byzantine": 1}}, source="spec"
         )
+
+
+def test_validation_comes_before_any_run_is_built():
+    # ParamsSpec.parse checks the mapping alone; RunConfig's own checks are the expansion's (expand_params)
+    spec = {"experiment": "x", "base": {"defense": "prodigy", "n_byzantine": 1}, "seeds": [0, 1],
+            "grid": [{"attack": ["alie"]}, {"attack": ["alie", "sf"]}]}  # fmt: skip
+    params = experiments.ParamsSpec.parse(spec, source="spec", fields={"rounds": 3})
+    assert params.seeds == (0, 1) and params.base["rounds"] == 3 and len(params.grids) == 2
+    assert [label for label, _ in params.grids] == ["grid[0]", "grid[1]"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.seeds = (0,)  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"spec: base\.defense='prodigy'"):
+        experiments.expand_params(params)
+    fine = experiments.ParamsSpec.parse({**spec, "base": {"n_byzantine": 2}}, source="spec")
+    expanded = experiments.expand_params(fine)  # the two mappings' products share (alie, 0) and (alie, 1)
+    assert [(c.attack, c.seed) for c in expanded.configs] == [("alie", 0), ("alie", 1), ("sf", 0), ("sf", 1)]
+    assert expanded.configs == experiment_from_spec({**spec, "base": {"n_byzantine": 2}}).configs
 
 
 # ------------------------------------------------------------------------------------------- smoke profile
