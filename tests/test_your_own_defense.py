@@ -1,0 +1,71 @@
+"""Your own defense, end to end (issue 26 part 5): the worst-case bar chart on a hand-built frame."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from prodigy_core import report
+
+LAYOUT = {"rows": "defense", "columns": "attack"}
+
+
+def hand_built(blocks: bool = False) -> pd.DataFrame:
+    """Two defenses x (no attack, ALIE, SF) x seeds 0 and 1; with `blocks`, a second momentum block whose
+    accuracies are 10 points lower."""
+    accuracy = {  # (defense, attack): (seed 0, seed 1)
+        ("prodigy", "none"): (90.0, 92.0),
+        ("prodigy", "alie"): (80.0, 70.0),  # mean 75
+        ("prodigy", "sf"): (60.0, 64.0),  # mean 62: ProDiGy's worst case
+        ("nnm+trimmed_mean", "none"): (20.0, 20.0),  # lower still, but "no attack" is not an attack
+        ("nnm+trimmed_mean", "alie"): (40.0, 30.0),  # mean 35: its worst case
+        ("nnm+trimmed_mean", "sf"): (55.0, 45.0),  # mean 50
+    }
+    rows = [
+        dict(local_momentum=beta, defense=d, attack=a, seed=s, final_accuracy=acc - 10 * (beta > 0), rounds=5)
+        for beta in ((0.0, 0.9) if blocks else (0.0,))
+        for (d, a), seeds in accuracy.items()
+        for s, acc in enumerate(seeds)
+    ]
+    return pd.DataFrame(rows)
+
+
+def bars_of(ax) -> list[float]:
+    return [bar.get_width() for bar in ax.patches]
+
+
+def test_worst_case_bars_are_the_row_minima_over_the_attacks():
+    fig = report.worst_case_bars(hand_built(), LAYOUT, "Hand-built")
+    (ax,) = fig.axes
+    assert bars_of(ax) == pytest.approx([62.0, 35.0])  # mean over seeds, then the lowest over the attacks
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["ProDiGy", "NNM+Trimmed mean"]
+    assert [t.get_text() for t in ax.texts] == ["62.0 (SF)", "35.0 (ALIE)"]
+    assert ax.get_xlim() == (0.0, 100.0)
+    # the bars are the table's bold cells
+    means, worst = report.accuracy_table(hand_built(), LAYOUT), report.worst_case(hand_built(), LAYOUT)
+    assert bars_of(ax) == pytest.approx(means.where(worst).min(axis=1).tolist())
+    caption = " ".join(t.get_text() for t in fig.texts)
+    assert "after 5 rounds, mean over 2 seeds" in " ".join(caption.split())
+
+
+def test_worst_case_bars_draw_one_panel_per_block_and_mark_a_diverged_worst_case():
+    df = hand_built(blocks=True).assign(diverged=False)
+    hit = (df["defense"] == "prodigy") & (df["attack"] == "sf") & (df["local_momentum"] == 0.9)
+    df.loc[hit & (df["seed"] == 1), "diverged"] = True
+    fig = report.worst_case_bars(df, {**LAYOUT, "blocks": ["local_momentum"]}, "Blocks")
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["β=0", "β=0.9"]
+    assert bars_of(panels[0]) == pytest.approx([62.0, 35.0])
+    assert bars_of(panels[1]) == pytest.approx([52.0, 25.0])
+    assert panels[1].texts[0].get_text() == f"52.0{report.DIVERGED_MARK} (SF)"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [f"{report.DIVERGED_MARK} diverged in at least one seed (counted at chance accuracy)"]
+
+
+def test_a_row_with_no_attacked_cell_run_has_no_bar():
+    df = hand_built()
+    df = df[~((df["defense"] == "nnm+trimmed_mean") & (df["attack"] != "none"))]
+    (ax,) = report.worst_case_bars(df, LAYOUT).axes
+    assert bars_of(ax)[0] == pytest.approx(62.0) and np.isnan(bars_of(ax)[1])
+    assert [t.get_text() for t in ax.texts] == ["62.0 (SF)"]
