@@ -1,12 +1,15 @@
-"""Your own defense, end to end (issue 26 part 5): the worst-case bar chart on a hand-built frame."""
+"""Your own defense, end to end (issue 26 part 5): the worst-case bar chart on a hand-built frame, and the
+smoke profile keeping plug-ins."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from prodigy_core import report
+from prodigy_core.experiments import SMOKE_ATTACKS, experiment_from_spec, resolve_params
 
 LAYOUT = {"rows": "defense", "columns": "attack"}
 
@@ -69,3 +72,29 @@ def test_a_row_with_no_attacked_cell_run_has_no_bar():
     (ax,) = report.worst_case_bars(df, LAYOUT).axes
     assert bars_of(ax)[0] == pytest.approx(62.0) and np.isnan(bars_of(ax)[1])
     assert [t.get_text() for t in ax.texts] == ["62.0 (SF)"]
+
+
+RULE = """from prodigy_core.aggregators import Rule
+
+
+class Closest(Rule):
+    display = "Closest to median"
+
+    def __init__(self, f: int):
+        self.f = f
+
+    def aggregate(self, G):
+        far = (G - G.median(dim=0).values).norm(dim=1)
+        return G[far.argsort()[: len(G) - 2 * self.f]].mean(dim=0)
+"""
+
+
+def test_the_smoke_profile_keeps_plugins_beside_its_usual_defenses_and_attacks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_defense.py").write_text(RULE)
+    spec = yaml.safe_load(resolve_params("quickstart_digits").read_text())  # 42 runs: shrunk at smoke scale
+    spec["grid"]["defense"].append("nnm+my_defense.py:Closest")
+    smoke = experiment_from_spec(spec, scale="smoke")
+    assert list(dict.fromkeys(c.defense for c in smoke.configs)) == [
+        "none", "nnm+trimmed_mean", "prodigy", "nnm+my_defense.py:Closest"]  # fmt: skip
+    assert list(dict.fromkeys(c.attack for c in smoke.configs)) == list(SMOKE_ATTACKS)
