@@ -1,16 +1,22 @@
-"""Your own defense, end to end (issue 26 part 5): the worst-case bar chart on a hand-built frame, and the
-smoke profile keeping plug-ins."""
+"""Your own defense, end to end (issue 26 part 5): notebooks/your_own_defense.ipynb run by papermill at smoke
+scale in a temporary folder (a rule written in a cell, beside ProDiGy and NNM + trimmed mean, its heatmap and
+worst-case bars), the worst-case bar chart on a hand-built frame, and the smoke profile keeping plug-ins."""
 
 from __future__ import annotations
 
+import json
+
+import nbformat
 import numpy as np
 import pandas as pd
+import papermill
 import pytest
 import yaml
 
-from prodigy_core import report
+from prodigy_core import report, reproduce
 from prodigy_core.experiments import SMOKE_ATTACKS, experiment_from_spec, resolve_params
 
+NOTEBOOK = reproduce.NOTEBOOKS_DIR / "your_own_defense.ipynb"
 LAYOUT = {"rows": "defense", "columns": "attack"}
 
 
@@ -98,3 +104,40 @@ def test_the_smoke_profile_keeps_plugins_beside_its_usual_defenses_and_attacks(t
     assert list(dict.fromkeys(c.defense for c in smoke.configs)) == [
         "none", "nnm+trimmed_mean", "prodigy", "nnm+my_defense.py:Closest"]  # fmt: skip
     assert list(dict.fromkeys(c.attack for c in smoke.configs)) == list(SMOKE_ATTACKS)
+
+
+def test_the_notebook_runs_a_rule_of_your_own_beside_prodigy_and_nnm_trimmed_mean(tmp_path, monkeypatch):
+    results, figures, work = tmp_path / "results", tmp_path / "figures", tmp_path / "work"
+    monkeypatch.setenv("PRODIGY_RESULTS_DIR", str(results))  # the kernel inherits them
+    monkeypatch.setenv("PRODIGY_FIGURES_DIR", str(figures))
+    monkeypatch.setenv("PRODIGY_PROGRESS", "text")
+    monkeypatch.chdir(tmp_path)
+    executed = papermill.execute_notebook(
+        str(NOTEBOOK),
+        str(tmp_path / "executed.ipynb"),
+        parameters={"scale": "smoke", "work_dir": str(work)},
+        cwd=str(tmp_path),
+        kernel_name=reproduce.KERNEL,
+        progress_bar=False,
+        extra_arguments=reproduce.KERNEL_ARGUMENTS,
+    )
+    # the rule's file went to the folder the notebook was given, not beside the notebook
+    assert (work / "my_defense.py").is_file() and not (NOTEBOOK.parent / "my_defense.py").exists()
+    mine = f"nnm+{(work / 'my_defense.py').resolve()}:Closest"
+    records = [json.loads(p.read_text()) for p in (results / "your_own_defense-smoke").glob("*.json")]
+    by_defense = {}
+    for r in records:
+        by_defense.setdefault(r["config"]["defense"], []).append(r)
+    assert set(by_defense) == {"prodigy", "nnm+trimmed_mean", mine}
+    attacks = {d: sorted(r["config"]["attack"] for r in rs) for d, rs in by_defense.items()}
+    assert all(a == sorted(SMOKE_ATTACKS) for a in attacks.values()), attacks  # the full smoke table
+    assert all(0 <= r["final_accuracy"] <= 100 for r in records)
+    assert all(mine.removeprefix("nnm+") in r["plugins"] for r in by_defense[mine])  # with its file hash
+    assert report.display_value("defense", mine) == "NNM+Closest to median"  # the class's `display`
+    # the heatmap and the worst-case bar chart: saved, and shown in the notebook
+    for name in ("your_own_defense", "your_own_defense_worst_case"):
+        assert (figures / "smoke" / f"{name}.png").stat().st_size > 0, name
+        assert (figures / "smoke" / f"{name}.pdf").stat().st_size > 0, name
+    last = [c for c in nbformat.from_dict(executed).cells if c.cell_type == "code"][-1]
+    images = [o for o in last.outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 2
