@@ -30,6 +30,7 @@ from prodigy_core import paths
 from prodigy_core import results as store
 from prodigy_core.config import ConfigError, RunConfig, field_names
 from prodigy_core.names import FIGURES, did_you_mean
+from prodigy_core.registry import is_plugin
 
 PARAMS_DIR = paths.package_folder("params")  # the package's own; a project's params/ comes first
 TOP_LEVEL_KEYS = ("experiment", "title", "paper_table", "base", "grid", "seeds", "mini", "report")
@@ -504,7 +505,8 @@ def smoke_profile(experiment: Experiment) -> Experiment:
          first run only (for a list-of-mappings grid, the first mapping's first point).
       3. defense x attack: kept whole when it has at most SMOKE_MAX_RUNS runs; otherwise the defenses in
          SMOKE_DEFENSES and the attacks in SMOKE_ATTACKS that the grid has (the grid's first three defenses /
-         first two attacks when it has none of them).
+         first two attacks when it has none of them), and every plug-in (`my_rules.py:MyRule`: the rule or
+         attack being tried out is what a first look is for).
       4. per run: rounds <= SMOKE_ROUNDS, local_steps <= SMOKE_LOCAL_STEPS, eval_every <= rounds,
          record_distances_at clipped to the last round; cifar10 runs on real CIFAR-10 when this machine has
          it (`data.resolve_data_source`) and on the embedded digits otherwise; femnist keeps at most
@@ -524,8 +526,10 @@ def smoke_profile(experiment: Experiment) -> Experiment:
     defenses = list(dict.fromkeys(c.defense for c in kept))
     attacks = list(dict.fromkeys(c.attack for c in kept))
     if len(kept) > SMOKE_MAX_RUNS:
-        defenses = [d for d in defenses if d in SMOKE_DEFENSES] or defenses[:3]
-        attacks = [a for a in attacks if a in SMOKE_ATTACKS] or attacks[:2]
+        chosen = [d for d in defenses if d in SMOKE_DEFENSES] or defenses[:3]
+        defenses = [d for d in defenses if d in chosen or is_plugin(d)]
+        chosen = [a for a in attacks if a in SMOKE_ATTACKS] or attacks[:2]
+        attacks = [a for a in attacks if a in chosen or is_plugin(a)]
         kept = [c for c in kept if c.defense in defenses and c.attack in attacks]
 
     # One f per original (N, f) for the whole table, so that a row is not split by a per-defense f.

@@ -554,6 +554,66 @@ def heatmap(
     return fig
 
 
+def worst_case_bars(
+    df: pd.DataFrame,
+    layout: Mapping[str, Any],
+    title: str = "",
+    order: Mapping[str, Sequence[Any]] | None = None,
+    limits: tuple[float, float] = (0.0, 100.0),
+    coverage: str | None = None,
+) -> Figure:
+    """One horizontal bar per row (defense): its worst case, the lowest mean accuracy over the columns
+    (attacks; "no attack" excluded), i.e. the value of its bold cell in the table (:func:`worst_case`), one
+    panel per column block. Each bar is labelled with its value and the attack that reaches it (a dagger
+    where that cell diverged); under the title, the rounds, the seeds and ``coverage`` as on the heatmap.
+    ``limits``: the accuracy axis, 0-100 by default."""
+    rows, columns, blocks = _layout(layout)
+    mean, _, worst, diverged, seeds = _tables(df, layout, order)
+    groups = _block_groups(mean.columns)
+    nr, nc = _grid(len(groups), max_cols=2)
+    with figure_style():
+        fig = Figure(figsize=(nc * 3.6 + 1.4, nr * (0.3 * len(mean) + 1.2) + 0.4), layout="constrained")
+        axes = fig.subplots(nr, nc, squeeze=False, sharey=True)
+        marked = False  # a bar whose worst cell diverged
+        for i, (key, cols) in enumerate(groups.items()):
+            ax = axes.flat[i]
+            cells = worst[cols].to_numpy(dtype=bool) & ~np.isnan(mean[cols].to_numpy(dtype=float))
+            heights = np.where(cells, mean[cols].to_numpy(dtype=float), np.inf).min(axis=1)
+            heights = np.where(np.isfinite(heights), heights, np.nan)  # a row with no attacked cell run
+            ax.barh(range(len(mean)), heights, color=HONEST_COLOUR, height=0.6)
+            for r, v in enumerate(heights):
+                if np.isnan(v):
+                    continue
+                c = int(np.argmax(cells[r]))  # the first of tied worst cells
+                mark = DIVERGED_MARK if diverged[cols].iat[r, c] else ""
+                marked = marked or bool(mark)
+                attack = display_value(columns, cols[c][-1] if blocks else cols[c])
+                inside = v > limits[0] + 0.7 * (limits[1] - limits[0])  # a long bar holds its own label
+                pad = 0.01 * (limits[1] - limits[0]) * (-1 if inside else 1)
+                ax.text(v + pad, r, f"{v:.1f}{mark} ({attack})", va="center", fontsize=7,
+                        ha="right" if inside else "left", color="white" if inside else "black")  # fmt: skip
+            ax.set_yticks(range(len(mean)), [display_value(rows, r) for r in mean.index])
+            ax.set_ylim(len(mean) - 0.5, -0.5)  # the table's order, top to bottom
+            ax.set_xlim(*limits)
+            ax.set_xlabel(f"worst-case final test accuracy (%) over the {columns}s")
+            if blocks:
+                ax.set_title(block_label(blocks, key))
+        for ax in axes.flat[len(groups) :]:
+            ax.set_visible(False)
+        if marked:
+            where = "" if seeds == "one seed" else " in at least one seed"
+            label = f"{DIVERGED_MARK} diverged{where} (counted at chance accuracy)"
+            note = matplotlib.patches.Patch(facecolor="none", edgecolor="none", label=label)
+            fig.legend(handles=[note], loc="outside lower center", frameon=False, fontsize=7)
+        if title:
+            rounds = rounds_phrase(df)
+            head = f"Worst case per {rows}: its lowest final test accuracy (%) over the {columns}s"
+            head += f" after {rounds}" if rounds else ""
+            caption = f"{head}, {seeds.replace('mean ± std', 'mean')}"  # a bar shows the mean only
+            set_title(fig, title, f"{caption}; {coverage}" if coverage else caption)
+    return fig
+
+
 def curves_frame(df: pd.DataFrame) -> pd.DataFrame:
     """Long frame (run index, round, accuracy) from the ``accuracy_curve`` column ([[round, acc%], ...])."""
     records = [

@@ -17,6 +17,10 @@ from prodigy_core import lab, reproduce
 from prodigy_core.experiments import PARAMS_DIR
 
 RUN_CONTROLS = {"scale", "executor", "jobs"}
+# Notebooks that `prodigy-fl reproduce` does not run (no paper item; nbval runs them at smoke scale, and
+# tests/test_your_own_defense.py runs it with papermill)
+EXAMPLES = {"your_own_defense.ipynb"}
+ALL_NOTEBOOKS = sorted({n for n, _ in reproduce.NOTEBOOKS.values()} | EXAMPLES)
 
 
 def read(name: str) -> nbformat.NotebookNode:
@@ -39,10 +43,10 @@ def test_every_params_file_and_notebook_is_mapped():
     assert {p.name for p in PARAMS_DIR.glob("*.yaml")} <= mapped_params
     assert {p.name for p in reproduce.NOTEBOOKS_DIR.glob("*.ipynb")} == {
         n for n, _ in reproduce.NOTEBOOKS.values()
-    }
+    } | EXAMPLES
 
 
-@pytest.mark.parametrize("name", sorted(n for n, _ in reproduce.NOTEBOOKS.values()))
+@pytest.mark.parametrize("name", ALL_NOTEBOOKS)
 def test_notebook_is_committed_clean(name):
     nb = read(name)
     nbformat.validate(nb)
@@ -108,7 +112,7 @@ def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
     assert git(repo, "config", "filter.nbstripout.extrakeys").strip() == keys
     hook = json.loads(lab.config_file(str(tmp_path / "env")).read_text())
     assert hook == {"ContentsManager": {"post_save_hook": lab.HOOK}} and len(done) == 2
-    names = sorted(n for n, _ in reproduce.NOTEBOOKS.values())
+    names = ALL_NOTEBOOKS
     for name in names:
         shutil.copy(reproduce.NOTEBOOKS_DIR / name, repo / name)
     git(repo, "add", ".")
