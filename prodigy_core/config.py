@@ -163,8 +163,10 @@ class RunConfig:
     def key(self) -> str:
         """Hash of every resolved field that affects the result, and of nothing else: settings only when
         given (so keys made before settings existed stay valid), a plug-in's file hash
-        (`registry.plugin_hash`). Reads the disk: `resolved` finds the data source, and a plug-in's file
-        is hashed."""
+        (`registry.plugin_hash`). Reads the disk: a plug-in's file is hashed, and when `data_source` is None
+        `resolved` looks the source up on this machine (which CIFAR-10 copy, or a hash of the FEMNIST
+        writers), so such a config's key can change with this machine's data; a config with `data_source` set
+        (every task `run_grid` hands a worker, every stored record) hashes its fields alone."""
         from prodigy_core.aggregators import split_defense
         from prodigy_core.registry import is_plugin, plugin_hash
 
