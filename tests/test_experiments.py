@@ -188,6 +188,7 @@ def test_same_config_same_key_and_any_result_field_changes_it():
         "seed": 1, "data_seed": 1, "record_distances_at": [3], "variant": "authors",
         "femnist_min_writer_samples": 5,  # only matters for femnist: checked below
         "data_source": "cifar10-jpeg",  # a source of cifar10 only: checked below
+        "defense_params": {"tau": 5}, "attack_params": {"eps": 1},  # settings of CClip and FOE: below
     }  # fmt: skip
     non_result = set(RunConfig.NON_RESULT_FIELDS)
     assert set(changed) | non_result == set(field_names())
@@ -195,6 +196,9 @@ def test_same_config_same_key_and_any_result_field_changes_it():
         if name == "femnist_min_writer_samples":
             femnist = base.replace(dataset="femnist", distribution="natural")
             assert femnist.replace(femnist_min_writer_samples=value).key() != femnist.key()
+        elif name in ("defense_params", "attack_params"):
+            owner = base.replace(defense="cclip", attack="foe_100")
+            assert owner.replace(**{name: value}).key() != owner.key(), name
         elif name == "data_source":
             binary = base.replace(dataset="cifar10", data_source="cifar10-binary")
             assert binary.replace(data_source=value).key() != binary.key()
