@@ -800,16 +800,11 @@ class GridPlan:
 
 
 def plan_grid(
-    experiment: Experiment,
-    executor: str = "local",
-    jobs: int | str = 1,
-    force: bool = False,
-    results_dir: str | os.PathLike | None = None,
-    batch_runs: int | str = "auto",
+    experiment: Experiment, executor: str, jobs: int | str, force: bool, results_dir: Any, batch_runs: Any
 ) -> GridPlan:
-    """Which runs of the experiment to train (`run_grid`'s arguments checked, the femnist writers counted,
-    the results folder writable when there is a run to do), as tasks grouped into work items, and with how
-    many worker processes. Trains nothing and claims nothing."""
+    """Which runs of the experiment to train (`run_grid`'s arguments, their defaults there, checked; the
+    femnist writers counted, the results folder writable when there is a run to do), as tasks grouped into
+    work items, and with how many worker processes. Trains nothing and claims nothing."""
     from prodigy_core import groups
 
     if executor not in EXECUTORS:

@@ -171,18 +171,6 @@ def iter_group(
     rounds (resumed from checkpoints of different ages) or have different `rounds`: each member does its own
     next round every step of the group.
     """
-    yield from _iter_group(configs, checkpoint_dir, progress, keep_checkpoints)
-
-
-def _iter_group(
-    configs: Sequence[RunConfig],
-    checkpoint_dir: str | Path | None = None,
-    progress: bool = False,
-    keep_checkpoints: bool = False,
-    stop_after: int | None = None,
-) -> Iterator[tuple[int, Outcome]]:
-    """`iter_group`; `stop_after` (tests): return after that many steps of the group, as if the process
-    were killed."""
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
         return
@@ -254,7 +242,7 @@ def _iter_group(
                         yield m.index, outcome
                 active = still
                 bar.update(1)
-                if not active or stop_after == step:
+                if not active or step == training._KILLED_AFTER:
                     break
     finally:
         training._set_rng_states(outside, torch.Generator())

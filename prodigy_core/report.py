@@ -25,7 +25,7 @@ import re
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 import numpy as np
@@ -1116,12 +1116,10 @@ def write_report(
     folder = output_dir(smoke, out_dir, mini=mini)
     folder.mkdir(parents=True, exist_ok=True)
     layout = getattr(experiment, "report", None) or {}
-    title = report_title(experiment, df)
-    order = grid_order(experiment)
     coverage = grid_coverage(experiment, df, layout)
-    note = table_note(df, coverage, smoke=smoke, mini=mini)
-    paths = write_tables(experiment, df, folder, layout, title, order, note)
-    paths += write_figures(experiment.name, df, folder, layout, title, order, coverage)
+    page = Page(experiment.name, df, folder, layout, report_title(experiment, df), grid_order(experiment))
+    paths = write_tables(page, table_note(df, coverage, smoke=smoke, mini=mini), provenance(experiment))
+    paths += write_figures(page, coverage)
     if getattr(experiment, "paper_table", None) and not smoke:
         paths.append(write_paper_comparison(experiment, df, folder, results_dir, mini=mini))
     return paths
@@ -1141,38 +1139,34 @@ def table_note(df: pd.DataFrame, coverage: str | None, smoke: bool = False, mini
     return note
 
 
-def write_tables(
-    experiment: Any,
-    df: pd.DataFrame,
-    folder: Path,
-    layout: Mapping[str, Any],
-    title: str,
-    order: Mapping[str, Sequence[Any]],
-    note: str,
-) -> list[Path]:
-    """The table as ``<folder>/<name>.md`` (with `note`) and ``.tex``, each with its provenance line."""
-    name = experiment.name
-    paths = [folder / f"{name}.md", folder / f"{name}.tex"]
-    made_by = provenance(experiment)
+class Page(NamedTuple):
+    """What a report's tables and figures share: the experiment's name, its results, the folder they go
+    to, the layout (rows, columns, blocks, figures), the title and the grid's order of values."""
+
+    name: str
+    df: pd.DataFrame
+    folder: Path
+    layout: Mapping[str, Any]
+    title: str
+    order: Mapping[str, Sequence[Any]]
+
+
+def write_tables(page: Page, note: str, made_by: str) -> list[Path]:
+    """The table as ``<folder>/<name>.md`` (with `note`) and ``.tex``, each with the provenance `made_by`."""
+    df, layout, title, order = page.df, page.layout, page.title, page.order
+    paths = [page.folder / f"{page.name}.md", page.folder / f"{page.name}.tex"]
     markdown = to_markdown(df, layout, title, order, note=note)
     paths[0].write_text(f"{markdown}\n<!-- provenance: {made_by} -->\n", encoding="utf-8")
-    latex = to_latex(df, layout, title, order, label=f"tab:{name}")
+    latex = to_latex(df, layout, title, order, label=f"tab:{page.name}")
     paths[1].write_text(f"% provenance: {made_by}\n{latex}", encoding="utf-8")
     return paths
 
 
-def write_figures(
-    name: str,
-    df: pd.DataFrame,
-    folder: Path,
-    layout: Mapping[str, Any],
-    title: str,
-    order: Mapping[str, Sequence[Any]],
-    coverage: str | None = None,
-) -> list[Path]:
+def write_figures(page: Page, coverage: str | None = None) -> list[Path]:
     """The layout's figures (DEFAULT_FIGURES when it names none) as ``.pdf`` and ``.png`` in `folder`: the
     heatmap ``<name>``, the accuracy curves ``<name>_curves`` and, for `distances`, each recorded distance
     matrix (``<name>``, or ``<name>_<key>_round<r>`` when there are several)."""
+    name, df, folder, layout, title, order = page
     figures = layout.get("figures") or DEFAULT_FIGURES
     unknown = sorted(set(figures) - set(FIGURES))
     if unknown:

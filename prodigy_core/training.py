@@ -19,7 +19,7 @@ import platform
 import random
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,22 @@ class RunResult:
         return cls(**d)
 
 
+# Tests only: `run` returns after this round (`groups.iter_group` after this step of its group) without
+# finishing, as if the process had been killed there, its checkpoint left as it was (`killed_after`).
+_KILLED_AFTER: int | None = None
+
+
+@contextlib.contextmanager
+def killed_after(r: int) -> Iterator[None]:
+    """Tests only: inside the block, a run stops after round r (a group after step r) as if killed."""
+    global _KILLED_AFTER
+    before, _KILLED_AFTER = _KILLED_AFTER, r
+    try:
+        yield
+    finally:
+        _KILLED_AFTER = before
+
+
 def run(
     config: RunConfig,
     *,
@@ -140,20 +156,6 @@ def run(
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
     (used by `prodigy_core.explorer.explore`).
     """
-    return _run(config, progress, checkpoint_dir, resume, on_round, keep_checkpoint)
-
-
-def _run(
-    config: RunConfig,
-    progress: bool = True,
-    checkpoint_dir: str | Path | None = None,
-    resume: bool = True,
-    on_round: Callable[..., None] | None = None,
-    keep_checkpoint: bool = False,
-    stop_after: int | None = None,
-) -> RunResult:
-    """`run`; `stop_after` (tests): return after that round without finishing, as if the process had been
-    killed (its checkpoint left as it was)."""
     if not isinstance(config, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
     resolved = config.resolved()
@@ -184,7 +186,7 @@ def _run(
                 break
             bar.set_postfix(lr=gamma, acc=f"{st.result.final_accuracy:.1f}", refresh=False)
             bar.update(1)
-            if stop_after == r:
+            if r == _KILLED_AFTER:
                 return st.result
     return finish_run(st, keep_checkpoint)
 

@@ -35,12 +35,14 @@ def float64(monkeypatch):
 
 def _solo_states(configs, folder):
     for config in configs:
-        training._run(config, progress=False, checkpoint_dir=folder, stop_after=STOP)
+        with training.killed_after(STOP):
+            training.run(config, progress=False, checkpoint_dir=folder)
     return {c.key(): torch.load(folder / f"{c.key()}.pt", weights_only=False) for c in configs}
 
 
 def _group_states(configs, folder):
-    assert list(groups._iter_group(configs, checkpoint_dir=folder, stop_after=STOP)) == []
+    with training.killed_after(STOP):
+        assert list(groups.iter_group(configs, checkpoint_dir=folder)) == []
     return {c.key(): torch.load(folder / f"{c.key()}.pt", weights_only=False) for c in configs}
 
 
@@ -77,7 +79,8 @@ def test_group_composition_and_order_change_no_result(tmp_path):
 def test_killed_group_resumes_to_the_uninterrupted_records(tmp_path):
     configs = CONFIGS[:3]
     reference = groups.run_group(configs)
-    partial = list(groups._iter_group(configs, checkpoint_dir=tmp_path, stop_after=1))  # "killed"
+    with training.killed_after(1):
+        partial = list(groups.iter_group(configs, checkpoint_dir=tmp_path))  # "killed"
     assert partial == [] and all((tmp_path / f"{c.key()}.pt").exists() for c in configs)
     resumed = groups.run_group(configs, checkpoint_dir=tmp_path)
     for a, b in zip(resumed, reference, strict=True):
@@ -92,7 +95,8 @@ def test_killed_group_resumes_to_the_uninterrupted_records(tmp_path):
 def test_diverging_member_is_frozen_and_the_others_match_their_solo_runs(tmp_path):
     blowup = CONFIGS[3].replace(lr=1e300)  # float64 weights overflow within a round or two
     configs = [CONFIGS[0], blowup, CONFIGS[1]]
-    order = [i for i, _ in groups._iter_group(configs, checkpoint_dir=tmp_path / "group", stop_after=STOP)]
+    with training.killed_after(STOP):
+        order = [i for i, _ in groups.iter_group(configs, checkpoint_dir=tmp_path / "group")]
     assert order == [1]  # the diverged run is reported at once; the others are still training
     diverged = groups.run_group([blowup])[0]
     assert diverged.diverged and diverged.final_loss is None
@@ -149,7 +153,8 @@ def test_authors_member_with_a_too_small_client_fails_alone(tmp_path, monkeypatc
     fed = training._load_federation(paper.resolved(), torch.device("cpu"))
     assert len(fed.client_indices[0]) == 64
     monkeypatch.setattr(groups, "group_key", lambda config: ("one group",))
-    outcomes = list(groups._iter_group([paper, authors], checkpoint_dir=tmp_path / "group", stop_after=STOP))
+    with training.killed_after(STOP):
+        outcomes = list(groups.iter_group([paper, authors], checkpoint_dir=tmp_path / "group"))
     assert len(outcomes) == 1 and outcomes[0][0] == 1  # reported before the group's first step
     assert isinstance(outcomes[0][1], training.ClientTooSmallError) and "client 0 has 64" in str(
         outcomes[0][1]

@@ -159,7 +159,8 @@ class _Payload:
 
 
 def _truncated(path: Path, cfg: RunConfig) -> None:
-    training._run(cfg, progress=False, checkpoint_dir=path.parent, stop_after=1)
+    with training.killed_after(1):
+        training.run(cfg, progress=False, checkpoint_dir=path.parent)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
 
@@ -183,7 +184,8 @@ def test_an_unreadable_checkpoint_runs_no_code_is_moved_aside_and_the_run_restar
 
 def test_a_run_killed_before_its_first_evaluation_resumes(tmp_path):
     cfg = tiny(rounds=3, eval_every=3)
-    training._run(cfg, progress=False, checkpoint_dir=tmp_path, stop_after=1)  # killed: no accuracy yet
+    with training.killed_after(1):  # killed: no accuracy yet
+        training.run(cfg, progress=False, checkpoint_dir=tmp_path)
     assert torch.load(tmp_path / f"{cfg.key()}.pt", weights_only=True)["result"]["final_accuracy"] is None
     rounds = []
     resumed = run(cfg, progress=True, checkpoint_dir=tmp_path, on_round=lambda r, *_: rounds.append(r))
@@ -192,7 +194,8 @@ def test_a_run_killed_before_its_first_evaluation_resumes(tmp_path):
 
 def test_force_ignores_and_replaces_a_checkpoint(tmp_path, monkeypatch):
     cfg = tiny(rounds=3)
-    training._run(cfg, progress=False, checkpoint_dir=tmp_path, stop_after=2)
+    with training.killed_after(2):
+        training.run(cfg, progress=False, checkpoint_dir=tmp_path)
     rounds = []
     forced = run(cfg, progress=False, checkpoint_dir=tmp_path, resume=False,
                  on_round=lambda r, *_: rounds.append(r))  # fmt: skip

@@ -373,7 +373,8 @@ def test_records_checkpoints_locks_and_decoded_data_honour_the_umask(tmp_path, u
     assert claims.claim("other") and _mode(claims.lock_path("other")) == want
     claims.release_all()
     cfg = tiny(rounds=3)
-    training._run(cfg, progress=False, checkpoint_dir=tmp_path / "ckpt", stop_after=1)
+    with training.killed_after(1):
+        training.run(cfg, progress=False, checkpoint_dir=tmp_path / "ckpt")
     assert _mode(tmp_path / "ckpt" / f"{cfg.key()}.pt") == want
     decoded = decode_cifar10_jpeg(
         jpeg_folder(tmp_path / "jpeg", 2), tmp_path / "data", per_class=2, progress=False

@@ -149,7 +149,8 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, engine):
     cfg = tiny(n_byzantine=2, defense="cclip", attack="alie", local_momentum=0.9, rounds=6, eval_every=2,
                checkpoint_every=2, engine=engine)  # fmt: skip
     reference = run(cfg, progress=False)
-    partial = training._run(cfg, progress=False, checkpoint_dir=tmp_path, stop_after=5)  # "killed"
+    with training.killed_after(5):  # "killed"
+        partial = training.run(cfg, progress=False, checkpoint_dir=tmp_path)
     checkpoint = tmp_path / f"{cfg.key()}.pt"
     assert partial.rounds_completed == 5 and checkpoint.exists()
     assert torch.load(checkpoint, weights_only=False)["round"] == 4
@@ -162,7 +163,8 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, engine):
 
 def test_checkpoint_of_another_config_is_not_used(tmp_path):
     cfg = tiny(rounds=3, local_steps=1, checkpoint_every=1)
-    training._run(cfg, progress=False, checkpoint_dir=tmp_path, stop_after=2)
+    with training.killed_after(2):
+        training.run(cfg, progress=False, checkpoint_dir=tmp_path)
     assert (tmp_path / f"{cfg.key()}.pt").exists()
     other = run(cfg.replace(seed=1), progress=False, checkpoint_dir=tmp_path)
     assert other.config["seed"] == 1 and other.rounds_completed == 3  # a resumed run would carry seed 0
@@ -257,12 +259,15 @@ def test_auto_engine_is_batched_on_cuda_and_the_measured_choice_on_cpu():
 
 
 def test_the_public_signatures_have_no_test_only_parameter():
-    # stopping a run or a group early ("killed") is the private functions' (training._run, groups._iter_group)
+    # stopping a run or a group early ("killed") is a test-only block, training.killed_after, not a parameter
     import inspect
 
     from prodigy_core import groups
 
-    for public, private in ((run, training._run), (groups.iter_group, groups._iter_group)):
+    for public in (run, groups.iter_group):
         names = set(inspect.signature(public).parameters)
-        assert not any(n.startswith("_") for n in names), names
-        assert set(inspect.signature(private).parameters) == names | {"stop_after"}
+        assert not any(n.startswith("_") or "stop" in n for n in names), names
+    assert training._KILLED_AFTER is None
+    with training.killed_after(3):
+        assert training._KILLED_AFTER == 3
+    assert training._KILLED_AFTER is None  # restored even for the next test

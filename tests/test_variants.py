@@ -411,7 +411,8 @@ def test_killed_authors_run_resumes_its_batch_stream(tmp_path, engine):
     cfg = tiny(variant="authors", n_byzantine=2, defense="cclip", attack="alie", local_momentum=0.9, rounds=6,
                eval_every=2, checkpoint_every=2, engine=engine)  # fmt: skip
     reference = run(cfg, progress=False)
-    partial = training._run(cfg, progress=False, checkpoint_dir=tmp_path, stop_after=5)  # "killed"
+    with training.killed_after(5):  # "killed"
+        partial = training.run(cfg, progress=False, checkpoint_dir=tmp_path)
     state = torch.load(tmp_path / f"{cfg.key()}.pt", weights_only=True)
     assert state["round"] == 4
     # after 16 steps of b=32 every client is inside an epoch: (16 - 1) mod q_k + 1 batches into it
