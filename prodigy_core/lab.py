@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ HOOK = "prodigy_core.lab.refresh_git_index"
 # What nbstripout strips besides outputs: language_info names the Python of whoever saved last
 # (.gitattributes and .pre-commit-config.yaml say the same; tests/test_notebooks.py checks it).
 NBSTRIPOUT_EXTRA_KEYS = "metadata.language_info"
+LOCK_RETRIES, LOCK_WAIT_S = 20, 0.1  # up to 2 s for another git command to release the index
 
 
 def setup_git(folder: Path, prefix: str | None = None) -> list[str]:
@@ -63,7 +65,14 @@ def refresh_git_index(os_path: str, model: Any = None, contents_manager: Any = N
             return False
         if _git(folder, "diff", "--quiet", "--", name).returncode != 0:
             return False  # a real change (or git failed): the user's to stage
-        return _git(folder, "add", "--", name).returncode == 0
+        for _ in range(
+            LOCK_RETRIES
+        ):  # another git command (a `git status`, an editor's poll) may hold the index
+            added = _git(folder, "add", "--", name)
+            if added.returncode == 0 or "index.lock" not in added.stderr:
+                return added.returncode == 0
+            time.sleep(LOCK_WAIT_S)
+        return False
     except (OSError, IndexError):
         return False
 

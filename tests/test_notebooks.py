@@ -133,6 +133,27 @@ def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
     assert not lab.refresh_git_index(str(tmp_path / "not_in_git.ipynb"))  # outside a clone: nothing
 
 
+def test_the_hook_waits_for_another_git_command_to_release_the_index(tmp_path):
+    import shutil
+    import threading
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    git(repo, "config", "user.email", "t@example.org")
+    git(repo, "config", "user.name", "t")
+    nbformat.write(nbformat.v4.new_notebook(), repo / "a.ipynb")
+    git(repo, "add", "a.ipynb")
+    git(repo, "commit", "-q", "-m", "a")
+    lock = repo / ".git" / "index.lock"
+    lock.write_text("")  # a `git status` running elsewhere holds the index...
+    threading.Timer(0.3, lock.unlink).start()  # ...for 0.3 s
+    assert lab.refresh_git_index(str(repo / "a.ipynb"))  # waited for it instead of giving up
+    assert git(repo, "status", "--porcelain") == ""
+
+
 def test_jupyter_server_reads_the_hook_where_git_setup_writes_it(tmp_path, monkeypatch):
     serverapp = pytest.importorskip("jupyter_server.serverapp")
     config = lab.config_file(str(tmp_path))
