@@ -1,18 +1,9 @@
-"""Tables and figures from a results DataFrame: the paper's layout as Markdown and LaTeX, heatmaps, curves.
-
-The input is the frame of :func:`prodigy_core.results.load` / :func:`prodigy_core.experiments.run_grid`: one
-row per run, the ``RunConfig`` fields as columns plus the ``RunResult`` fields (``final_accuracy`` in percent,
-``accuracy_curve``, ``stand_in``, ...). A *layout* (the ``report`` mapping of a params file) says which field
-gives the table's rows (``defense``), its columns (``attack``) and its column blocks (e.g. ``distribution``,
-``local_momentum``, ``local_steps`` for Table I). Cells are mean ± std over seeds; the worst case of a row
-within a block (the lowest mean over the attacks, "no attack" excluded, ties included) is bold, as in the
-paper. A cell where a run diverged (its model became non-finite; it counts at chance accuracy) carries a
-dagger and a footnote, a hatch on the heatmap and an end marker on its curve at the round it diverged.
-
-Figure files are deterministic: every figure is built on a plain :class:`matplotlib.figure.Figure` (no pyplot
-state, no GUI backend) under one fixed style, and saved without creation dates or version strings, so writing
-the same results twice gives byte-identical files. The views of one round (distance heatmap, ProDiGy score
-bars, attack damage) are drawn here too; training the round to look at is `explorer`'s.
+"""Tables and figures from a results frame (`results.load`, `experiments.run_grid`): the paper's layout as
+Markdown and LaTeX, heatmaps, curves, worst-case bars, and the views of one round (distances, ProDiGy's
+scores, an attack's damage). A params file's ``report`` layout names the rows, columns and blocks; cells are
+mean ± std over seeds, each row's worst case over the attacks bold as in the paper, a diverged run marked †.
+Figures are built without pyplot under one fixed style and saved without dates: the same results give
+byte-identical files. Entry points: `write_report`, `heatmap`, `worst_case_bars`, `accuracy_table`.
 """
 
 from __future__ import annotations
