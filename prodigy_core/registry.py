@@ -248,9 +248,8 @@ def load_plugin(spec: str, kind: str) -> type:
     with ``name``)."""
     where, cls_name = _split(spec, kind)
     path = plugin_file(spec, kind)
-    module = _load_file(str(path), plugin_hash(spec, kind)) if where.endswith(".py") else None
-    if module is None:
-        module = importlib.import_module(where)
+    digest = plugin_hash(spec, kind)
+    module = _load_file(str(path), digest) if where.endswith(".py") else _import_module(where, digest)
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
         found = [n for n, v in vars(module).items() if getattr(v, "__module__", None) == module.__name__]
@@ -263,6 +262,19 @@ def load_plugin(spec: str, kind: str) -> type:
             f"(see its docstring for the few methods a new one implements)"
         )
     return cls
+
+
+_IMPORTED: dict[str, str] = {}  # module path -> hash of its file when imported
+
+
+def _import_module(name: str, digest: str) -> Any:
+    """The module ``name``, imported again when its file changed since (its hash is in the key: the code
+    that runs must be the code the key names)."""
+    module = importlib.import_module(name)
+    if _IMPORTED.get(name, digest) != digest:
+        module = importlib.reload(module)
+    _IMPORTED[name] = digest
+    return module
 
 
 @functools.cache

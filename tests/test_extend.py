@@ -240,3 +240,21 @@ def test_a_notebooks_papermill_parameters_carry_settings():
         ("foe", {"eps": 2.0}, {"tau": 5.0}),
         ("foe_0.1", {}, {"tau": 5.0}),
     ]
+
+
+def test_a_plugin_from_a_module_path(tmp_path, monkeypatch):
+    package = tmp_path / "lab_rules"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rules.py").write_text(RULE_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as an installed package would be
+    config = RunConfig(defense="nnm+lab_rules.rules:ClosestToMedian", defense_params={"keep_extra": 1})
+    assert config.defense_params == {"keep_extra": 1}
+    G = torch.cat([torch.full((2, 3), 1e6), torch.ones(6, 3)])
+    pipeline = make_aggregator(config.defense, 2, params=config.defense_params)
+    assert pipeline.rule.keep_extra == 1 and torch.equal(pipeline(G), torch.ones(3))
+    before = config.key()
+    edited = RULE_FILE.replace('display = "Closest to median"', 'display = "Edited"')
+    (package / "rules.py").write_text(edited)
+    assert config.key() != before  # the module's file is hashed like a .py path...
+    assert RULES.display("lab_rules.rules:ClosestToMedian") == "Edited"  # ...and the edited code is what runs
