@@ -27,7 +27,7 @@ from typing import Any
 
 import prodigy_core
 from prodigy_core import paths
-from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, field_names, parse_value
+from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, as_row, field_names, parse_value
 
 EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
@@ -272,8 +272,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         record = json.loads(path.read_text())
     stand_in = f" [stand-in: {record['stand_in']}]" if record.get("stand_in") else ""
     accuracy = record["final_accuracy"]
+    row = as_row(config.to_dict())  # "nnm+cclip(tau=5)": the name with its settings
     print(
-        f"{config.defense} vs {config.attack}: {accuracy:.2f}% final accuracy{stand_in} -> {path}",
+        f"{row['defense']} vs {row['attack']}: {accuracy:.2f}% final accuracy{stand_in} -> {path}",
         file=sys.stderr,
     )
     if args.json:

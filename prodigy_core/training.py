@@ -38,7 +38,7 @@ from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
-from prodigy_core.registry import is_plugin, plugin_hash
+from prodigy_core.registry import is_plugin, label, plugin_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
 
@@ -169,7 +169,8 @@ def run(
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
 
     bar = tqdm(total=resolved.rounds, initial=st.start, disable=not progress, unit="round",
-               desc=f"{resolved.dataset} {resolved.defense}/{resolved.attack}")  # fmt: skip
+               desc=f"{resolved.dataset} {label(resolved.defense, resolved.defense_params)}/"
+                    f"{label(resolved.attack, resolved.attack_params)}")  # fmt: skip
     with bar:  # closed before an error propagates, so that the message starts on a line of its own
         for r in range(st.start + 1, resolved.rounds + 1):
             tic = time.perf_counter()
