@@ -8,9 +8,9 @@
    anew (about 12 minutes on a 2-core CPU);
 3. `benchmarks/gpu_run.py import figures/gpu/results.tar.gz`: figures/gpu from its committed records.
 
-Not here: figures/mini (real-data runs of 18-26 minutes each on a 2-core CPU: `prodigy-fl grid
-table2_femnist_n20 --mini ...` then `prodigy-fl report ... --mini`, figures/mini/PROVENANCE.md) and new GPU
-records (benchmarks/README.md).
+Not here: figures/mini (its CPU runs' records were not kept: figures/mini/README.md; new mini runs cost 18-26
+minutes each on a 2-core CPU, `prodigy-fl grid table2_femnist_n20 --mini ...` then `prodigy-fl report ...
+--mini`) and new GPU records (benchmarks/README.md).
 """
 
 from __future__ import annotations
