@@ -1026,9 +1026,7 @@ def canonical_defense(name: str, params: dict[str, Any] | None = None) -> tuple[
         if not hint.startswith("; valid"):
             hint += f"; valid: {', '.join(AGGREGATOR_NAMES)}"
         raise ValueError(f"unknown defense {name!r}{hint}")
-    params = dict(params or {})
-    pre_cls = PRE_AGGREGATORS.get(prefix)
-    pre = {k: params.pop(k) for k in list(params) if pre_cls and k in settings_of(pre_cls)}
+    pre_cls, pre, params = _split_settings(prefix, params or {})
     base, rule = RULES.canonical(base, params)
     if pre_cls is not None:
         pre = check_settings(f"defense {key!r} ({pre_cls.__name__})", pre_cls, pre)
@@ -1053,14 +1051,23 @@ def make_aggregator(
     check_f(key, f)
     check_variant(key, variant)
     entry = RULES.lookup(base)
-    params = {**entry.params, **(params or {})}
-    pre_cls = PRE_AGGREGATORS.get(prefix)
-    pre_params = {k: params.pop(k) for k in list(params) if pre_cls and k in settings_of(pre_cls)}
+    pre_cls, pre_params, params = _split_settings(prefix, {**entry.params, **(params or {})})
     pre = [] if pre_cls is None else [_build(pre_cls, key, f, variant, pre_params)]
     pipeline = Pipeline(key, _build(entry.cls, key, f, variant, params), pre)
     if n_clients is not None:
         pipeline.check_n(n_clients)
     return pipeline
+
+
+def _split_settings(
+    prefix: str, params: dict[str, Any]
+) -> tuple[type[Rule] | None, dict[str, Any], dict[str, Any]]:
+    """(pre-aggregator class, its settings, the rule's settings): a defense's settings split between the
+    pre-aggregator its ``prefix`` names (Bucketing's ``s``) and its rule."""
+    pre_cls = PRE_AGGREGATORS.get(prefix)
+    own = settings_of(pre_cls) if pre_cls is not None else {}
+    return (pre_cls, {k: v for k, v in params.items() if k in own},
+            {k: v for k, v in params.items() if k not in own})  # fmt: skip
 
 
 def _build(cls: type[Rule], name: str, f: int, variant: str, params: dict[str, Any]) -> Rule:

@@ -596,12 +596,12 @@ def make_attack(
     name = _known(name)
     check_variant(f"attack {name!r}", variant)
     entry = ATTACKS.lookup(name)
-    accepts = inspect.signature(entry.cls.__init__).parameters
+    accepts, valid = inspect.signature(entry.cls.__init__).parameters, settings_of(entry.cls)
     unknown = sorted(set(run) - set(accepts))
     if unknown:
-        hint = did_you_mean(unknown[0], settings_of(entry.cls)) if settings_of(entry.cls) else ""
+        hint = did_you_mean(unknown[0], valid) if valid else ""
         raise ValueError(f"attack {name!r} has no setting {', '.join(unknown)}{hint}")
-    settings = {k: run.pop(k) for k in list(run) if k in settings_of(entry.cls)}  # make_attack("foe", eps=1)
+    settings = {k: run.pop(k) for k in list(run) if k in valid}  # make_attack("foe", eps=1)
     params = {**entry.params, **(params or {}), **settings}
     check_settings(f"attack {name!r}", entry.cls, params)
     if "variant" in accepts:

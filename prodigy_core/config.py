@@ -32,7 +32,9 @@ AUTHORS_REVISION = 3
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
-SETTINGS_FIELDS = ("defense_params", "attack_params")  # a rule's and an attack's own settings
+# The fields that name a class (a rule, an attack) and, beside each, the field of that class's own settings.
+NAMED_FIELDS = ("defense", "attack")
+SETTINGS_FIELDS = tuple(f"{name}_params" for name in NAMED_FIELDS)
 
 
 class ConfigError(ValueError):
@@ -102,7 +104,7 @@ class RunConfig:
         from prodigy_core.aggregators import canonical_defense
         from prodigy_core.attacks import canonical_attack
 
-        for name, canonical in (("defense", canonical_defense), ("attack", canonical_attack)):
+        for name, canonical in zip(NAMED_FIELDS, (canonical_defense, canonical_attack), strict=True):
             value, params = getattr(self, name), getattr(self, f"{name}_params")
             try:
                 value, params = canonical(value, params)
@@ -128,7 +130,7 @@ class RunConfig:
         """This config with some fields changed; a new defense or attack drops the old one's settings
         unless they are given too."""
         values = {**self.to_dict(), **changes}
-        for name in ("defense", "attack"):
+        for name in NAMED_FIELDS:
             if name in changes and f"{name}_params" not in changes and changes[name] != getattr(self, name):
                 values[f"{name}_params"] = {}
         return RunConfig.from_dict(values)
@@ -167,18 +169,16 @@ class RunConfig:
         `resolved` looks the source up on this machine (which CIFAR-10 copy, or a hash of the FEMNIST
         writers), so such a config's key can change with this machine's data; a config with `data_source` set
         (every task `run_grid` hands a worker, every stored record) hashes its fields alone."""
-        from prodigy_core.aggregators import split_defense
-        from prodigy_core.registry import is_plugin, plugin_hash
+        from prodigy_core.registry import plugin_hash
 
         d = self.resolved().to_dict()
         for name in self.NON_RESULT_FIELDS:
             d.pop(name)
-        for name in ("defense", "attack"):
-            if not d[f"{name}_params"]:
-                d.pop(f"{name}_params")
-            spec = split_defense(d[name])[1] if name == "defense" else d[name]
-            if is_plugin(spec):
-                d[f"{name}_code"] = plugin_hash(spec, name)
+        for name in SETTINGS_FIELDS:
+            if not d[name]:
+                d.pop(name)
+        for name, spec in self.plugin_specs().items():
+            d[f"{name}_code"] = plugin_hash(spec, name)
         if d["distribution"] != "dirichlet":
             d.pop("dirichlet_alpha")
         if d["dataset"] != "femnist":
@@ -187,6 +187,15 @@ class RunConfig:
             d["authors_revision"] = AUTHORS_REVISION
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def plugin_specs(self) -> dict[str, str]:
+        """{field: spec} of the plug-ins this run names (``{"defense": "my_rules.py:MyRule"}``, the rule
+        without its ``nnm+``); {} without."""
+        from prodigy_core.aggregators import split_defense
+        from prodigy_core.registry import is_plugin
+
+        specs = {"defense": split_defense(self.defense)[1], "attack": self.attack}
+        return {name: spec for name, spec in specs.items() if is_plugin(spec)}
 
     def lr_at(self, t: int) -> float:
         """Server and client step size gamma_t of round t (0-indexed: round r = t + 1 of `RunResult`): lr for
@@ -285,7 +294,7 @@ def as_row(values: dict[str, Any]) -> dict[str, Any]:
     from prodigy_core.registry import label
 
     row = dict(values)
-    for name in ("defense", "attack"):  # SETTINGS_FIELDS
+    for name in NAMED_FIELDS:
         params = row.pop(f"{name}_params", None) or {}
         if name in row:
             row[name] = label(row[name], params)
@@ -404,6 +413,7 @@ def _number_hint(value: Any) -> str:
 
 __all__ = [
     "RunConfig",
+    "NAMED_FIELDS",
     "SETTINGS_FIELDS",
     "as_row",
     "ConfigError",

@@ -23,6 +23,7 @@ from prodigy_core.aggregators import AGGREGATOR_NAMES, ProDiGy, pairwise_sq_dist
 from prodigy_core.attacks import ATTACKS
 from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, parse_settings
 from prodigy_core.names import DATASETS, DISTRIBUTIONS
+from prodigy_core.registry import settings_text
 from prodigy_core.report import (
     byzantine_ids,
     damage_plot,
@@ -205,11 +206,6 @@ def runnable_options(field: str, options: Sequence[str], setting: dict[str, Any]
             continue
         ok.append(option)
     return ok
-
-
-def settings_text(settings: dict[str, Any]) -> str:
-    """Settings as the explorer's text box shows them: {"tau": 5} -> "tau=5" (`config.parse_settings`)."""
-    return ", ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def max_byzantine(n_clients: int) -> int:

@@ -93,8 +93,7 @@ class Registry:
         params = dict(params or {})
         if not params:
             return entry.display
-        shown = ", ".join(f"{k}={format_value(v)}" for k, v in sorted(params.items()))
-        return f"{entry.display} ({shown})"
+        return f"{entry.display} ({settings_text(params)})"
 
     def display_label(self, text: str) -> str | None:
         """How a table prints a `label` (``cclip(tau=5)`` -> "CClip (tau=5)"); None when it names nothing
@@ -182,12 +181,16 @@ def _frozen(value: Any) -> Any:
     return tuple(_frozen(v) for v in value) if isinstance(value, list | tuple) else value
 
 
+def settings_text(params: Mapping[str, Any]) -> str:
+    """Settings as one line, sorted by name: {"tau": 5.0, "L": 2} -> "L=2, tau=5" (`config.parse_settings`
+    reads it back)."""
+    return ", ".join(f"{k}={format_value(v)}" for k, v in sorted(params.items()))
+
+
 def label(name: str, params: Mapping[str, Any]) -> str:
     """One text for a name with settings, as results frames and tables key their rows: ``cclip(tau=5)``;
     the name alone without settings."""
-    if not params:
-        return name
-    return f"{name}({', '.join(f'{k}={format_value(v)}' for k, v in sorted(params.items()))})"
+    return f"{name}({settings_text(params)})" if params else name
 
 
 def split_label(text: str) -> tuple[str, str]:
@@ -315,5 +318,6 @@ __all__ = [
     "plugin_file",
     "plugin_hash",
     "settings_of",
+    "settings_text",
     "split_label",
 ]

@@ -148,6 +148,12 @@ def diverged_note(seeds: str) -> str:
     return DIVERGED_NOTE_ONE_SEED if seeds == "one seed" else DIVERGED_NOTE
 
 
+def diverged_legend(seeds: str) -> str:
+    """A figure's legend line for a diverged cell (heatmap, worst-case bars); tables: `diverged_note`."""
+    where = "" if seeds == "one seed" else " in at least one seed"
+    return f"{DIVERGED_MARK} diverged{where} (counted at chance accuracy)"
+
+
 def table_caption(
     df: pd.DataFrame,
     layout: Mapping[str, Any],
@@ -536,8 +542,7 @@ def heatmap(
             label += f"\nLOCAL scale {limits[0]:.1f}-{limits[1]:.1f}, not 0-100"
         fig.colorbar(image, ax=axes, label=label, shrink=0.8)
         if diverged.to_numpy().any():
-            where = "" if seeds == "one seed" else " in at least one seed"
-            label = f"{DIVERGED_MARK} diverged{where} (counted at chance accuracy)"
+            label = diverged_legend(seeds)
             hatch = matplotlib.patches.Patch(facecolor="white", edgecolor="0.5", hatch="xxx", label=label)
             fig.legend(handles=[hatch], loc="outside lower center", frameon=False, fontsize=7)
         if title:
@@ -592,9 +597,7 @@ def worst_case_bars(
         for ax in axes.flat[len(groups) :]:
             ax.set_visible(False)
         if marked:
-            where = "" if seeds == "one seed" else " in at least one seed"
-            label = f"{DIVERGED_MARK} diverged{where} (counted at chance accuracy)"
-            note = matplotlib.patches.Patch(facecolor="none", edgecolor="none", label=label)
+            note = matplotlib.patches.Patch(facecolor="none", edgecolor="none", label=diverged_legend(seeds))
             fig.legend(handles=[note], loc="outside lower center", frameon=False, fontsize=7)
         if title:
             rounds = rounds_phrase(df)

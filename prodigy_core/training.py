@@ -33,12 +33,12 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from tqdm.auto import tqdm
 
 import prodigy_core
-from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances, split_defense
+from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
 from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
-from prodigy_core.registry import is_plugin, label, plugin_hash
+from prodigy_core.registry import label, plugin_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
 
@@ -855,9 +855,8 @@ def _load_federation(resolved: RunConfig, device: torch.device) -> Federation:
 
 
 def plugin_hashes(config: RunConfig) -> dict[str, str]:
-    """{spec: file hash} of the run's plug-in defense and attack (`registry.plugin_hash`); {} without."""
-    specs = (split_defense(config.defense)[1], config.attack)
-    return {spec: plugin_hash(spec) for spec in specs if is_plugin(spec)}
+    """{spec: file hash} of the run's plug-in defense and attack (`registry.plugin_hash`, as in its key)."""
+    return {spec: plugin_hash(spec, name) for name, spec in config.plugin_specs().items()}
 
 
 def _environment(device: torch.device, engine: str) -> dict[str, Any]:

@@ -156,6 +156,7 @@ def test_the_hook_waits_for_another_git_command_to_release_the_index(tmp_path):
 
 def test_jupyter_server_reads_the_hook_where_git_setup_writes_it(tmp_path, monkeypatch):
     from jupyter_server import serverapp  # in the dev extra: this runs in CI, never skips
+
     config = lab.config_file(str(tmp_path))
     config.parent.mkdir(parents=True)
     config.write_text('{"ServerApp": {"port_retries": 3}}')
