@@ -92,6 +92,11 @@ def _full_float32_matmul() -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
+def column_step(rows: int, d: int, device: torch.device) -> int:
+    """Columns per chunk of a pass over ``rows`` rows of d columns (`_CHUNK_ELEMENTS` elements a chunk)."""
+    return min(d, max(1, _CHUNK_ELEMENTS["cpu" if device.type == "cpu" else "other"] // rows))
+
+
 @_full_float32_matmul()
 def _gram(
     G: Tensor,
@@ -113,7 +118,7 @@ def _gram(
     E = 0 if extra is None else len(extra)
     P = N + E + int(origin)
     K = torch.zeros(P, P, dtype=torch.float64, device=G.device)
-    step = min(d, max(1, _CHUNK_ELEMENTS["cpu" if G.device.type == "cpu" else "other"] // P))
+    step = column_step(P, d, G.device)
     if centre is None:  # add_ of a float32 product into float64 K: summed in float64, no extra copy
         for start in range(0, d, step):
             X = G[:, start : start + step].to(compute)
@@ -240,26 +245,33 @@ def _weighted_sum(G: Tensor, w: Tensor, bad: Tensor | None) -> Tensor:
 
 
 def _nan_to_inf(G: Tensor) -> Tensor:
-    return torch.where(torch.isnan(G), math.inf, G) if torch.isnan(G).any() else G
+    return torch.where(torch.isnan(G), math.inf, G)  # no test for a NaN first: that would wait for a GPU
+
+
+# The coordinate-wise helpers below reduce over axis -2 of (..., N, d) values, so that the attack search can
+# run all its candidates as one (C, N, d) batch (`Rule.coordinatewise`); per coordinate they compute the
+# same values for a batch as for each (N, d) slice alone.
 
 
 def _coordinate_median(values: Tensor) -> Tensor:
-    """Coordinate-wise median of (N, d) values (no NaN), the mean of the two middle values when N is even."""
-    N = values.shape[0]
-    lower = values.median(dim=0).values  # torch returns the lower middle value
+    """Coordinate-wise median of (..., N, d) values (no NaN) over N, the mean of the two middle values when N
+    is even."""
+    N = values.shape[-2]
+    lower = values.median(dim=-2).values  # torch returns the lower middle value
     if N % 2:
         return lower
-    n_at_most = (values <= lower).sum(dim=0)
-    above = torch.where(values > lower, values, math.inf).amin(dim=0)
+    n_at_most = (values <= lower.unsqueeze(-2)).sum(dim=-2)
+    above = torch.where(values > lower.unsqueeze(-2), values, math.inf).amin(dim=-2)
     upper = torch.where(n_at_most >= N // 2 + 1, lower, above)
     return 0.5 * lower + 0.5 * upper  # not (a + b) / 2: no overflow near the float range
 
 
 def _mean_closest_to_median(values: Tensor, k: int) -> Tensor:
-    """Per coordinate, the mean of the k values of (N, d) ``values`` (no NaN) closest to the coordinate-wise
-    median (`_coordinate_median`)."""
-    closest = (values - _coordinate_median(values)).abs().topk(k, dim=0, largest=False).indices
-    return values.gather(0, closest).mean(dim=0)
+    """Per coordinate, the mean of the k values of (..., N, d) ``values`` (no NaN) closest to the
+    coordinate-wise median (`_coordinate_median`)."""
+    distance = (values - _coordinate_median(values).unsqueeze(-2)).abs()
+    closest = distance.topk(k, dim=-2, largest=False).indices
+    return values.gather(-2, closest).mean(dim=-2)
 
 
 # ------------------------------------------------------------------------------------------------- rules
@@ -302,7 +314,9 @@ class Rule:
     `check_f` checks f); a rule whose output is a weighted combination of its inputs may give it as
     ``combine(K, D, bad) -> Combination`` from the Gram matrix alone (NNM in front and the attack search
     then cost no pass over G; ``by_weights = True`` uses it when the rule runs alone too, ``reference`` names
-    the one extra point it may weigh); a stateful rule keeps its state in ``commit`` (never in ``peek``) and
+    the one extra point it may weigh); ``coordinatewise = True`` says that ``aggregate`` reduces each
+    coordinate over axis -2 of (..., N, d) values alone (median, trimmed mean: the attack search then runs
+    all its candidates as one batch); a stateful rule keeps its state in ``commit`` (never in ``peek``) and
     implements ``reset``, ``state_dict``, ``load_state_dict``, and ``new_round`` if it reads the model.
     """
 
@@ -311,6 +325,7 @@ class Rule:
     presets: dict[str, tuple[str, dict[str, Any]]] = {}  # other names: {name: (display, settings)}
     f: int = 0
     by_weights: bool = False
+    coordinatewise: bool = False
 
     def __call__(self, G: Tensor) -> Tensor:
         out, record = self._run(G)
@@ -411,6 +426,7 @@ class Median(Rule):
 
     name = "median"
     display = "Median"
+    coordinatewise = True
 
     def __init__(self, f: int = 0):
         self.f = check_f("Median", f)
@@ -429,14 +445,17 @@ class TrimmedMean(Rule):
 
     With lo/hi the (f+1)-th smallest/largest value per coordinate (the ends of the kept range), the kept
     sum is sum_i clamp(g_i, lo, hi) - f (lo + hi): exact with ties, and every term is a kept value, so the
-    dropped values never enter a sum whatever their magnitude (no cancellation). NaN counts as +inf (a sort
-    handles infinities).
+    dropped values never enter a sum whatever their magnitude (no cancellation). NaN counts as +inf; a
+    coordinate whose kept range reaches an infinity (more than f infinite values on one side) gives lo + hi,
+    the mean of its kept values: that infinity, or NaN when it reaches both. Per coordinate, so no test of
+    the whole input (no wait for a GPU).
 
     ``variant="authors"`` (the authors' code): per coordinate, the mean of the N-2f values closest to the
     coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step."""
 
     name = "trimmed_mean"
     display = "Trimmed mean"
+    coordinatewise = True
 
     def __init__(self, f: int, variant: str = "paper"):
         self.f = check_f("TrimmedMean", f)
@@ -446,16 +465,16 @@ class TrimmedMean(Rule):
         self.need(n > 2 * self.f, n, f"N > 2f = {2 * self.f}")
 
     def aggregate(self, G: Tensor) -> Tensor:
-        N, f = G.shape[0], self.f
+        N, f = G.shape[-2], self.f
         if f == 0:
-            return G.mean(dim=0)
+            return G.mean(dim=-2)
+        G = _nan_to_inf(G)
         if self.variant == "authors":
-            return _mean_closest_to_median(_nan_to_inf(G), N - 2 * f)
-        if not torch.isfinite(G).all():  # one wait for the device on the finite path
-            return _nan_to_inf(G).sort(dim=0).values[f : N - f].mean(dim=0)
-        hi = G.topk(f + 1, dim=0).values[-1]
-        lo = G.topk(f + 1, dim=0, largest=False).values[-1]
-        return (G.clamp(min=lo, max=hi).sum(dim=0) - f * (lo + hi)) / (N - 2 * f)
+            return _mean_closest_to_median(G, N - 2 * f)
+        hi = G.topk(f + 1, dim=-2).values[..., -1, :]
+        lo = G.topk(f + 1, dim=-2, largest=False).values[..., -1, :]
+        kept = (G.clamp(min=lo.unsqueeze(-2), max=hi.unsqueeze(-2)).sum(dim=-2) - f * (lo + hi)) / (N - 2 * f)
+        return torch.where(torch.isfinite(lo) & torch.isfinite(hi), kept, lo + hi)
 
 
 @RULES.register
@@ -919,7 +938,7 @@ class Pipeline:
             return out
         for i, p in enumerate(self.pre):
             if i == 0 and gram is not None and isinstance(p, NNM):
-                G = p.peek(G, distances=_distances(gram, _no_bad(G.shape[0], gram)))
+                G = p.peek(G, distances=self._distances(gram))
             else:
                 G = p.peek(G)
         return self.rule.peek(G)
@@ -935,6 +954,24 @@ class Pipeline:
         """The reference point of ``weights`` for the client vectors G (CClip: its start v_0); None: the
         origin."""
         return self.rule.reference(G)
+
+    @property
+    def coordinatewise(self) -> bool:
+        """Whether the pipeline is a coordinate-wise rule (`Rule.coordinatewise`), alone or after one NNM:
+        ``rule.aggregate(M @ X)`` then gives its outputs for a batch X (C, N, w) of inputs' column chunks,
+        M the NNM's mixing matrices (`mixing`) where there is one (the attack search)."""
+        pre_ok = not self.pre or (len(self.pre) == 1 and isinstance(self.pre[0], NNM))
+        return self.rule.coordinatewise and pre_ok
+
+    def mixing(self, gram: Tensor) -> Tensor:
+        """The leading NNM's mixing matrix A (N, N), float64, from the Gram matrix of N finite vectors G and
+        one more point ((N+1, N+1), about any centre): ``peek(G, gram)`` feeds A G to the rest."""
+        return self.pre[0].mixing(self._distances(gram))
+
+    @staticmethod
+    def _distances(gram: Tensor) -> Tensor:
+        """Squared distances between the first N points of the Gram matrix of N finite vectors and a point."""
+        return _distances(gram, _no_bad(gram.shape[0] - 1, gram))
 
     @property
     def takes_gram(self) -> bool:
