@@ -81,9 +81,9 @@ def gpu_table1_fedavg(rounds: int, runs: int | None) -> None:
         f"{len(block)} runs; group of {k} (estimated {gib:.2f} GiB per run)"
     )
 
-    solo = training.run(configs[0], progress=False).round_times[1:]  # first round: warm-up
+    solo = training.run(configs[0], progress=False, sync_timing=True).round_times[1:]  # first round: warm-up
     solo_ips = images_per_round / statistics.median(solo)
-    records = groups.run_group(configs)
+    records = groups.run_group(configs, sync_timing=True)
     steps = [sum(r.round_times[j] for r in records) for j in range(1, rounds + 1)]
     group_ips = k * images_per_round / statistics.median(steps)
     print(f"  one at a time  : {solo_ips:10.0f} images/s ({statistics.median(solo):.3f} s per round)")

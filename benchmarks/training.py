@@ -62,7 +62,9 @@ def synthetic_federation(dataset: str, n_clients: int, per_client: int, device: 
 
 def time_engine(cfg: RunConfig, rounds: int) -> list[float]:
     """Seconds per round of `training.run` (warm-up round dropped)."""
-    result = training.run(cfg.replace(rounds=rounds + 1, eval_every=rounds + 1), progress=False)
+    result = training.run(
+        cfg.replace(rounds=rounds + 1, eval_every=rounds + 1), progress=False, sync_timing=True
+    )
     return result.round_times[1:]
 
 

@@ -108,8 +108,10 @@ class Attack:
     A new attack calls ``super().__init__()`` and implements ``send(honest, own, server) -> (f, d)``:
     ``honest`` (h, d) this round's honest updates, ``own`` (f, d) what the Byzantine clients would honestly
     send, ``server`` the defense (``server.peek(G)`` aggregates without changing its state). ``craft`` checks
-    the input, handles f = 0 and runs ``send`` without autograd. ``ATTACKS.register`` (or a plug-in spec,
-    ``attack: my_attacks.py:Shift``) lets params files name it; its ``__init__`` keywords are its settings:
+    the input (``honest_finite=True``: the caller has checked that the honest updates are finite, as the
+    training loop does), handles f = 0 and runs ``send`` without autograd. ``ATTACKS.register`` (or a
+    plug-in spec, ``attack: my_attacks.py:Shift``) lets params files name it; its ``__init__`` keywords are
+    its settings:
 
     >>> import torch
     >>> from prodigy_core.aggregators import make_aggregator
@@ -140,12 +142,12 @@ class Attack:
         self.last_param: float | None = None
         self.last_search: list[tuple[Any, float]] = []
 
-    def craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def craft(self, honest: Tensor, own: Tensor, server: Server, honest_finite: bool = False) -> Tensor:
         _check_shapes(self.name, honest, own)
         self.last_param, self.last_search = None, []
         if own.shape[0] == 0:
             return own.new_empty((0, own.shape[1]))
-        _check_honest(self.name, honest)
+        _check_honest(self.name, honest, honest_finite)
         with torch.no_grad():
             return self.send(honest, own, server)
 
@@ -606,9 +608,9 @@ class ALIESpread(LineSearchAttack):
         self.rhos, self.generator = rhos, generator
         self.last_rho: float | None = None
 
-    def craft(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
+    def craft(self, honest: Tensor, own: Tensor, server: Server, honest_finite: bool = False) -> Tensor:
         self.last_rho = None
-        return super().craft(honest, own, server)
+        return super().craft(honest, own, server, honest_finite)
 
     def grid(self, n: int, f: int) -> list[tuple[float, float]]:
         return [(z, rho) for z in alie_grid(n, f) for rho in self.rhos]
@@ -700,9 +702,11 @@ def _check_shapes(name: str, honest: Tensor, own: Tensor) -> None:
         raise ValueError(f"{name}: updates must be floating point, got {honest.dtype}")
 
 
-def _check_honest(name: str, honest: Tensor) -> None:
+def _check_honest(name: str, honest: Tensor, known_finite: bool = False) -> None:
     if honest.shape[0] == 0:
         raise ValueError(f"{name}: no honest client (honest has shape {tuple(honest.shape)}); need h >= 1")
+    if known_finite:  # checked by the caller: reading it again would be a second wait for the device
+        return
     finite = torch.isfinite(honest).all(dim=1)
     if not finite.all():
         bad = torch.nonzero(~finite).flatten().tolist()

@@ -140,6 +140,7 @@ def iter_group(
     checkpoint_dir: str | Path | None = None,
     progress: bool = False,
     keep_checkpoints: bool = False,
+    sync_timing: bool = False,
 ) -> Iterator[tuple[int, Outcome]]:
     """Train compatible runs together; yields (index in `configs`, record or the error it raised) as each
     run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone
@@ -163,7 +164,8 @@ def iter_group(
     alone, and its record (same key, same fields, same checkpoint file) does not depend on which runs share
     the group or on their order; in float64 the parameters agree with a run alone to rounding
     (tests/test_groups.py). Only `round_times` differ: a member's round time is its share of the group's
-    local steps plus its own server side; `environment.group_size` records R.
+    local steps plus its own server side (`sync_timing` as in `training.run`; without it the local steps'
+    device time falls mostly to the first member's server side); `environment.group_size` records R.
 
     A member that diverges is frozen and recorded as diverged, one whose server side raises is reported with
     its error, an ``authors`` member with a client smaller than a batch with its
@@ -210,7 +212,7 @@ def iter_group(
                     [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
                     streams=[m.st.stream for m in active],
                 )  # fmt: skip
-                shared = _elapsed(tic, device) / len(active)
+                shared = _elapsed(tic, device, sync_timing) / len(active)
                 served, still = [], []
                 for m, gamma, (pseudo_grads, buffers) in zip(active, lrs, outs, strict=True):
                     try:
@@ -218,7 +220,7 @@ def iter_group(
                             tic = time.perf_counter()
                             ok = training.server_round(m.st, m.r, gamma, pseudo_grads, buffers)
                             if ok:
-                                m.st.result.round_times.append(shared + _elapsed(tic, device))
+                                m.st.result.round_times.append(shared + _elapsed(tic, device, sync_timing))
                         if ok:
                             served.append(m)
                         else:
@@ -264,17 +266,22 @@ def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[i
 
 
 def run_group(
-    configs: Sequence[RunConfig], *, checkpoint_dir: str | Path | None = None, progress: bool = False
+    configs: Sequence[RunConfig],
+    *,
+    checkpoint_dir: str | Path | None = None,
+    progress: bool = False,
+    sync_timing: bool = False,
 ) -> list[Outcome]:
     """`iter_group` collected: every run's record (or error) in the order of `configs`."""
     outcomes: list[Outcome | None] = [None] * len(configs)
-    for i, outcome in iter_group(configs, checkpoint_dir=checkpoint_dir, progress=progress):
+    group = iter_group(configs, checkpoint_dir=checkpoint_dir, progress=progress, sync_timing=sync_timing)
+    for i, outcome in group:
         outcomes[i] = outcome
     return outcomes  # type: ignore[return-value]
 
 
-def _elapsed(tic: float, device: torch.device) -> float:
-    if device.type == "cuda":
+def _elapsed(tic: float, device: torch.device, sync: bool) -> float:
+    if sync and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - tic
 

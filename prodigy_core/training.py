@@ -108,6 +108,7 @@ def run(
     resume: bool = True,
     on_round: Callable[..., None] | None = None,
     keep_checkpoint: bool = False,
+    sync_timing: bool = False,
 ) -> RunResult:
     """Train one federated run described by `config` and return its `RunResult`.
 
@@ -155,6 +156,9 @@ def run(
     input `updates` is formed and before it is aggregated
     (`momentum`: what every client would honestly send; attack None without one); it must not modify them
     (used by `prodigy_core.explorer.explore`).
+    `sync_timing`: wait for a GPU at the end of every round, so that each of `round_times` holds its own
+    round's device time (benchmarks); otherwise a round's time runs to its last wait for the device (at
+    least the momentum check after its local steps) and what is still queued then counts in the next one.
     """
     if not isinstance(config, RunConfig):
         raise TypeError(f"run() takes a RunConfig, got {type(config).__name__}; use RunConfig.from_dict(d)")
@@ -180,7 +184,7 @@ def run(
             )
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
-            if device.type == "cuda":
+            if sync_timing and device.type == "cuda":
                 torch.cuda.synchronize(device)
             st.result.round_times.append(time.perf_counter() - tic)
             if not end_round(st, r):
@@ -212,6 +216,7 @@ class RunState:
     hits: int = 0  # ProDiGy: zeroed clients that are Byzantine, summed over rounds
     stopped_at_nan_loss: bool = False  # authors: diverged at an evaluation, whose accuracy the record keeps
     stream: AuthorsBatchStream | None = None  # authors: the clients' batch stream (`make_batch_stream`)
+    step_finite: Tensor | None = None  # the last server step's all-finite flag, unread (`server_round`)
 
 
 def start_run(
@@ -295,10 +300,25 @@ def server_round(
     on_round: Callable[..., None] | None = None,
 ) -> bool:
     """Steps 2-4 of round r from the clients' pseudo-gradients (N, d) and BatchNorm reports: momentum, attack,
-    aggregation, server step. Returns False when the run diverged (recorded in `st.result`)."""
+    aggregation, server step. Returns False when the run diverged (recorded in `st.result`).
+
+    Divergence: the run stops at round r when the honest momentum or the new model is not finite. Reading
+    either flag is a wait for a GPU, so the model's flag of a round that ends with no evaluation, checkpoint
+    or end of the run is read with the next round's momentum check, in one wait; when it is bad, the run is
+    recorded exactly as a check at once would have: diverged at that round (its round time dropped), before
+    this round's attack. Only the model object differs: it holds the non-finite step instead of the last
+    finite one (no record reads it)."""
     resolved, result, f, beta = st.resolved, st.result, st.resolved.n_byzantine, st.resolved.local_momentum
     st.momentum = momentum = local_momentum(st.momentum, pseudo_grads, beta)
-    if not bool(torch.isfinite(momentum[f:]).all()):  # honest training blew up: the model has diverged
+    honest_finite = torch.isfinite(momentum[f:]).all()
+    if st.step_finite is not None:  # the last round's server step, unread until now
+        step_finite, honest_finite = torch.stack([st.step_finite, honest_finite]).tolist()
+        st.step_finite = None
+        if not step_finite:
+            result.round_times.pop()
+            result.diverged, result.diverged_at, result.rounds_completed = True, r - 1, r - 1
+            return False
+    if not honest_finite:  # honest training blew up: the model has diverged
         result.diverged, result.diverged_at, result.rounds_completed = True, r, r
         return False
     st.pipeline.new_round(parameters_to_vector(st.model.parameters()).detach())
@@ -316,7 +336,11 @@ def server_round(
         st.hits += sum(k < f for k in zeroed)
     theta = parameters_to_vector(st.model.parameters()) - gamma * aggregate
     result.rounds_completed = r
-    if not bool(torch.isfinite(theta).all()):
+    step_finite = torch.isfinite(theta).all()
+    saves = st.ckpt is not None and r % resolved.checkpoint_every == 0
+    if not (eval_due(resolved, r) or saves):  # eval_due covers the last round
+        st.step_finite = step_finite  # read with the next round's check
+    elif not step_finite:
         result.diverged, result.diverged_at = True, r
         return False
     vector_to_parameters(theta, st.model.parameters())
@@ -416,10 +440,11 @@ def server_input(momentum: Tensor, f: int, attack: Any, pipeline: Any) -> Tensor
     """The (N, d) vectors the server receives: the attack's rows for clients 0..f-1 (crafted from the honest
     clients' momentum[f:] and their own momentum[:f]), then the honest clients' momentum; ``momentum`` when
     there is no attack. An attack with ``sent_is_momentum`` (SF under ``authors``) writes what it sent into
-    momentum[:f] in place, so that those clients' next momentum is beta s_t + (1 - beta) g_{t+1}."""
+    momentum[:f] in place, so that those clients' next momentum is beta s_t + (1 - beta) g_{t+1}. The honest
+    momentum must be finite (`server_round` checks it)."""
     if attack is None:
         return momentum
-    byzantine = attack.craft(momentum[f:], momentum[:f], pipeline).to(momentum.dtype)
+    byzantine = attack.craft(momentum[f:], momentum[:f], pipeline, honest_finite=True).to(momentum.dtype)
     if attack.sent_is_momentum:
         momentum[:f] = byzantine
     return torch.cat([byzantine, momentum[f:]])

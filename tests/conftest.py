@@ -1,11 +1,15 @@
 """Shared fixtures."""
 
+import contextlib
 import os
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from prodigy_core.data import CIFAR10_CLASSES, CIFAR10_JPEG_ARCHIVE, SHARED_DATA_DIR
 
@@ -77,3 +81,79 @@ def fake_training(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(experiments, "execute", fake_execute)
     return seeds
+
+
+class _Accelerator(TorchDispatchMode):
+    """An accelerator emulated on the CPU, to count the waits for it that a call would make: the input and
+    everything computed from it (or written into by it) live "on the device" until ``Tensor.cpu`` (patched
+    by `on_accelerator` to copy) brings a copy to the host. A wait is that copy, or a value read to the host
+    (``item``, ``bool``, ``tolist``, ``nonzero``, a boolean-mask index) from a tensor on the device."""
+
+    READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "item"}
+
+    def __init__(self):
+        super().__init__()
+        self.on_device: set[int] = set()
+        self.waits = 0
+        self.kernels = 0  # ops on the device other than views
+
+    def place(self, t: torch.Tensor) -> None:
+        if id(t) not in self.on_device:
+            self.on_device.add(id(t))
+            weakref.finalize(t, self.on_device.discard, id(t))
+
+    def holds(self, t: object) -> bool:
+        """t, or the tensor it is a view of, is on the device."""
+        return isinstance(t, torch.Tensor) and (id(t) in self.on_device or id(t._base) in self.on_device)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = any(self.holds(t) for t in inputs)
+        indices = args[1] if name in ("index", "index_put", "index_put_", "_index_put_impl_") else []
+        masks = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)  # nonzero inside
+        self.waits += device and (name in self.READS or masks)
+        view = not func._schema.is_mutable and any(r.alias_info is not None for r in func._schema.returns)
+        self.kernels += device and not view
+        out = func(*args, **kwargs)
+        if device:
+            for t in torch.utils._pytree.tree_leaves(out) + list(self._written(func, args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self.place(t if t._base is None else t._base)  # K[:N, :N].add_(...) writes into K
+        return out
+
+    @staticmethod
+    def _written(func, args, kwargs):
+        """The tensors an op writes into: in place (add_) or through out= (torch.sub(..., out=Y))."""
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                yield kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+
+
+@pytest.fixture
+def on_accelerator(monkeypatch) -> Callable[..., contextlib.AbstractContextManager[_Accelerator]]:
+    """``with on_accelerator(*tensors) as accelerator``: those tensors, and everything computed from them,
+    live on an accelerator emulated on the CPU (`_Accelerator`), which counts the waits for it."""
+    accelerator = _Accelerator()
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        accelerator.waits += accelerator.holds(t)
+        copy = t.clone()
+        accelerator.on_device.discard(id(copy))
+        return copy
+
+    def read(t: torch.Tensor) -> list:
+        accelerator.waits += accelerator.holds(t)
+        return torch._C.TensorBase.tolist(t)
+
+    @contextlib.contextmanager
+    def on(*tensors: torch.Tensor) -> Iterator[_Accelerator]:
+        monkeypatch.setattr(torch.Tensor, "cpu", to_host)
+        monkeypatch.setattr(torch.Tensor, "tolist", read)
+        with accelerator:
+            for t in tensors:
+                accelerator.place(t)
+            yield accelerator
+
+    return on

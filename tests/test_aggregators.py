@@ -1,8 +1,6 @@
 """Aggregators against brute-force loops of the paper's formulas, invariants and hostile input."""
 
-import contextlib
 import math
-import weakref
 
 import pytest
 import torch
@@ -541,88 +539,19 @@ def test_distances_accurate_just_below_the_recentre_threshold(monkeypatch):
     assert ((D - truth).abs()[off] / truth[off]).max() < 1e-5
 
 
-class _Accelerator(TorchDispatchMode):
-    """An accelerator emulated on the CPU, to count the waits for it that a call would make: the input and
-    everything computed from it (or written into by it) live "on the device" until ``Tensor.cpu`` (patched
-    by `on_accelerator` to copy) brings a copy to the host. A wait is that copy, or a value read to the host
-    (``item``, ``bool``, ``tolist``, ``nonzero``, a boolean-mask index) from a tensor on the device."""
-
-    READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "item"}
-
-    def __init__(self):
-        super().__init__()
-        self.on_device: set[int] = set()
-        self.waits = 0
-        self.kernels = 0  # ops on the device other than views
-
-    def place(self, t: torch.Tensor) -> None:
-        if id(t) not in self.on_device:
-            self.on_device.add(id(t))
-            weakref.finalize(t, self.on_device.discard, id(t))
-
-    def holds(self, t: object) -> bool:
-        """t, or the tensor it is a view of, is on the device."""
-        return isinstance(t, torch.Tensor) and (id(t) in self.on_device or id(t._base) in self.on_device)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        device = any(self.holds(t) for t in inputs)
-        indices = args[1] if name in ("index", "index_put", "index_put_", "_index_put_impl_") else []
-        masks = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)  # nonzero inside
-        self.waits += device and (name in self.READS or masks)
-        view = not func._schema.is_mutable and any(r.alias_info is not None for r in func._schema.returns)
-        self.kernels += device and not view
-        out = func(*args, **kwargs)
-        if device:
-            for t in torch.utils._pytree.tree_leaves(out) + list(self._written(func, args, kwargs)):
-                if isinstance(t, torch.Tensor):
-                    self.place(t if t._base is None else t._base)  # K[:N, :N].add_(...) writes into K
-        return out
-
-    @staticmethod
-    def _written(func, args, kwargs):
-        """The tensors an op writes into: in place (add_) or through out= (torch.sub(..., out=Y))."""
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                yield kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
-
-
-@contextlib.contextmanager
-def on_accelerator(monkeypatch, G: torch.Tensor):
-    accelerator = _Accelerator()
-
-    def to_host(t: torch.Tensor) -> torch.Tensor:
-        accelerator.waits += accelerator.holds(t)
-        copy = t.clone()
-        accelerator.on_device.discard(id(copy))
-        return copy
-
-    def read(t: torch.Tensor) -> list:
-        accelerator.waits += accelerator.holds(t)
-        return torch._C.TensorBase.tolist(t)
-
-    monkeypatch.setattr(torch.Tensor, "cpu", to_host)
-    monkeypatch.setattr(torch.Tensor, "tolist", read)
-    with accelerator:
-        accelerator.place(G)
-        yield accelerator
-
-
 @pytest.mark.parametrize(
     ("name", "offset", "most"),
     [("prodigy", 0.5, 1), ("krum", 0.5, 1), ("nnm+krum", 0.5, 1), ("nnm+cclip", 0.5, 1), ("prodigy", 50.0, 2),
      ("trimmed_mean", 0.5, 0), ("nnm+trimmed_mean", 0.5, 1), ("median", 0.5, 0)],
 )  # fmt: skip
-def test_one_wait_for_the_device_per_aggregation(monkeypatch, name, offset, most):
+def test_one_wait_for_the_device_per_aggregation(on_accelerator, name, offset, most):
     """Small-N aggregation on a GPU is bound by launches and waits: the Gram matrix comes to the host once
     (twice when recentring on a shared offset), the N x N algebra runs there, one weighted sum goes back.
     A coordinate-wise rule does not wait (it treats non-finite values coordinate by coordinate; it waited
     once for an all-finite check before); NNM before it waits for the Gram matrix."""
     G = torch.randn(10, 5000, generator=torch.Generator().manual_seed(0)) + offset
     pipeline = make_aggregator(name, 3)
-    with on_accelerator(monkeypatch, G) as accelerator:
+    with on_accelerator(G) as accelerator:
         out = pipeline(G)
         assert accelerator.holds(out)
     assert min(1, most) <= accelerator.waits <= most
@@ -635,7 +564,7 @@ def test_one_wait_for_the_device_per_aggregation(monkeypatch, name, offset, most
 @pytest.mark.parametrize(
     ("name", "most"), [("prodigy", 2), ("nnm+trimmed_mean", 3), ("nnm+median", 3), ("trimmed_mean", 2)]
 )
-def test_the_attack_search_does_not_wait_per_candidate(monkeypatch, name, most):
+def test_the_attack_search_does_not_wait_per_candidate(on_accelerator, name, most):
     """Every candidate of the line search is scored from one Gram matrix on the host, or (coordinate-wise
     rules) all candidates run as one batch: no wait for each. The waits: craft's check that the honest
     updates are finite, the line's Gram matrix (not for a rule alone), the batch's damages (run one by one,
@@ -643,7 +572,7 @@ def test_the_attack_search_does_not_wait_per_candidate(monkeypatch, name, most):
     G = torch.randn(13, 4000, generator=torch.Generator().manual_seed(1)) + 0.5
     server = make_aggregator(name, 3, n_clients=13)
     attack = make_attack("alie")
-    with on_accelerator(monkeypatch, G) as accelerator:
+    with on_accelerator(G) as accelerator:
         honest, own = G[3:], G[:3]
         out = attack.craft(honest, own, server)
         assert accelerator.holds(out)
