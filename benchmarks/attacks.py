@@ -2,20 +2,26 @@
 
 A search attack runs the pipeline once per candidate, so the goal is craft / pipeline <= candidates + 1.
 Defaults: the paper's largest setting, N = 100 clients (f = 30) with FEMNIST-sized updates, d = 1,690,046.
+For a coordinate-wise pipeline (median, trimmed mean, alone or after NNM) the search runs its candidates as
+one batch; ``1-by-1 s`` times the same craft with the pipeline run on each candidate instead (the route
+before batching), and ``speed-up`` is the ratio of the two, measured alternately in this run.
 
     python benchmarks/attacks.py                 # full size (about 2 GB of updates, minutes on a laptop CPU)
     python benchmarks/attacks.py --d 100000      # quick look
+    python benchmarks/attacks.py --n 20 --f 4 --d 200000 --defenses nnm+trimmed_mean nnm+median median
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
-from prodigy_core.aggregators import make_aggregator
+from prodigy_core.aggregators import Pipeline, make_aggregator
 from prodigy_core.attacks import make_attack
 from prodigy_core.seeding import resolve_device
 
@@ -32,6 +38,17 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+@contextlib.contextmanager
+def one_by_one() -> Iterator[None]:
+    """The search as before batching: no pipeline counts as coordinate-wise, so each candidate is run."""
+    real = Pipeline.coordinatewise
+    Pipeline.coordinatewise = property(lambda self: False)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        Pipeline.coordinatewise = real  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -56,8 +73,9 @@ def main() -> None:
     own = honest[: args.f] + 0.1 * torch.randn(args.f, args.d, device=device, generator=g)
     X = torch.cat([own, honest])
     print(f"device={device} N={args.n} f={args.f} d={args.d:,} threads={torch.get_num_threads()}")
-    header = ("defense", "attack", "cand.", "pipeline s", "attacked s", "craft s", "ratio", "goal")
-    print("{:<18} {:<8} {:>5} {:>10} {:>10} {:>9} {:>6} {:>5}".format(*header))
+    header = ("defense", "attack", "cand.", "pipeline s", "attacked s", "craft s", "ratio", "goal",
+              "1-by-1 s", "speed-up")  # fmt: skip
+    print("{:<18} {:<8} {:>5} {:>10} {:>10} {:>9} {:>6} {:>5} {:>9} {:>8}".format(*header))
     for defense in args.defenses:
         server = make_aggregator(defense, args.f, n_clients=args.n)
         server.peek(X)  # warm-up (allocator, kernels)
@@ -65,16 +83,27 @@ def main() -> None:
         for name in args.attacks:
             attack = make_attack(name)
             candidates = len(attack.grid(args.n, args.f))
-            craft_s, byzantine = timed(lambda: attack.craft(honest, own, server), device, args.repeats)  # noqa: B023
+            craft = lambda: attack.craft(honest, own, server)  # noqa: B023, E731
+            craft_s, byzantine = timed(craft, device, args.repeats)
+            old = ""
+            if server.coordinatewise:  # alternately, so that a drift in the machine's speed hits both
+                batched, single = [], []
+                for _ in range(args.repeats):
+                    batched.append(timed(craft, device, 1)[0])
+                    with one_by_one():
+                        single.append(timed(craft, device, 1)[0])
+                craft_s, single_s = statistics.median(batched), statistics.median(single)
+                old = f"{single_s:>9.3f} {single_s / craft_s:>7.1f}x"
             # The pipeline's own cost can depend on its input (e.g. recentring around a far outlier).
             attacked = torch.cat([byzantine, honest])
             attacked_s, _ = timed(lambda: server.peek(attacked), device, args.repeats)  # noqa: B023
             print(
                 f"{defense:<18} {name:<8} {candidates:>5} {pipeline_s:>10.3f} {attacked_s:>10.3f} "
-                f"{craft_s:>9.3f} {craft_s / pipeline_s:>6.2f} {candidates + 1:>5}"
+                f"{craft_s:>9.3f} {craft_s / pipeline_s:>6.2f} {candidates + 1:>5} {old}"
             )
     print("ratio = craft s / pipeline s (one pipeline call on the round's honest-looking input);")
-    print("attacked s = one pipeline call on the crafted input; goal = candidates + 1 pipeline calls")
+    print("attacked s = one pipeline call on the crafted input; goal = candidates + 1 pipeline calls;")
+    print("1-by-1 s = the craft running the pipeline on each candidate; speed-up = 1-by-1 s / craft s")
 
 
 if __name__ == "__main__":
