@@ -429,8 +429,9 @@ class LineSearchAttack(Attack):
         candidates' inputs X (C, N, d) go through the rule together (`Rule.coordinatewise`), after NNM as
         A_c X_c with each candidate's mixing matrix A_c from the line's Gram matrix (`Pipeline.mixing`, on
         the host). X is built chunk by chunk of columns, bounding memory (C = 9, N = 20, d = 1.69M would be
-        1.2 GB in float32), and the squared norms norm(Agg_c - mu_H)^2 accumulate per chunk in float64 on
-        the device: one wait per craft, to read the C damages."""
+        1.2 GB in float32); the C aggregates (C, d) are kept, and their distances to mu_H are taken as
+        `_damage` takes them, in their dtype (float32 rounding makes exact ties, which must fall the same
+        way). One wait per craft, to read the C damages."""
         C, (h, d) = len(grid), honest.shape
         n = f + h
         server.check_n(n)
@@ -440,7 +441,7 @@ class LineSearchAttack(Attack):
         if server.pre:  # the NNM's mixing matrices, from each candidate's Gram matrix on the host
             mixing = torch.stack([server.mixing(grams.gram_at(t)) for t in grid])
             mixing = mixing.to(honest.device, honest.dtype)
-        squares = torch.zeros(C, dtype=torch.float64, device=honest.device)
+        aggregates = torch.empty((C, d), dtype=honest.dtype, device=honest.device)
         step = column_step(C * n, d, honest.device)
         for start in range(0, d, step):
             columns = slice(start, start + step)
@@ -451,11 +452,8 @@ class LineSearchAttack(Attack):
                 X[c, :f] = self.rows(param, part)
             if mixing is not None:
                 X = mixing @ X
-            gap = server.rule.aggregate(X).to(part["mean"].dtype) - part["mean"]
-            squares += gap.double().square().sum(dim=-1)
-        # a norm beyond the updates' float range is infinite, as `_damage`'s norm in their dtype overflows
-        too_far = squares > torch.finfo(honest.dtype).max
-        damages = torch.where(too_far, math.inf, squares.sqrt()).tolist()  # the one wait
+            aggregates[:, columns] = server.rule.aggregate(X)
+        damages = torch.linalg.vector_norm(aggregates - stats["mean"], dim=-1).tolist()  # the one wait
         return damages if self.raw_damage else [x if math.isfinite(x) else math.inf for x in damages]
 
     def _candidate_grams(
