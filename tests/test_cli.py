@@ -233,6 +233,28 @@ def test_quickstart_smoke_on_a_process_pool_runs_the_grid_and_writes_the_report(
     assert sorted(p.name for p in listed) == sorted(p.name for p in files)
 
 
+def test_quickstart_in_a_fresh_clone_leaves_git_status_clean(tmp_path):
+    # The README's command 1 from a clone: every output (results, tables, figures) is git-ignored; only
+    # scripts/regenerate.py rewrites the committed figures/.
+    import shutil
+
+    repo = Path(prodigy_core.__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("git is not installed, or this checkout is not a git clone")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRODIGY_")}  # the defaults, as a user
+    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "prodigy_core.cli", "quickstart", "--smoke"], cwd=clone,
+                          env=env, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (clone / "outputs" / "smoke" / "quickstart_digits.md").is_file()
+    assert len(list((clone / "results" / "quickstart_digits-smoke").glob("*.json"))) == 6
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    assert status.stdout == ""
+
+
 # ------------------------------------------------------------------------------------------- dry run
 
 PAPER_TABLES = {"table1_cifar10": "bigtable", "table2_femnist_n20": "femnist_n20",
