@@ -154,6 +154,34 @@ def test_the_hook_waits_for_another_git_command_to_release_the_index(tmp_path):
     assert git(repo, "status", "--porcelain") == ""
 
 
+def test_the_post_save_hook_returns_before_git_runs_and_refreshes_in_the_background(monkeypatch):
+    import threading
+
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_git(path: str) -> bool:  # git and the nbstripout filter, stuck behind a loaded machine
+        started.set()
+        release.wait(60)
+        calls.append(path)
+        return True
+
+    monkeypatch.setattr(lab, "refresh_git_index", slow_git)
+    for path in ("a.ipynb", "a.ipynb", "notes.txt"):
+        lab.after_save(path)  # what the server calls inside each save request
+    assert started.wait(60) and calls == []  # every save returned while git was still running
+    release.set()
+    lab.wait_for_refreshes()
+    assert set(calls) == {"a.ipynb"} and len(calls) <= 2  # a notebook, never the text file
+
+
+def test_git_setup_replaces_the_former_synchronous_hook(tmp_path):
+    config = lab.config_file(str(tmp_path))
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"ContentsManager": {"post_save_hook": lab.FORMER_HOOKS[0]}}))
+    lab.install_hook(str(tmp_path))
+    assert json.loads(config.read_text()) == {"ContentsManager": {"post_save_hook": lab.HOOK}}
+
+
 def test_jupyter_server_reads_the_hook_where_git_setup_writes_it(tmp_path, monkeypatch):
     from jupyter_server import serverapp  # in the dev extra: this runs in CI, never skips
 
@@ -167,7 +195,7 @@ def test_jupyter_server_reads_the_hook_where_git_setup_writes_it(tmp_path, monke
     app.load_config_file()
     assert app.config.ContentsManager.post_save_hook == lab.HOOK
     manager = serverapp.AsyncLargeFileManager(config=app.config)
-    assert manager.post_save_hook is lab.refresh_git_index
+    assert manager.post_save_hook is lab.after_save
     config.write_text('{"ContentsManager": {"post_save_hook": "my.hook"}}')
     with pytest.raises(ValueError, match="already sets ContentsManager.post_save_hook='my.hook'"):
         lab.install_hook(str(tmp_path))
