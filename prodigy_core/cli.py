@@ -349,7 +349,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if df.empty:
         flag = scale_flag(experiment.scale)
         raise ValueError(
-            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}`"
+            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}` "
+            "(runs made with --set are reported with the same --set)"
         )
     for path in _write_report(experiment, df, args.out_dir, args.results_dir):
         print(path)

@@ -42,3 +42,14 @@ def test_relative_links_resolve(page):
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(f"{target} (no heading #{anchor} in {linked.name})")
     assert not broken, f"{page.relative_to(REPO)}: broken links: {'; '.join(broken)}"
+
+
+def test_extend_its_params_file_is_the_quickstarts_setting_with_a_title():
+    import yaml
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    extend = readme[readme.index("## Extend it") :]
+    spec = yaml.safe_load(re.search(r"```yaml\n(.*?)```", extend, flags=re.S)[1])
+    quickstart = yaml.safe_load((REPO / "params" / "quickstart_digits.yaml").read_text(encoding="utf-8"))
+    assert spec["base"] == quickstart["base"] and spec["title"]
+    assert set(spec["grid"]["attack"]) <= set(quickstart["grid"]["attack"])
