@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="the mini scale: the paper's settings, the params file's `mini` rounds, one seed",
         )  # fmt: skip
 
-    figures_help = f"where tables and figures go (default: {paths.describe(paths.ENV_FIGURES, paths.OUTPUTS)})"
+    figures_help = f"tables and figures (default: {paths.describe(paths.ENV_FIGURES, paths.OUTPUTS)})"
 
     p = sub.add_parser("run", help="run one config (defaults, a params file, --set overrides)")
     p.add_argument("params", nargs="?", help="params file or name; it must come down to one run after --set")

@@ -242,7 +242,10 @@ def explorer(**setting: Any) -> Any:
     the Dirichlet α, the data folder and the download box are greyed out where they do not apply. Errors are
     in the controls' words (`in_widget_words`), a first setting the controls cannot show included
     (`explorer_setting`). Returns the widget box; its ``.train()`` runs the current setting (what the button
-    does) and ``.controls`` maps fields to their controls."""
+    does; the setting trained last is shown again, not retrained), ``.keep(ex)`` takes `ex` as the current
+    setting's exploration (the notebook's first setting, trained once) and ``.controls`` maps fields to
+    their controls. A chosen attack or defense that N, f or the data set rule out comes back when they
+    allow it again."""
     import ipywidgets as widgets
 
     def choices(field: str, values: Sequence[str]) -> list[tuple[str, str]]:
@@ -373,6 +376,7 @@ def explorer(**setting: Any) -> Any:
                            layout={"grid_template_columns": f"repeat(2, {COLUMN_EM}em)"})  # fmt: skip
     box = widgets.VBox([grid, widgets.HBox([button, bar]), out])
     box.train = train
+    box.keep = lambda ex: last.update(values=current(), ex=ex)  # `ex` is what the controls show now
     box.controls = controls
     return box
 

@@ -27,6 +27,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE_ROOT = PACKAGE_DIR.parent  # the repository in a source checkout; site-packages in an installation
 BUNDLED = "_bundled"  # prodigy_core/_bundled/{params,notebooks} in a wheel (see setup.py)
 ENV_RESULTS, ENV_FIGURES, ENV_DATA = "PRODIGY_RESULTS_DIR", "PRODIGY_FIGURES_DIR", "PRODIGY_DATA_DIR"
+# The scale a notebook opened in JupyterLab runs at: "interactive" (something real in about two minutes on 2
+# cores, each notebook says what); CI sets PRODIGY_SCALE=smoke (the root conftest.py); papermill injects one.
+ENV_SCALE, INTERACTIVE = "PRODIGY_SCALE", "interactive"
 OUTPUTS = "outputs"  # <project>/outputs: where tables and figures go by default (git-ignored)
 COMMITTED_FIGURES = SOURCE_ROOT / "figures"  # a clone's committed reference tables (absent in a wheel)
 
@@ -79,6 +82,11 @@ def data_dir() -> Path:
     return _from_env(ENV_DATA, "data")
 
 
+def notebook_scale() -> str:
+    """A notebook's default scale: env PRODIGY_SCALE (CI: "smoke"), else "interactive"."""
+    return os.environ.get(ENV_SCALE) or INTERACTIVE
+
+
 def package_folder(name: str) -> Path:
     """The package's own `params` or `notebooks`: the repository's in a source checkout, else the copy
     bundled in the wheel."""
@@ -113,6 +121,7 @@ __all__ = [
     "describe",
     "figures_dir",
     "is_source_checkout",
+    "notebook_scale",
     "package_folder",
     "package_containing",
     "params_dirs",

@@ -86,7 +86,9 @@ def test_explorer_leads_with_its_controls_in_the_notebook():
     nb = nbformat.read(reproduce.NOTEBOOKS_DIR / "explore_attacks.ipynb", as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     first = next(i for i, src in enumerate(code) if "explorer(**setting)" in src or "explore(" in src)
-    assert "display(explorer(**setting))" in code[first], "the controls come before the static views"
+    assert "box = explorer(**setting)" in code[first] and "display(box)" in code[first], "controls first"
+    trained = [src for src in code if "explore(" in src]  # the first setting is trained once
+    assert len(trained) == 1 and "box.keep(first)" in trained[0]
 
 
 def test_labels_fit_their_controls():

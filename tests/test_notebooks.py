@@ -303,3 +303,30 @@ def test_paper_item_notebooks_are_one_template(name):
         assert (ours.cell_type, ours.source, ours.metadata.get("tags")) == (
             theirs.cell_type, expected, theirs.metadata.get("tags")
         ), f"notebooks/{name}.ipynb cell {i} drifted from notebooks/{TEMPLATE}.ipynb"  # fmt: skip
+
+
+# Notebooks a reader opens in JupyterLab to see something real (issue 37): their own default scale.
+INTERACTIVE_NOTEBOOKS = ["00_quickstart.ipynb", "your_own_defense.ipynb", "explore_attacks.ipynb"]
+
+
+@pytest.mark.parametrize("name", INTERACTIVE_NOTEBOOKS)
+def test_opened_in_lab_a_notebook_runs_at_the_interactive_scale_and_under_ci_at_smoke(name, monkeypatch):
+    from prodigy_core import paths
+
+    assert os.environ["PRODIGY_SCALE"] == "smoke"  # the root conftest.py: nbval's kernels inherit it
+    nb = read(name)
+    source = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    scales = {}
+    for env in (None, "smoke"):
+        if env is None:
+            monkeypatch.delenv("PRODIGY_SCALE")  # JupyterLab started by a reader
+        else:
+            monkeypatch.setenv("PRODIGY_SCALE", env)
+        namespace: dict = {}
+        exec(source, namespace)  # the parameters cell as the kernel runs it
+        scales[env] = namespace["scale"]
+    assert scales == {None: paths.INTERACTIVE, "smoke": "smoke"}
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and "**Scale and time.**" in first.source
+    assert "*interactive* scale" in first.source and "PRODIGY_SCALE=smoke" in first.source
+    assert re.search(r"\d+ (s|seconds|minutes?)\b|a minute", first.source), "the first cell says the time"
