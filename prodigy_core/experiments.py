@@ -257,7 +257,7 @@ class ParamsSpec:
 
     A params file (params/*.yaml) has these top-level keys:
 
-        experiment: table1_cifar10      # results/<experiment>/, figures/<experiment>.*
+        experiment: table1_cifar10      # results/<experiment>/, outputs/<experiment>.*
         title: "Table I: ..."
         paper_table: bigtable           # value of `table` in paper_results.csv, or null
         base: {dataset: cifar10, ...}   # RunConfig fields shared by every run
