@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="the mini scale: the paper's settings, the params file's `mini` rounds, one seed",
         )  # fmt: skip
 
-    figures_help = f"where figures go (default: {paths.describe(paths.ENV_FIGURES, 'figures')})"
+    figures_help = f"tables and figures (default: {paths.describe(paths.ENV_FIGURES, paths.OUTPUTS)})"
 
     p = sub.add_parser("run", help="run one config (defaults, a params file, --set overrides)")
     p.add_argument("params", nargs="?", help="params file or name; it must come down to one run after --set")
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the notebooks run their grids: local or ray (default local)")  # fmt: skip
     p.set_defaults(command=cmd_reproduce)
 
-    p = sub.add_parser("init", help="make a project folder: notebooks, params, empty results/ figures/ data/")
+    p = sub.add_parser("init", help="make a project folder: notebooks, params, empty results/ outputs/ data/")
     p.add_argument("dir", nargs="?", type=Path, default=Path("."), help="the folder (default: the current)")
     p.set_defaults(command=cmd_init)
 
@@ -349,7 +349,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if df.empty:
         flag = scale_flag(experiment.scale)
         raise ValueError(
-            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}`"
+            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}` "
+            "(runs made with --set are reported with the same --set)"
         )
     for path in _write_report(experiment, df, args.out_dir, args.results_dir):
         print(path)
@@ -364,11 +365,28 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     df = run_grid(experiment, jobs=args.jobs, results_dir=args.results_dir)
     named = experiment if seeds is None else dataclasses.replace(experiment, name=quickstart_name(args.seeds))
     paths = _write_report(named, df, args.out_dir, args.results_dir)
-    for path in paths:
-        if path.suffix == ".md":
-            print(path.read_text())
+    table = next((p.read_text(encoding="utf-8") for p in paths if p.suffix == ".md"), "")
+    print(table)
     print("files: " + ", ".join(str(p) for p in paths))
+    if not args.smoke and args.seeds == 1:
+        print(reference_comparison(table))
     return 0
+
+
+REFERENCE_SEEDS = 3  # the committed table a one-seed quickstart is compared with (the README's)
+
+
+def reference_comparison(table: str) -> str:
+    """A one-seed quickstart table against the committed mean ± std over REFERENCE_SEEDS seeds
+    (`report.compare_with_reference`), with a heading; a line saying why not when there is no such file (an
+    installed package: the reference is in a clone's figures/)."""
+    from prodigy_core.report import compare_with_reference
+
+    reference = paths.COMMITTED_FIGURES / f"{quickstart_name(REFERENCE_SEEDS)}.md"
+    if not reference.is_file():
+        return f"(no committed {reference.name} to compare with: it is in a clone's figures/)"
+    text, _, _ = compare_with_reference(table, reference.read_text(encoding="utf-8"))
+    return f"\nThis run (seed 0) against the committed {REFERENCE_SEEDS}-seed table ({reference}):\n\n{text}"
 
 
 def quickstart_name(seeds: int) -> str:
@@ -470,7 +488,7 @@ def cmd_git_setup(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    """Copy the package's notebooks and params files into DIR and make its empty results/ figures/ data/;
+    """Copy the package's notebooks and params files into DIR and make its empty results/ outputs/ data/;
     files already there are kept (a user's edits are never overwritten)."""
     import shutil
 
@@ -491,7 +509,7 @@ def cmd_init(args: argparse.Namespace) -> int:
             else:
                 shutil.copyfile(source, target)
                 made.append(target)
-    for name in ("results", "figures", "data"):
+    for name in ("results", paths.OUTPUTS, "data"):
         (root / name).mkdir(exist_ok=True)
     kept_note = f", {len(kept)} kept as they were" if kept else ""
     print(f"project folder {root}: {len(made)} files copied{kept_note}")

@@ -257,7 +257,7 @@ class ParamsSpec:
 
     A params file (params/*.yaml) has these top-level keys:
 
-        experiment: table1_cifar10      # results/<experiment>/, figures/<experiment>.*
+        experiment: table1_cifar10      # results/<experiment>/, outputs/<experiment>.*
         title: "Table I: ..."
         paper_table: bigtable           # value of `table` in paper_results.csv, or null
         base: {dataset: cifar10, ...}   # RunConfig fields shared by every run
@@ -790,7 +790,8 @@ class GridPlan:
     tasks: dict[str, Task]  # by run key
     batches: list[list[str]]  # the work items' run keys: a run alone or a group (`groups.make_groups`)
     jobs: int
-    threads: int | None  # a pool worker's torch threads (None: this machine's cores shared among the jobs)
+    threads: int | None  # torch threads per run, in a pool worker or in this process (None: as they are in
+    # this process, a pool worker's the machine's cores shared among the jobs)
     force: bool
     varying: list[str]  # the fields that differ between the grid's runs: a run's name in the progress lines
 
@@ -862,7 +863,7 @@ def execute_grid(
         if executor == "ray":
             outcomes = _ray_outcomes(tasks, batches, claims, jobs, address, num_cpus, num_gpus)
         elif jobs == 1:
-            outcomes = _inline_outcomes(tasks, batches, claims)
+            outcomes = _inline_outcomes(tasks, batches, claims, plan.threads)
         else:
             outcomes = _pool_outcomes(tasks, batches, claims, jobs, plan.threads)
         for key, outcome, seconds in outcomes:
@@ -965,6 +966,31 @@ def undone(experiment: Experiment, results_dir: str | os.PathLike | None = None)
 
 
 def _inline_outcomes(
+    tasks: dict[str, Task], batches: list[list[str]], claims: store.Claims, threads: int | None = None
+) -> Iterator[tuple[str, Outcome, float]]:
+    """Every work item in this process; with `threads` (jobs="auto": 1) torch uses that many threads while
+    they train, as a pool worker would, and as many as before afterwards."""
+    with torch_threads(threads):
+        yield from _inline_batches(tasks, batches, claims)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch.set_num_threads(threads) for the duration (nothing when None), the previous count restored."""
+    if not threads:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _inline_batches(
     tasks: dict[str, Task], batches: list[list[str]], claims: store.Claims
 ) -> Iterator[tuple[str, Outcome, float]]:
     for batch in batches:

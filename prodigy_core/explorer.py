@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from prodigy_core import training
 from prodigy_core.aggregators import AGGREGATOR_NAMES, ProDiGy, pairwise_sq_distances
 from prodigy_core.attacks import ATTACKS
-from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, parse_settings
+from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, as_row, parse_settings
 from prodigy_core.names import DATASETS, DISTRIBUTIONS
 from prodigy_core.registry import settings_text
 from prodigy_core.report import (
@@ -98,11 +98,18 @@ def explore(
                        accuracy=result.final_accuracy, **seen)  # fmt: skip
 
 
+def names_with_settings(config: RunConfig) -> tuple[str, str]:
+    """The defense's and the attack's names as tables print them, with their settings ("NNM+CClip
+    (tau=5)"), so that two settings of one rule never look alike."""
+    row = as_row(config.to_dict())
+    return display_value("defense", row["defense"]), display_value("attack", row["attack"])
+
+
 def exploration_summary(ex: Exploration) -> str:
     """One line on what the explorer ran: the defense actually used (ProDiGy's kept set only as ProDiGy's
     view when another defense ran), the attack's chosen parameter, the damage and the accuracy."""
     c = ex.config
-    defense, attack = display_value("defense", c.defense), display_value("attack", c.attack)
+    defense, attack = names_with_settings(c)
     parts = [f"{defense} vs {attack}, round {ex.round}: Byzantine clients {ex.byzantine}"]
     if ex.scores is not None:
         who = "kept by ProDiGy" if c.defense == "prodigy" else "ProDiGy would keep"
@@ -124,14 +131,15 @@ def exploration_figures(ex: Exploration) -> dict[str, Figure]:
     attack candidate (when the attack searches a parameter; a sentence when the damages tie within
     rounding)."""
     c = ex.config
-    attack, defense = display_value("attack", c.attack), display_value("defense", c.defense)
+    defense, attack = names_with_settings(c)
     setting = f"{c.dataset}, N={c.n_clients}, f={c.n_byzantine}, {attack} vs {defense}, round {ex.round}"
     figures = {"distances": distance_heatmap(ex.distances, ex.byzantine, f"Squared distances ({setting})")}
     if ex.scores is not None:
         view = "" if c.defense == "prodigy" else ", ProDiGy's view"
         figures["scores"] = score_bars(ex.scores, ex.byzantine, f"ProDiGy scores ({setting}{view})")
     if ex.search:  # an attack without a parameter search (SF, LF, none) has nothing to draw
-        figures["damage"] = damage_plot(ex.search, c.attack, defense=c.defense, scale=ex.scale)
+        title = f"Damage of {attack} per candidate against {defense} ({setting})"
+        figures["damage"] = damage_plot(ex.search, c.attack, title=title, defense=c.defense, scale=ex.scale)
     return figures
 
 
@@ -234,7 +242,10 @@ def explorer(**setting: Any) -> Any:
     the Dirichlet α, the data folder and the download box are greyed out where they do not apply. Errors are
     in the controls' words (`in_widget_words`), a first setting the controls cannot show included
     (`explorer_setting`). Returns the widget box; its ``.train()`` runs the current setting (what the button
-    does) and ``.controls`` maps fields to their controls."""
+    does; the setting trained last is shown again, not retrained), ``.keep(ex)`` takes `ex` as the current
+    setting's exploration (the notebook's first setting, trained once) and ``.controls`` maps fields to
+    their controls. A chosen attack or defense that N, f or the data set rule out comes back when they
+    allow it again."""
     import ipywidgets as widgets
 
     def choices(field: str, values: Sequence[str]) -> list[tuple[str, str]]:
@@ -279,13 +290,32 @@ def explorer(**setting: Any) -> Any:
     def current() -> dict[str, Any]:
         return {k: c.value for k, c in controls.items()}
 
+    chosen = {"attack": s["attack"], "defense": s["defense"]}  # the user's choice, kept while not offered
+    offering = []  # non-empty while `offer` changes a menu: not the user's choice
+
     def offer(field: str, options: Sequence[str]) -> None:
-        """Show only ``options`` for ``field``, keeping its value when it is still there."""
+        """Show only ``options`` for ``field``: the user's choice when it is there again (after f passed
+        through 0, say), else the value it has when still there, else the first."""
         control = controls[field]
-        value = control.value
-        if list(options) != [v for _, v in control.options]:
-            control.options = choices(field, options)
-        control.value = value if value in options else options[0]
+        value = chosen.get(field, control.value)
+        value = value if value in options else control.value
+        offering.append(field)
+        try:
+            if list(options) != [v for _, v in control.options]:
+                control.options = choices(field, options)
+            control.value = value if value in options else options[0]
+        finally:
+            offering.pop()
+
+    def remember(field: str) -> Callable[[Any], None]:
+        def on_change(change: Any) -> None:
+            if not offering:  # the user picked it
+                chosen[field] = change["new"]
+
+        return on_change
+
+    for field in chosen:
+        controls[field].observe(remember(field), names="value")
 
     def update(_: Any = None) -> None:
         """Re-offer what can run after a change of the data set, N, f or the split."""
@@ -309,17 +339,25 @@ def explorer(**setting: Any) -> Any:
     def progress(k: int, total: int) -> None:
         bar.max, bar.value, bar.description = total, k, f"round {k} / {total}"
 
+    last: dict[str, Any] = {}  # the setting trained last and its exploration: shown again, not retrained
+
     def train(_: Any = None) -> Exploration | None:
+        values = current()
+        if last and last["values"] == values:
+            out.clear_output()
+            with out:
+                print(exploration_summary(last["ex"]))
+                show(*exploration_figures(last["ex"]).values())
+            return last["ex"]
         out.clear_output()  # the previous views go now, not when the new ones arrive
         button.disabled = True
         bar.layout.visibility = "visible"
         progress(0, controls["rounds"].value)
-        values = current()
-        values["data_dir"] = values["data_dir"].strip() or None
+        settings = dict(values, data_dir=values["data_dir"].strip() or None)
         try:
             for name in SETTINGS_FIELDS:
-                values[name] = parse_settings(name, values[name])
-            ex = explore(on_progress=progress, eval_every=values["rounds"], **values)
+                settings[name] = parse_settings(name, settings[name])
+            ex = explore(on_progress=progress, eval_every=settings["rounds"], **settings)
         except (ConfigError, ValueError, FileNotFoundError) as e:
             with out:
                 print(f"cannot run this setting: {in_widget_words(str(e))}")
@@ -327,6 +365,7 @@ def explorer(**setting: Any) -> Any:
         finally:
             button.disabled = False
             bar.layout.visibility = "hidden"
+        last.update(values=values, ex=ex)
         with out:
             print(exploration_summary(ex))
             show(*exploration_figures(ex).values())
@@ -337,6 +376,7 @@ def explorer(**setting: Any) -> Any:
                            layout={"grid_template_columns": f"repeat(2, {COLUMN_EM}em)"})  # fmt: skip
     box = widgets.VBox([grid, widgets.HBox([button, bar]), out])
     box.train = train
+    box.keep = lambda ex: last.update(values=current(), ex=ex)  # `ex` is what the controls show now
     box.controls = controls
     return box
 

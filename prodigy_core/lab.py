@@ -3,20 +3,25 @@
 Git lists a file whose size changed as modified without running its clean filter, so a notebook saved by
 JupyterLab (outputs, the kernel's metadata) shows as modified although the nbstripout filter makes it the
 committed file again (`git diff` is empty). `refresh_git_index`, JupyterLab's post-save hook, refreshes git's
-record of such a file (``git add`` of an unchanged content: nothing is staged); `install_hook` registers it.
-Entry points: `refresh_git_index`, `install_hook`, `setup_git` (`prodigy-fl git-setup`).
+record of such a file (``git add`` of an unchanged content: nothing is staged). JupyterLab's post-save hook is
+`after_save`: it hands the path to a background thread and returns, so that a save (and every autosave) never
+waits for git and the nbstripout filter it runs (seconds on a loaded machine); `install_hook` registers it.
+Entry points: `after_save`, `refresh_git_index`, `install_hook`, `setup_git` (`prodigy-fl git-setup`).
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-HOOK = "prodigy_core.lab.refresh_git_index"
+HOOK = "prodigy_core.lab.after_save"
+FORMER_HOOKS = ("prodigy_core.lab.refresh_git_index",)  # what git-setup wrote before: replaced, not refused
 # What nbstripout strips besides outputs: language_info names the Python of whoever saved last
 # (.gitattributes and .pre-commit-config.yaml say the same; tests/test_notebooks.py checks it).
 NBSTRIPOUT_EXTRA_KEYS = "metadata.language_info"
@@ -77,6 +82,42 @@ def refresh_git_index(os_path: str, model: Any = None, contents_manager: Any = N
         return False
 
 
+_saved: queue.Queue[str] = queue.Queue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+
+
+def after_save(os_path: str, model: Any = None, contents_manager: Any = None) -> None:
+    """JupyterLab's post-save hook: `refresh_git_index` of ``os_path`` in a background thread, so that the
+    server answers the save at once. Saves of one notebook queued while git is busy are refreshed once."""
+    global _worker
+    if not str(os_path).endswith(".ipynb"):
+        return
+    _saved.put(str(os_path))
+    with _worker_lock:
+        if _worker is None or not _worker.is_alive():
+            _worker = threading.Thread(target=_refresh_saved, name="prodigy-git-refresh", daemon=True)
+            _worker.start()
+
+
+def _refresh_saved() -> None:
+    while True:
+        burst = [_saved.get()]
+        while not _saved.empty():  # saves queued while git was busy (autosaves): each notebook once
+            burst.append(_saved.get_nowait())
+        try:
+            for path in sorted(set(burst)):
+                refresh_git_index(path)
+        finally:  # a worker that died is replaced by the next save
+            for _ in burst:
+                _saved.task_done()
+
+
+def wait_for_refreshes() -> None:
+    """Block until every path handed to `after_save` so far has been refreshed (tests, scripts)."""
+    _saved.join()
+
+
 def config_file(prefix: str | None = None) -> Path:
     """This Python environment's Jupyter server config (<prefix>/etc/jupyter is on `jupyter --paths`; its
     ``jupyter_server_config.d`` snippets enable extensions only, so the hook goes in the file itself)."""
@@ -90,7 +131,7 @@ def install_hook(prefix: str | None = None) -> Path:
     path = config_file(prefix)
     config = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else {}
     section = config.setdefault("ContentsManager", {})
-    if section.get("post_save_hook") not in (None, HOOK):
+    if section.get("post_save_hook") not in (None, HOOK, *FORMER_HOOKS):
         raise ValueError(
             f"{path} already sets ContentsManager.post_save_hook={section['post_save_hook']!r}; call "
             f"{HOOK} from it, or remove it and run git-setup again"
@@ -101,4 +142,13 @@ def install_hook(prefix: str | None = None) -> Path:
     return path
 
 
-__all__ = ["HOOK", "NBSTRIPOUT_EXTRA_KEYS", "config_file", "install_hook", "refresh_git_index", "setup_git"]
+__all__ = [
+    "HOOK",
+    "NBSTRIPOUT_EXTRA_KEYS",
+    "after_save",
+    "config_file",
+    "install_hook",
+    "refresh_git_index",
+    "setup_git",
+    "wait_for_refreshes",
+]

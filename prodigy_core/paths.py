@@ -3,9 +3,12 @@ notebooks.
 
 The project folder is the nearest ancestor of the working directory (itself included) that holds a
 `params/` folder (a clone of this repository, or a folder made by `prodigy-fl init`), else the working
-directory. Its `results/`, `figures/` and `data/` receive the outputs; the environment variables
-PRODIGY_RESULTS_DIR, PRODIGY_FIGURES_DIR and PRODIGY_DATA_DIR (and `--results-dir` on the command line) win.
-Outputs never go into the installed package's own folder: a working directory inside it is an error.
+directory. Its `results/`, `outputs/` (tables and figures) and `data/` receive the outputs, all three
+git-ignored, so that no command dirties a clone; the environment variables PRODIGY_RESULTS_DIR,
+PRODIGY_FIGURES_DIR and PRODIGY_DATA_DIR (and `--results-dir`, `--out-dir` on the command line) win. A
+clone's committed `figures/` is the reference that `python scripts/regenerate.py` alone rewrites
+(`COMMITTED_FIGURES`). Outputs never go into the installed package's own folder: a working directory inside
+it is an error.
 
 The params files and notebooks ship with the package: in a source checkout they are the repository's
 `params/` and `notebooks/`; in a wheel, copies of them under `prodigy_core/_bundled/` (made by setup.py's
@@ -24,6 +27,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCE_ROOT = PACKAGE_DIR.parent  # the repository in a source checkout; site-packages in an installation
 BUNDLED = "_bundled"  # prodigy_core/_bundled/{params,notebooks} in a wheel (see setup.py)
 ENV_RESULTS, ENV_FIGURES, ENV_DATA = "PRODIGY_RESULTS_DIR", "PRODIGY_FIGURES_DIR", "PRODIGY_DATA_DIR"
+# The scale a notebook opened in JupyterLab runs at: "interactive" (something real in about two minutes on 2
+# cores, each notebook says what); CI sets PRODIGY_SCALE=smoke (the root conftest.py); papermill injects one.
+ENV_SCALE, INTERACTIVE = "PRODIGY_SCALE", "interactive"
+OUTPUTS = "outputs"  # <project>/outputs: where tables and figures go by default (git-ignored)
+COMMITTED_FIGURES = SOURCE_ROOT / "figures"  # a clone's committed reference tables (absent in a wheel)
 
 
 def is_source_checkout() -> bool:
@@ -65,13 +73,18 @@ def results_dir() -> Path:
 
 
 def figures_dir() -> Path:
-    """Env PRODIGY_FIGURES_DIR, else <project>/figures."""
-    return _from_env(ENV_FIGURES, "figures")
+    """Env PRODIGY_FIGURES_DIR, else <project>/outputs (never the committed figures/)."""
+    return _from_env(ENV_FIGURES, OUTPUTS)
 
 
 def data_dir() -> Path:
     """Env PRODIGY_DATA_DIR, else <project>/data (downloaded and decoded datasets)."""
     return _from_env(ENV_DATA, "data")
+
+
+def notebook_scale() -> str:
+    """A notebook's default scale: env PRODIGY_SCALE (CI: "smoke"), else "interactive"."""
+    return os.environ.get(ENV_SCALE) or INTERACTIVE
 
 
 def package_folder(name: str) -> Path:
@@ -108,6 +121,7 @@ __all__ = [
     "describe",
     "figures_dir",
     "is_source_checkout",
+    "notebook_scale",
     "package_folder",
     "package_containing",
     "params_dirs",

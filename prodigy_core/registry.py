@@ -157,6 +157,7 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
         if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ValueError(f"{owner}: {key}={value!r} must be finite")
         default = valid[key]
+        _check_number(owner, key, value, default)
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
@@ -167,6 +168,15 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
     if missing:
         raise ValueError(f"{owner} needs the setting(s) {', '.join(missing)} (e.g. {missing[0]}: 1.0)")
     return Settings(sorted(out.items()))
+
+
+def _check_number(owner: str, key: str, value: Any, default: Any) -> None:
+    """A setting whose default is a number takes a number: ``tau=abc`` is an error that says so, not the
+    comparison error the class would raise."""
+    number = isinstance(default, int | float) and not isinstance(default, bool)
+    items = value if isinstance(value, list) else [value]
+    if number and any(isinstance(v, str | bool) for v in items):
+        raise ValueError(f"{owner}: {key}={value!r} must be a number, like its default {key}={default!r}")
 
 
 class Settings(dict):

@@ -257,7 +257,7 @@ def accuracy_table(
     long = summarize(df, layout, order)
     table = long.pivot_table(index=rows, columns=blocks + [columns], values=stat, sort=False, dropna=False)
     if stat == "worst_case":
-        table = table.fillna(False).astype(bool)
+        table = table.eq(True)  # a missing cell (NaN) is not a worst case
     row_order = list(dict.fromkeys(long[rows]))
     col_order = list(dict.fromkeys(zip(*[long[k] for k in blocks + [columns]], strict=True)))
     if not blocks:
@@ -1073,6 +1073,58 @@ def markdown_cells(markdown: str) -> dict[tuple[str, str], str]:
         elif not re.fullmatch(r":?-+:?", parts[0]):
             table.update({(parts[0], col): text for col, text in zip(header[1:], parts[1:], strict=False)})
     return table
+
+
+CELL_NUMBERS = re.compile(r"(-?\d+(?:\.\d+)?)(?:\s*±\s*(\d+(?:\.\d+)?))?")
+WITHIN_STD = 2  # a cell "agrees" with a reference mean ± std when |x - mean| <= WITHIN_STD * std
+SEED_NOTE = (
+    "A single seed moves: each seed draws its own Dirichlet split and initial model (the ± is how far seeds "
+    "0-2 spread), and a last-bit difference (another CPU kernel, thread count or torch version) can move a "
+    "cell by as much, since the attacks' line search picks among candidates by their damage. Digit for "
+    "digit, seed 0 reproduces the committed one-seed table only on the same CPU type (the records' "
+    "`cpu_capability`), torch and one thread per run."
+)
+
+
+def parse_cell(text: str) -> tuple[float, float | None] | None:
+    """A table cell's numbers: "**59.24 ± 7.85**" -> (59.24, 7.85), "10.00†" -> (10.0, None); None when
+    it has none ("–")."""
+    m = CELL_NUMBERS.search(text)
+    if m is None:
+        return None
+    return float(m[1]), None if m[2] is None else float(m[2])
+
+
+def compare_with_reference(markdown: str, reference: str, digits: int = 2) -> tuple[str, int, int]:
+    """Each cell of the Markdown table `markdown` (one seed) against the same cell of `reference` (mean ±
+    std over seeds, as `to_markdown` writes both): a Markdown table of "x (mean ± std)", the cells further
+    than WITHIN_STD std from their mean in bold, then a line counting the cells within and `SEED_NOTE`.
+    Returns (that text, cells within, cells compared); (a sentence, 0, 0) when no cell is in both. The
+    last digit counts as rounding: |x - mean| <= 2 std + 10**-digits."""
+    ours, theirs = markdown_cells(markdown), markdown_cells(reference)
+    rows, columns = list(dict.fromkeys(r for r, _ in theirs)), list(dict.fromkeys(c for _, c in theirs))
+    lines, within, compared = [], 0, 0
+    for row in rows:
+        cells = []
+        for column in columns:
+            x, ref = parse_cell(ours.get((row, column), "")), parse_cell(theirs.get((row, column), ""))
+            if x is None or ref is None:
+                cells.append("–")
+                continue
+            mean, std = ref[0], ref[1] or 0.0
+            ok = abs(x[0] - mean) <= WITHIN_STD * std + 10**-digits
+            within, compared = within + ok, compared + 1
+            text = f"{x[0]:.{digits}f} ({mean:.{digits}f} ± {std:.{digits}f})"
+            cells.append(text if ok else f"**{text}**")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    if not compared:
+        return "no cell of this table is in the reference table: nothing to compare", 0, 0
+    header = ["| | " + " | ".join(columns) + " |", "|:---|" + "---:|" * len(columns)]
+    summary = (
+        f"{within} of {compared} cells lie within {WITHIN_STD} std of the reference mean (bold: outside). "
+        + SEED_NOTE
+    )
+    return "\n".join(header + lines + ["", summary]), within, compared
 
 
 def read_provenance(text: str) -> str | None:

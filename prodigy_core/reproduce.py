@@ -5,7 +5,7 @@ Each notebook in notebooks/ has one cell tagged ``parameters`` whose defaults ar
 injected as parameters too. The notebooks are the project's (`prodigy-fl init`, or a clone), else the
 package's; they run with the project folder as working directory. Executed copies go to its git-ignored
 build/ folder; the tables and figures are files that the notebooks write through ``prodigy_core.report`` into
-figures/ (figures/smoke/, figures/mini/ at those scales).
+outputs/ (outputs/smoke/, outputs/mini/ at those scales; git-ignored).
 
 Progress streams while a notebook runs: a ``[k/n] notebook NAME`` line, then what its cells print (the grid's
 text progress bar and one line per finished run, see ``experiments.PROGRESS_ENV``), then ``ok in ... s``.

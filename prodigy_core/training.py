@@ -885,9 +885,12 @@ def plugin_hashes(config: RunConfig) -> dict[str, str]:
 
 
 def _environment(device: torch.device, engine: str) -> dict[str, Any]:
+    """What a run's last bits depend on besides its config: torch, the thread count and the CPU kernels torch
+    picked (`cpu_capability`: e.g. AVX2, AVX512), the GPU and its precision flags."""
     env = {"device": str(device), "engine": engine, "torch": str(torch.__version__),
            "prodigy_fl": prodigy_core.__version__, "python": platform.python_version(),
-           "threads": torch.get_num_threads()}  # fmt: skip
+           "threads": torch.get_num_threads(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env.update(precision_flags())

@@ -6,9 +6,12 @@ seed, what `prodigy-fl quickstart` writes) and figures/quickstart_digits_3seeds.
 
 Every run is trained anew (a temporary results folder: nothing is loaded from results/), with the code of
 this checkout, so the table it writes is what the committed code produces. Run it before committing a change
-to prodigy_core/ or params/quickstart_digits.yaml (about 12 minutes on a 2-core CPU). The cheap half of the
-check runs in CI: tests/test_report.py compares the provenance line of the committed table (a hash of the
-grid's run keys and of prodigy_core's files) with the current ones.
+to prodigy_core/ or params/quickstart_digits.yaml (about 12 minutes on a 2-core CPU). Each table's cells and
+its provenance line (the runs hash and the code hash) must be the committed ones. The cheap half of the
+check runs in CI: tests/test_report.py compares the provenance line of both committed tables (a hash of the
+grid's run keys and of prodigy_core's files, both) with the current ones. `prodigy-fl quickstart` itself
+writes into the git-ignored outputs/; only this script's --update (run by scripts/regenerate.py) writes
+figures/.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ def compare(old: str, new: str, name: str) -> bool:
         print(f"{name}: {row} / {column}: committed {before}, now {after}", file=sys.stderr)
     for row, column in missing:
         print(f"{name}: {row} / {column}: not in the committed table", file=sys.stderr)
-    if not same_provenance:
+    if not same_provenance:  # the runs hash, or the code hash (prodigy_core/ changed since the table)
         before, after = report.read_provenance(old), report.read_provenance(new)
-        print(f"{name}: provenance: committed {before}, now {after}",
+        print(f"{name}: provenance (runs and code hash): committed {before}, now {after}",
               file=sys.stderr)  # fmt: skip
     return not differ and not missing and same_provenance
 

@@ -574,6 +574,25 @@ def test_jobs_auto_trains_every_run_with_one_thread(tmp_path):
     assert threads == [1, 1]
 
 
+def test_jobs_auto_trains_a_lone_run_in_this_process_with_one_thread(tmp_path):
+    import torch
+
+    experiment = experiment_from_spec({
+        "experiment": "lone", "base": {"dataset": "digits", "n_clients": 5, "n_byzantine": 2, "rounds": 1,
+                                       "local_steps": 1, "device": "cpu", "attack": "sf"}})  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # this process as a 2-core machine starts it
+    try:
+        assert experiments.plan_grid(experiment, "local", "auto", False, tmp_path, "auto").jobs == 1
+        df = run_grid(experiment, jobs="auto", results_dir=tmp_path, progress=False)
+        assert torch.get_num_threads() == 2  # restored after the run
+    finally:
+        torch.set_num_threads(before)
+    record = json.loads((tmp_path / "lone" / f"{df['key'][0]}.json").read_text())
+    assert record["environment"]["threads"] == 1  # as a pool worker would: the help's promise
+    assert record["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
 def test_executor_and_jobs_are_checked(tmp_path):
     experiment = small_grid(tmp_path)
     with pytest.raises(ValueError, match="executor='slurm' is unknown; valid: local, ray"):

@@ -86,7 +86,9 @@ def test_explorer_leads_with_its_controls_in_the_notebook():
     nb = nbformat.read(reproduce.NOTEBOOKS_DIR / "explore_attacks.ipynb", as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]
     first = next(i for i, src in enumerate(code) if "explorer(**setting)" in src or "explore(" in src)
-    assert "display(explorer(**setting))" in code[first], "the controls come before the static views"
+    assert "box = explorer(**setting)" in code[first] and "display(box)" in code[first], "controls first"
+    trained = [src for src in code if "explore(" in src]  # the first setting is trained once
+    assert len(trained) == 1 and "box.keep(first)" in trained[0]
 
 
 def test_labels_fit_their_controls():
@@ -204,3 +206,50 @@ def test_the_test_command_installs_what_the_explorer_tests_need():
     widgets = [r for r in extras["lab"] if r.startswith("ipywidgets")]
     assert widgets and set(widgets) <= set(extras["dev"])
     assert not any(re.match(r"jupyterlab\b", r) for r in extras["dev"])  # CI stays light
+
+
+# ------------------------------------------------------------------ a newcomer's first hour (issue 37)
+
+
+def test_the_chosen_attack_and_defense_come_back_after_f_passes_through_zero():
+    c = widget(n_byzantine=2, attack="sf", defense="nnm+cclip").controls
+    c["n_byzantine"].value = 0  # no Byzantine client: no attack is offered
+    assert c["attack"].value == "none"
+    c["n_byzantine"].value = 1
+    assert (c["attack"].value, c["defense"].value) == ("sf", "nnm+cclip")  # what the user had chosen
+    c["attack"].value = "alie"  # a new choice is remembered in its turn
+    c["n_byzantine"].value = 0
+    c["n_byzantine"].value = 2
+    assert c["attack"].value == "alie"
+
+
+def test_titles_and_summary_name_the_settings(monkeypatch):
+    seen = {}
+    for tau in (5, 50):
+        box = widget(attack="sf", defense="nnm+cclip", defense_params={"tau": tau})
+        ex = box.train()
+        figures = explorer.exploration_figures(ex)
+        seen[tau] = (explorer.exploration_summary(ex), figures["distances"]._suptitle.get_text())
+    for tau, (summary, title) in seen.items():
+        assert summary.startswith(f"NNM+CClip (tau={tau}) vs SF"), summary
+        assert f"NNM+CClip (tau={tau})" in title.replace("\n", " "), title
+
+
+def test_the_same_setting_is_trained_once_and_shown_again(monkeypatch):
+    calls = []
+    real = explorer.explore
+    monkeypatch.setattr(explorer, "explore", lambda **kw: calls.append(kw) or real(**kw))
+    box = widget(attack="sf")
+    first = box.train()
+    assert box.train() is first and len(calls) == 1  # pressed again unchanged: shown, not retrained
+    box.controls["seed"].value = 1
+    assert box.train() is not first and len(calls) == 2
+
+
+def test_a_setting_that_is_not_a_number_is_one_worded_line(capsys):
+    box = widget(defense="nnm+cclip")
+    box.controls["defense_params"].value = "tau=abc"
+    assert box.train() is None
+    message = capsys.readouterr().out
+    assert "tau='abc' must be a number, like its default tau=10" in message
+    assert "not supported between" not in message

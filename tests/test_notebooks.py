@@ -154,6 +154,34 @@ def test_the_hook_waits_for_another_git_command_to_release_the_index(tmp_path):
     assert git(repo, "status", "--porcelain") == ""
 
 
+def test_the_post_save_hook_returns_before_git_runs_and_refreshes_in_the_background(monkeypatch):
+    import threading
+
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_git(path: str) -> bool:  # git and the nbstripout filter, stuck behind a loaded machine
+        started.set()
+        release.wait(60)
+        calls.append(path)
+        return True
+
+    monkeypatch.setattr(lab, "refresh_git_index", slow_git)
+    for path in ("a.ipynb", "a.ipynb", "notes.txt"):
+        lab.after_save(path)  # what the server calls inside each save request
+    assert started.wait(60) and calls == []  # every save returned while git was still running
+    release.set()
+    lab.wait_for_refreshes()
+    assert set(calls) == {"a.ipynb"} and len(calls) <= 2  # a notebook, never the text file
+
+
+def test_git_setup_replaces_the_former_synchronous_hook(tmp_path):
+    config = lab.config_file(str(tmp_path))
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"ContentsManager": {"post_save_hook": lab.FORMER_HOOKS[0]}}))
+    lab.install_hook(str(tmp_path))
+    assert json.loads(config.read_text()) == {"ContentsManager": {"post_save_hook": lab.HOOK}}
+
+
 def test_jupyter_server_reads_the_hook_where_git_setup_writes_it(tmp_path, monkeypatch):
     from jupyter_server import serverapp  # in the dev extra: this runs in CI, never skips
 
@@ -167,7 +195,7 @@ def test_jupyter_server_reads_the_hook_where_git_setup_writes_it(tmp_path, monke
     app.load_config_file()
     assert app.config.ContentsManager.post_save_hook == lab.HOOK
     manager = serverapp.AsyncLargeFileManager(config=app.config)
-    assert manager.post_save_hook is lab.refresh_git_index
+    assert manager.post_save_hook is lab.after_save
     config.write_text('{"ContentsManager": {"post_save_hook": "my.hook"}}')
     with pytest.raises(ValueError, match="already sets ContentsManager.post_save_hook='my.hook'"):
         lab.install_hook(str(tmp_path))
@@ -275,3 +303,30 @@ def test_paper_item_notebooks_are_one_template(name):
         assert (ours.cell_type, ours.source, ours.metadata.get("tags")) == (
             theirs.cell_type, expected, theirs.metadata.get("tags")
         ), f"notebooks/{name}.ipynb cell {i} drifted from notebooks/{TEMPLATE}.ipynb"  # fmt: skip
+
+
+# Notebooks a reader opens in JupyterLab to see something real (issue 37): their own default scale.
+INTERACTIVE_NOTEBOOKS = ["00_quickstart.ipynb", "your_own_defense.ipynb", "explore_attacks.ipynb"]
+
+
+@pytest.mark.parametrize("name", INTERACTIVE_NOTEBOOKS)
+def test_opened_in_lab_a_notebook_runs_at_the_interactive_scale_and_under_ci_at_smoke(name, monkeypatch):
+    from prodigy_core import paths
+
+    assert os.environ["PRODIGY_SCALE"] == "smoke"  # the root conftest.py: nbval's kernels inherit it
+    nb = read(name)
+    source = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    scales = {}
+    for env in (None, "smoke"):
+        if env is None:
+            monkeypatch.delenv("PRODIGY_SCALE")  # JupyterLab started by a reader
+        else:
+            monkeypatch.setenv("PRODIGY_SCALE", env)
+        namespace: dict = {}
+        exec(source, namespace)  # the parameters cell as the kernel runs it
+        scales[env] = namespace["scale"]
+    assert scales == {None: paths.INTERACTIVE, "smoke": "smoke"}
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and "**Scale and time.**" in first.source
+    assert "*interactive* scale" in first.source and "PRODIGY_SCALE=smoke" in first.source
+    assert re.search(r"\d+ (s|seconds|minutes?)\b|a minute", first.source), "the first cell says the time"

@@ -32,7 +32,7 @@ def test_project_folder_is_the_nearest_ancestor_with_params_else_the_cwd(tmp_pat
     monkeypatch.chdir(deep)
     assert paths.project_dir() == tmp_path / "proj"
     assert results.resolve_results_dir() == tmp_path / "proj" / "results"
-    assert paths.figures_dir() == tmp_path / "proj" / "figures"
+    assert paths.figures_dir() == tmp_path / "proj" / "outputs"
     assert paths.data_dir() == tmp_path / "proj" / "data"
     monkeypatch.chdir(tmp_path)  # no params/ here or above: the working directory itself
     assert paths.project_dir() == tmp_path and paths.results_dir() == tmp_path / "results"
@@ -69,7 +69,7 @@ def test_init_lays_out_a_project_and_keeps_edited_files(tmp_path, monkeypatch, c
         assert shipped and sorted(p.name for p in (project / folder).iterdir()) == shipped
         for name in shipped:
             assert (project / folder / name).read_bytes() == (REPO / folder / name).read_bytes()
-    for empty in ("results", "figures", "data"):
+    for empty in ("results", "outputs", "data"):
         assert (project / empty).is_dir() and not any((project / empty).iterdir())
 
     # the project's edited params file wins over the package's, looked up from any subfolder
@@ -128,4 +128,4 @@ def test_wheel_installed_elsewhere_runs_the_smoke_quickstart_without_writing_int
     assert done.returncode == 0, done.stderr[-2000:]
     assert listing() == before  # nothing written, changed or removed under the install location
     assert len(list((work / "results" / "quickstart_digits-smoke").glob("*.json"))) == 6
-    assert (work / "figures" / "smoke" / "quickstart_digits.md").is_file()
+    assert (work / "outputs" / "smoke" / "quickstart_digits.md").is_file()

@@ -335,20 +335,58 @@ def test_damage_plot_has_no_offset_notation_and_formats_the_chosen_parameter():
     assert report.format_parameter((1.23456, 0.5)) == "(1.23, 0.5)"
 
 
-def test_committed_quickstart_table_was_made_by_the_current_params_and_code():
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_committed_quickstart_table_was_made_by_the_current_params_and_code(seeds):
     # The cheap half of the check that committed outputs are what the committed code produces; the full
     # half (retrain everything, compare every cell) is scripts/check_committed_quickstart.py.
+    from prodigy_core.cli import quickstart_name
     from prodigy_core.experiments import load_experiment
 
-    committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
-    # The runs hash (of every resolved config field of the 42 runs) must match; the code part is
-    # informative, since a docstring change would move it without moving a number.
+    name = quickstart_name(seeds)
+    committed = Path(report.__file__).resolve().parents[1] / "figures" / f"{name}.md"
+    # Both the runs hash (of every resolved config field) and the code hash (prodigy_core/) must match:
+    # a change to the code is committed with the regenerated quickstart (README, "Working on the project").
     written = report.read_provenance(committed.read_text(encoding="utf-8"))
-    current = report.provenance(load_experiment("quickstart_digits"))
-    assert written is not None and written.split(" (")[0] == current.split(" (")[0], (
-        f"figures/quickstart_digits.* were made by other params or code ({written}; now {current}): "
-        "run `python scripts/check_committed_quickstart.py --update` and commit figures/"
+    overrides = {"seeds": list(range(seeds))} if seeds > 1 else None
+    current = report.provenance(load_experiment("quickstart_digits", overrides=overrides))
+    assert written == current, (
+        f"figures/{name}.* were made by other params or code ({written}; now {current}): "
+        "run `python scripts/regenerate.py` and commit figures/"
     )
+
+
+def test_a_one_seed_table_is_compared_cell_by_cell_with_the_reference_mean_and_std():
+    reference = "\n".join([
+        "| Defense | No attack | ALIE | SF |", "|:---|---:|---:|---:|",
+        "| No defense | 96.75 ± 1.39 | 83.10 ± 7.80 | **10.00 ± 0.00†** |",
+        "| ProDiGy | 84.77 ± 3.30 | **69.73 ± 15.33** | 78.37 ± 4.61 |",
+    ])  # fmt: skip
+    one_seed = "\n".join([
+        "| Defense | No attack | ALIE | SF |", "|:---|---:|---:|---:|",
+        "| No defense | 96.38 | 99.00 | **10.00†** |",  # |99 - 83.1| = 15.9 > 2 x 7.8 = 15.6: outside
+        "| ProDiGy | 91.37 | **54.04** | 87.59 |",  # 6.60 = 2 x 3.30 and 9.22 = 2 x 4.61 away: within
+    ])  # fmt: skip
+    text, within, compared = report.compare_with_reference(one_seed, reference)
+    assert (within, compared) == (5, 6)  # all but ALIE on No defense
+    lines = text.splitlines()
+    outside = "**99.00 (83.10 ± 7.80)**"
+    assert lines[2] == f"| No defense | 96.38 (96.75 ± 1.39) | {outside} | 10.00 (10.00 ± 0.00) |"
+    assert lines[3] == "| ProDiGy | 91.37 (84.77 ± 3.30) | 54.04 (69.73 ± 15.33) | 87.59 (78.37 ± 4.61) |"
+    assert lines[-1].startswith("5 of 6 cells lie within 2 std of the reference mean") and "seed" in lines[-1]
+    assert report.compare_with_reference("| a | b |\n|---|---|\n| x | 1 |", reference)[1:] == (0, 0)
+    assert report.parse_cell("–") is None and report.parse_cell("**59.24 ± 7.85**") == (59.24, 7.85)
+
+
+def test_worst_case_of_a_grid_with_a_missing_cell_warns_nothing():
+    import warnings
+
+    df = fabricated(seeds=(0,), momenta=(0.0,))
+    df = df[~((df.defense == "prodigy") & (df.attack == "sf"))]  # one cell never ran
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pandas' FutureWarning on downcasting in fillna included
+        worst = report.worst_case(df, LAYOUT)
+    assert not worst.at["prodigy", (0.0, "sf")] and worst.to_numpy().dtype == bool
+    assert worst.loc["prodigy"].sum() == 1  # the lower of its two remaining attacked cells
 
 
 def test_provenance_names_the_runs_and_the_code(tmp_path):

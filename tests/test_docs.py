@@ -1,0 +1,55 @@
+"""The README's and docs/'s relative links lead somewhere: every linked file exists, every #anchor is a
+heading of the file it names (GitHub's heading slugs)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)  # no code blocks
+    return {slug(m[1]) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+
+
+def test_slug_is_githubs():
+    assert slug("The quickstart's rounds") == "the-quickstarts-rounds"
+    assert slug("On a cluster (Ray)") == "on-a-cluster-ray"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(page):
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target} (no {linked})")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{target} (no heading #{anchor} in {linked.name})")
+    assert not broken, f"{page.relative_to(REPO)}: broken links: {'; '.join(broken)}"
+
+
+def test_extend_its_params_file_is_the_quickstarts_setting_with_a_title():
+    import yaml
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    extend = readme[readme.index("## Extend it") :]
+    spec = yaml.safe_load(re.search(r"```yaml\n(.*?)```", extend, flags=re.S)[1])
+    quickstart = yaml.safe_load((REPO / "params" / "quickstart_digits.yaml").read_text(encoding="utf-8"))
+    assert spec["base"] == quickstart["base"] and spec["title"]
+    assert set(spec["grid"]["attack"]) <= set(quickstart["grid"]["attack"])
