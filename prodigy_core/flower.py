@@ -103,7 +103,7 @@ class RobustStrategy(FedAvg):
         fedavg = {"min_train_nodes": n_clients, "min_available_nodes": n_clients, **fedavg}
         super().__init__(**fedavg)
         self.pipeline = make_aggregator(defense, n_byzantine, n_clients, variant, defense_params)
-        self.lr_at, self.n_clients = lr_at, n_clients
+        self.lr_at = lr_at
         self.attack = None
         if attack != "none" and n_byzantine > 0:
             self.attack = make_attack(attack, variant=variant, params=attack_params)
@@ -113,7 +113,7 @@ class RobustStrategy(FedAvg):
                     "momentum, which lives on the Flower client; use variant='paper'"
                 )
         ids = byzantine_ids(n_clients, n_byzantine, seed) if byzantine is None else sorted(byzantine)
-        if len(ids) != n_byzantine or any(not 0 <= k < n_clients for k in ids):
+        if len(set(ids)) != n_byzantine or any(not 0 <= k < n_clients for k in ids):
             raise ValueError(f"byzantine={list(ids)}: need {n_byzantine} distinct ids in 0..{n_clients - 1}")
         self.byzantine: list[int] = ids
         self.zeroed: list[list[int]] = []  # ProDiGy: the weight-0 clients of every round
