@@ -343,10 +343,13 @@ def _start_ray(num_cpus: int, attempts: int = 3) -> None:
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
             return
-        except Exception:  # Ray raises a bare Exception on a startup timeout
+        except Exception as e:  # Ray raises a bare Exception on a startup timeout
             ray.shutdown()
             if attempt == attempts - 1:
-                raise
+                raise RuntimeError(
+                    f"Flower's simulation needs a local Ray, which did not start in {attempts} tries (Ray: "
+                    f"{e}); on a loaded machine retry when it is quieter"
+                ) from e
 
 
 def _serve(grid: Grid, run: int, config: RunConfig, strategy: RobustStrategy) -> FlowerRun:
