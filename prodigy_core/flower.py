@@ -24,6 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
+try:
+    import flwr  # noqa: F401
+except ImportError as e:
+    raise ImportError(
+        'prodigy_core.flower needs Flower: pip install -e ".[flower]" (or "prodigy-fl[flower]")'
+    ) from e
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
