@@ -780,11 +780,15 @@ def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> 
     """
     with torch.no_grad():
         for name, b in model.named_buffers():
-            reports = client_buffers[name]
-            if reports.is_floating_point():
-                b.copy_(torch.quantile(reports, 0.5, dim=0))  # averages the two middle values for even N
-            else:
-                b.copy_(reports.median(dim=0).values)
+            b.copy_(median_report(client_buffers[name]))
+
+
+def median_report(reports: Tensor) -> Tensor:
+    """The coordinate-wise median of N clients' reports of one buffer (N, ...): the mean of the two middle
+    values for even N when floating point, the lower one for integers (`num_batches_tracked`)."""
+    if reports.is_floating_point():
+        return torch.quantile(reports, 0.5, dim=0)
+    return reports.median(dim=0).values
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

@@ -201,7 +201,7 @@ def test_the_test_command_installs_what_the_explorer_tests_need():
     root = Path(__file__).resolve().parents[1]
     pyproject = (root / "pyproject.toml").read_text()  # (tomllib is Python >= 3.11)
     extras = {m[1]: re.findall(r'"([^"]+)"', m[2]) for m in re.finditer(r"(?m)^(\w+) = \[(.*)\]$", pyproject)}
-    command = 'pip install -e ".[dev,ray]" && pytest'
+    command = 'pip install -e ".[dev,ray,flower]" && pytest'
     assert command in (root / "README.md").read_text() and command in (root / ".ci" / "run").read_text()
     widgets = [r for r in extras["lab"] if r.startswith("ipywidgets")]
     assert widgets and set(widgets) <= set(extras["dev"])

@@ -34,7 +34,7 @@ FLOORS = [
     set(GROUND),
     {"aggregators", "attacks", "models", "data"},  # the library
     {"config"},
-    {"training", "groups", "results"},  # runs
+    {"training", "groups", "results", "flower"},  # runs (flower: the optional Flower strategy)
     {"experiments", "report", "explorer"},  # grids and outputs
     {"reproduce", "cli"},  # entry points
 ]

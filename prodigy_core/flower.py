@@ -1,0 +1,389 @@
+"""Every rule and attack of the library inside Flower (https://flower.ai): a server strategy and, for
+experiments, a simulated federation.
+
+Needs the optional extra ``flower`` (``pip install -e ".[flower]"``, which pins flwr); nothing else in
+``prodigy_core`` imports this module or flwr.
+
+- `RobustStrategy`: a Flower strategy (message API, ``flwr.serverapp.strategy``) that aggregates the clients'
+  updates with any defense `make_aggregator` accepts and takes the server step of `prodigy_core.training`.
+- Byzantine behaviour, FOR EXPERIMENTS ONLY: the omniscient attacks (ALIE, FOE, SF) are applied by the
+  strategy to the replies of the clients chosen as Byzantine (`byzantine_ids`); label flipping happens on
+  the client (`client_app`). A deployed server must leave ``attack`` at ``"none"``.
+- `simulate`: `RunConfig` runs under Flower's own simulation engine (`flwr.simulation.run_simulation`, Ray),
+  one `FlowerRun` each, comparable with `prodigy_core.training.run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    import flwr  # noqa: F401
+except ImportError as e:
+    raise ImportError(
+        'prodigy_core.flower needs Flower: pip install -e ".[flower]" (or "prodigy-fl[flower]")'
+    ) from e
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg, Result
+from torch import Tensor
+
+from prodigy_core.aggregators import ProDiGy, make_aggregator
+from prodigy_core.attacks import make_attack
+from prodigy_core.config import RunConfig
+from prodigy_core.data import Federation
+from prodigy_core.models import make_model
+from prodigy_core.seeding import seed_everything
+from prodigy_core.training import (
+    RunResult,
+    _load_federation,
+    _local_steps_sequential,
+    diverged_accuracy,
+    eval_due,
+    evaluate,
+    local_momentum,
+    median_report,
+)
+
+# Keys of the records a client's reply holds (besides Flower's "metrics").
+UPDATE_KEY, BUFFERS_KEY = "arrays", "buffers"
+# The reply metric naming the client (the simulation's partition id); the node id where it is absent.
+CLIENT_ID = "partition-id"
+
+
+def byzantine_ids(n_clients: int, n_byzantine: int, seed: int) -> list[int]:
+    """The clients an experiment makes Byzantine: the first f of a permutation of 0..N-1 drawn from `seed`
+    (sorted). Fixed by the seed, so the strategy and the clients agree without telling each other."""
+    perm = torch.randperm(n_clients, generator=torch.Generator().manual_seed(seed))
+    return sorted(perm[:n_byzantine].tolist())
+
+
+class RobustStrategy(FedAvg):
+    """Flower's FedAvg with its averaging replaced by a robust rule, and the paper's server step.
+
+    Round t (Flower's server_round r = t + 1): every sampled client gets theta_t and, in its train config,
+    ``lr`` = gamma_t = `lr_at(t)`; it replies with its update (record ``arrays``: the trainable parameters'
+    entries, e.g. the local momentum of (theta_t - theta^(E)) / gamma_t, as `client_app` sends) and may
+    report its BatchNorm buffers (record ``buffers``). The strategy stacks the N updates in the order of
+    the clients' ids (reply metric ``partition-id``, else the node id), aggregates them with
+    ``make_aggregator(defense, n_byzantine, variant=variant, params=defense_params)`` and sets
+    theta_{t+1} = theta_t - gamma_t Agg(g^1..g^N) and each reported buffer to the clients' coordinate-wise
+    median, as `prodigy_core.training.server_round` does.
+
+    Unweighted: a robust rule sees one update per client, whatever its number of examples (Flower's FedAvg
+    weights by ``num-examples``; weighting by a self-reported count would hand a Byzantine client the vote).
+
+    Each round's metrics (Flower's history, ``Result.train_metrics_clientapp``) carry ``lr``, ``clients``
+    and, for ProDiGy, ``zeroed`` (the clients given weight 0); with an attack also ``byzantine`` (the
+    attacked ids), ``zeroed-byzantine`` (the zeroed ones among them) and ``attack-param`` (the searched
+    parameter, e.g. ALIE's z).
+
+    EXPERIMENTS ONLY: ``attack`` other than ``"none"`` makes the clients `byzantine` (default
+    `byzantine_ids(N, f, seed)`) send what `make_attack(attack, variant, attack_params)` crafts from every
+    honest reply, through the same line search against this pipeline; label flipping (``lf``) is done by
+    the clients (`client_app`), so the strategy leaves their replies as they are.
+    """
+
+    def __init__(
+        self,
+        defense: str,
+        n_byzantine: int,
+        n_clients: int,
+        lr_at: Callable[[int], float],
+        variant: str = "paper",
+        defense_params: dict[str, Any] | None = None,
+        attack: str = "none",
+        attack_params: dict[str, Any] | None = None,
+        byzantine: Sequence[int] | None = None,
+        seed: int = 0,
+        **fedavg: Any,
+    ) -> None:
+        fedavg = {"min_train_nodes": n_clients, "min_available_nodes": n_clients, **fedavg}
+        super().__init__(**fedavg)
+        self.pipeline = make_aggregator(defense, n_byzantine, n_clients, variant, defense_params)
+        self.lr_at = lr_at
+        self.attack = None
+        if attack != "none" and n_byzantine > 0:
+            self.attack = make_attack(attack, variant=variant, params=attack_params)
+            if self.attack.sent_is_momentum:
+                raise ValueError(
+                    f"attack {attack!r} under variant={variant!r} writes what it sends into the client's "
+                    "momentum, which lives on the Flower client; use variant='paper'"
+                )
+        ids = byzantine_ids(n_clients, n_byzantine, seed) if byzantine is None else sorted(byzantine)
+        if len(set(ids)) != n_byzantine or any(not 0 <= k < n_clients for k in ids):
+            raise ValueError(f"byzantine={list(ids)}: need {n_byzantine} distinct ids in 0..{n_clients - 1}")
+        self.byzantine: list[int] = ids
+        self.zeroed: list[list[int]] = []  # ProDiGy: the weight-0 clients of every round
+        self.diverged_at: int | None = None
+        self._arrays: ArrayRecord | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig, byzantine: Sequence[int] | None = None, **fedavg: Any
+    ) -> RobustStrategy:
+        """The strategy of a `RunConfig`: its defense, attack, settings, variant, N, f and lr schedule
+        (`RunConfig.lr_at`); Byzantine ids drawn from its seed unless given."""
+        c = config.resolved()
+        return cls(c.defense, c.n_byzantine, c.n_clients, c.lr_at, c.variant, c.defense_params, c.attack,
+                   c.attack_params, byzantine, c.seed, **fedavg)  # fmt: skip
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._arrays = arrays  # theta_t, for the server step
+        config["lr"] = float(self.lr_at(server_round - 1))
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
+        if not valid or self._arrays is None:
+            return None, None
+        valid.sort(key=_client_id)
+        ids = [_client_id(m) for m in valid]
+        theta = self._arrays.to_torch_state_dict()
+        names = [k for k in theta if k in valid[0].content[UPDATE_KEY]]
+        G = torch.stack([_flat(m.content[UPDATE_KEY].to_torch_state_dict(), names) for m in valid])
+        gamma = float(self.lr_at(server_round - 1))
+        metrics = MetricRecord({"lr": gamma, "clients": len(valid)})
+        honest = (
+            torch.tensor([k not in self.byzantine for k in ids])
+            if self.attack
+            else torch.ones(len(ids), dtype=torch.bool)
+        )
+        if self.diverged_at is not None or not bool(torch.isfinite(G[honest]).all()):
+            self.diverged_at = (
+                self.diverged_at or server_round
+            )  # the model stays frozen, as in `training.run`
+            return self._arrays, metrics
+        start = _flat(theta, names)
+        self.pipeline.new_round(start)  # CClip (authors) starts from theta_t, in the attack's search too
+        aggregate = self.pipeline(self.server_input(G, ids, metrics))
+        self._diagnostics(ids, metrics)
+        new = start - gamma * aggregate
+        if not bool(torch.isfinite(new).all()):
+            self.diverged_at = server_round
+            return self._arrays, metrics
+        out = dict(theta)
+        out.update(_unflat(new, {k: theta[k] for k in names}))
+        if all(BUFFERS_KEY in m.content for m in valid):
+            reports = [m.content[BUFFERS_KEY].to_torch_state_dict() for m in valid]
+            out.update({k: median_report(torch.stack([r[k] for r in reports])) for k in reports[0]})
+        return ArrayRecord(out), metrics
+
+    def server_input(self, G: Tensor, ids: list[int], metrics: MetricRecord) -> Tensor:
+        """G (N, d) with the Byzantine clients' rows replaced by what the attack crafts from the others
+        (EXPERIMENTS ONLY); G itself without an attack and under label flipping, which the clients do."""
+        if self.attack is None:
+            return G
+        bad = torch.tensor([k in self.byzantine for k in ids])
+        metrics["byzantine"] = [k for k in ids if k in self.byzantine]
+        if self.attack.flips_labels:
+            return G
+        G = G.clone()
+        G[bad] = self.attack.craft(G[~bad], G[bad], self.pipeline).to(G.dtype)
+        if self.attack.last_param is not None:
+            metrics["attack-param"] = float(self.attack.last_param)
+        return G
+
+    def _diagnostics(self, ids: list[int], metrics: MetricRecord) -> None:
+        rule = self.pipeline.rule
+        if (
+            isinstance(rule, ProDiGy)
+            and rule.last_scores is not None
+            and len(rule.last_scores.weight) == len(ids)
+        ):
+            zeroed = [ids[i] for i in torch.nonzero(rule.last_scores.weight == 0).flatten().tolist()]
+            self.zeroed.append(zeroed)
+            metrics["zeroed"] = zeroed
+            if self.attack is not None:
+                metrics["zeroed-byzantine"] = [k for k in zeroed if k in self.byzantine]
+
+
+def _client_id(message: Message) -> int:
+    metrics = message.content.metric_records.get("metrics", {})
+    return int(metrics[CLIENT_ID]) if CLIENT_ID in metrics else int(message.metadata.src_node_id)
+
+
+def _flat(state: dict[str, Tensor], names: list[str]) -> Tensor:
+    """The entries `names` of a state dict as one float32 vector, in that order."""
+    return torch.cat([state[k].reshape(-1).to(torch.float32) for k in names])
+
+
+def _unflat(vector: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A vector cut back into the shapes and dtypes of `like` (in its order)."""
+    out, start = {}, 0
+    for k, t in like.items():
+        out[k] = vector[start : start + t.numel()].reshape(t.shape).to(t.dtype)
+        start += t.numel()
+    return out
+
+
+# ------------------------------------------------------------------------------------ the simulated clients
+@functools.lru_cache(maxsize=8)
+def _client_data(config: RunConfig, k: int, flipped: bool) -> Federation:
+    """Client k's own view of the run's federation (its samples only; labels flipped for label flip)."""
+    fed = _load_federation(config, torch.device("cpu"))
+    own = dataclasses.replace(fed, client_indices=[fed.client_indices[k]], flipped_clients=[])
+    if flipped:  # the label-flip wrapper: this client trains honestly on y' = C-1-y (EXPERIMENTS ONLY)
+        own.flip_labels([0])
+    return own
+
+
+def _stream_seed(seed: int, client: int, server_round: int) -> int:
+    """A seed of its own for every client and round: the client's batches and dropout masks."""
+    return int(np.random.SeedSequence([seed % 2**63, client, server_round]).generate_state(1)[0])
+
+
+def client_app(configs: Sequence[RunConfig], byzantine: Sequence[Sequence[int]]) -> ClientApp:
+    """The Flower clients of `simulate`: the train config's ``run`` picks ``configs[run]``; client k (the
+    node's ``partition-id``) trains the run's model from theta_t for E local SGD steps at the config's
+    ``lr`` on its own samples of the run's split (`prodigy_core.training`'s local steps, batches and dropout
+    masks from a seed of the run's seed, k and the round), keeps its local momentum in the node's state and
+    replies with it (``arrays``) and its BatchNorm buffers (``buffers``). A client in ``byzantine[run]`` of
+    a label-flip run trains on flipped labels (EXPERIMENTS ONLY)."""
+    resolved = [c.resolved() for c in configs]
+    flips = [make_attack(c.attack).flips_labels and c.n_byzantine > 0 for c in resolved]
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)
+        run, lr = int(msg.content["config"]["run"]), float(msg.content["config"]["lr"])
+        server_round = int(msg.content["config"]["server-round"])
+        config, k = resolved[run], int(context.node_config[CLIENT_ID])
+        fed = _client_data(config, k, flips[run] and k in byzantine[run])
+        model = make_model(config.dataset)
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        seed = _stream_seed(config.seed, k, server_round)
+        torch.manual_seed(seed)  # dropout masks
+        grads, buffers = _local_steps_sequential(
+            model, fed, config.local_steps, lr, config, torch.Generator().manual_seed(seed)
+        )
+        key = f"momentum-{run}"  # m_{t-1}, kept by the node between rounds; m_{-1} = 0
+        before = context.state[key]["m"].numpy() if key in context.state else np.zeros(grads.shape[1], "f4")
+        m = local_momentum(torch.from_numpy(before.copy()), grads[0], config.local_momentum)
+        context.state[key] = ArrayRecord({"m": m.clone()})
+        names = [name for name, _ in model.named_parameters()]
+        update = _unflat(m, {n: p for n, p in model.named_parameters()})
+        reply = RecordDict({
+            UPDATE_KEY: ArrayRecord({n: update[n].contiguous() for n in names}),
+            BUFFERS_KEY: ArrayRecord({n: b[0].clone() for n, b in buffers.items()}),
+            "metrics": MetricRecord({CLIENT_ID: k, "num-examples": len(fed.train_labels)}),
+        })  # fmt: skip
+        return Message(reply, reply_to=msg)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------------ simulate
+@dataclass
+class FlowerRun:
+    """One `RunConfig` trained under Flower: its `RunResult` (accuracy curve, ProDiGy's zeroed clients per
+    round), the Byzantine ids and Flower's own `Result` (per-round metrics)."""
+
+    result: RunResult
+    byzantine: list[int]
+    history: Result
+
+
+def simulate(
+    configs: Sequence[RunConfig],
+    byzantine: Sequence[int] | None = None,
+    num_cpus: int | None = None,
+) -> list[FlowerRun]:
+    """Train `configs` one after the other in one Flower simulation (`flwr.simulation.run_simulation`: one
+    Ray start for all) of N = ``configs[0].n_clients`` clients (`client_app`, `RobustStrategy`); the
+    configs must share N and the data split. The server model starts as `prodigy_core.training.run`'s
+    (``seed_everything(seed)`` then the dataset's model) and is evaluated as there (`evaluate` every
+    ``eval_every`` rounds and after the last, on the whole test set). ``byzantine``: the attacked ids
+    (default `byzantine_ids(N, f, seed)` per config). ``num_cpus``: Ray's CPUs, one client at a time per
+    CPU (default: all of them)."""
+    from flwr.simulation import run_simulation
+
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    resolved = [c.resolved() for c in configs]
+    n = resolved[0].n_clients
+    if any(
+        (c.n_clients, c.dataset, c.data_seed) != (n, resolved[0].dataset, resolved[0].data_seed)
+        for c in resolved
+    ):
+        raise ValueError("simulate: every config must have the same n_clients, dataset and data split")
+    strategies = [RobustStrategy.from_config(c, byzantine, fraction_evaluate=0.0) for c in resolved]
+    runs: list[FlowerRun] = []
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        for i, (config, strategy) in enumerate(zip(configs, strategies, strict=True)):
+            runs.append(_serve(grid, i, config, strategy))
+
+    apps = client_app(resolved, [s.byzantine for s in strategies])
+    _start_ray(num_cpus or os.cpu_count() or 1)  # Flower's backend uses a Ray already started (and stops it)
+    backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
+    run_simulation(server, apps, num_supernodes=n, backend_config=backend)
+    if len(runs) != len(configs):
+        raise RuntimeError(
+            f"the Flower simulation stopped after {len(runs)} of {len(configs)} runs (see its log)"
+        )
+    return runs
+
+
+def _start_ray(num_cpus: int, attempts: int = 3) -> None:
+    """Start a local Ray for the simulation, retried: Ray gives its raylet a fixed 30 s to register, which a
+    loaded machine can exceed ("The current node timed out during startup")."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for attempt in range(attempts):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as e:  # Ray raises a bare Exception on a startup timeout
+            ray.shutdown()
+            if attempt == attempts - 1:
+                raise RuntimeError(
+                    f"Flower's simulation needs a local Ray, which did not start in {attempts} tries (Ray: "
+                    f"{e}); on a loaded machine retry when it is quieter"
+                ) from e
+
+
+def _serve(grid: Grid, run: int, config: RunConfig, strategy: RobustStrategy) -> FlowerRun:
+    """One config's rounds on the simulation's grid, recorded as `prodigy_core.training.run` records them."""
+    resolved = config.resolved()
+    seed_everything(resolved.seed)
+    model = make_model(resolved.dataset).train()
+    fed = _load_federation(resolved, torch.device("cpu"))
+    result = RunResult(config=config.replace(data_source=fed.source).to_dict(), final_accuracy=float("nan"),
+                       final_loss=None, environment={"engine": "flower"})  # fmt: skip
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0 or not eval_due(resolved, server_round) or strategy.diverged_at is not None:
+            return None
+        model.load_state_dict(arrays.to_torch_state_dict())
+        accuracy, loss = evaluate(model, fed)
+        result.final_accuracy, result.final_loss = accuracy, loss
+        result.accuracy_curve.append([server_round, accuracy])
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    history = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=resolved.rounds,
+                             train_config=ConfigRecord({"run": run}), evaluate_fn=evaluate_fn)  # fmt: skip
+    result.rounds_completed, result.zeroed_clients = resolved.rounds, strategy.zeroed
+    if strategy.diverged_at is not None:
+        result.diverged, result.diverged_at = True, strategy.diverged_at
+        result.final_accuracy, result.final_loss = diverged_accuracy(fed, resolved.variant), None
+    return FlowerRun(result, strategy.byzantine, history)
+
+
+__all__ = ["RobustStrategy", "byzantine_ids", "client_app", "simulate", "FlowerRun"]
