@@ -22,12 +22,12 @@ from tqdm.auto import tqdm
 
 from prodigy_core import training
 from prodigy_core.config import RunConfig
-from prodigy_core.seeding import resolve_device
+from prodigy_core.seeding import precision_mode, resolve_device
 
 # Fields that must be equal for runs to share one stacked local step.
 GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
                 "femnist_min_writer_samples", "data_dir", "data_source", "local_steps", "batch_size",
-                "weight_decay", "device")  # fmt: skip
+                "weight_decay", "device", "precision")  # fmt: skip
 CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
@@ -205,11 +205,12 @@ def iter_group(
             for step in range(1, steps + 1):
                 tic = time.perf_counter()
                 lrs = [m.st.resolved.lr_at(m.r - 1) for m in active]
-                outs = training.local_steps_stacked(
-                    [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
-                    [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
-                    streams=[m.st.stream for m in active],
-                )  # fmt: skip
+                with precision_mode(first.precision, device):
+                    outs = training.local_steps_stacked(
+                        [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs,
+                        first, [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
+                        streams=[m.st.stream for m in active],
+                    )  # fmt: skip
                 shared = _elapsed(tic, device) / len(active)
                 served, still = [], []
                 for m, gamma, (pseudo_grads, buffers) in zip(active, lrs, outs, strict=True):
@@ -258,7 +259,8 @@ def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[i
         part = [m for m in due if m.st.resolved.variant == variant]
         train_mode, batch_size = training.eval_settings(part[0].st.resolved)
         models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
-        found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
+        with precision_mode(part[0].st.resolved.precision, part[0].st.momentum.device):
+            found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
         scores.update({m.index: score for m, score in zip(part, found, strict=True)})
     return scores
 

@@ -40,7 +40,7 @@ from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
 from prodigy_core.registry import label, plugin_hash
 from prodigy_core.safe_io import atomic_write, quarantine
-from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
+from prodigy_core.seeding import precision_flags, precision_mode, resolve_device, seed_everything
 
 # engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
 # benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
@@ -175,9 +175,10 @@ def run(
         for r in range(st.start + 1, resolved.rounds + 1):
             tic = time.perf_counter()
             gamma = resolved.lr_at(r - 1)
-            pseudo_grads, client_buffers = local_steps(
-                st.model, st.fed, resolved.local_steps, gamma, resolved, st.data_gen, stream=st.stream
-            )
+            with precision_mode(resolved.precision, device):
+                pseudo_grads, client_buffers = local_steps(
+                    st.model, st.fed, resolved.local_steps, gamma, resolved, st.data_gen, stream=st.stream
+                )
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
             if device.type == "cuda":
@@ -252,7 +253,7 @@ def start_run(
     # the record names the data source used (resolved: same key as `config`)
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
-    result.environment = _environment(device, engine)
+    result.environment = _environment(device, engine, resolved.precision)  # tf32 on a CPU: refused here
     result.plugins = plugin_hashes(resolved)
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
     st = RunState(
@@ -333,7 +334,8 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     if eval_due(resolved, r):
         if scores is None:
             train_mode, batch_size = eval_settings(resolved)
-            scores = evaluate(st.model, st.fed, batch_size, train_mode)
+            with precision_mode(resolved.precision, st.momentum.device):
+                scores = evaluate(st.model, st.fed, batch_size, train_mode)
         result.final_accuracy, result.final_loss = scores
         result.accuracy_curve.append([r, result.final_accuracy])
         # The authors' code stops at a NaN test loss and repeats that evaluation's accuracy (what argmax gave
@@ -859,13 +861,16 @@ def plugin_hashes(config: RunConfig) -> dict[str, str]:
     return {spec: plugin_hash(spec, name) for name, spec in config.plugin_specs().items()}
 
 
-def _environment(device: torch.device, engine: str) -> dict[str, Any]:
+def _environment(device: torch.device, engine: str, precision: str = "fp32") -> dict[str, Any]:
+    """The record's `environment`: machine, versions, and the precision with the flags its local steps and
+    evaluations run under (`seeding.precision_mode`, which refuses tf32 on a CPU)."""
     env = {"device": str(device), "engine": engine, "torch": str(torch.__version__),
            "prodigy_fl": prodigy_core.__version__, "python": platform.python_version(),
-           "threads": torch.get_num_threads()}  # fmt: skip
+           "threads": torch.get_num_threads(), "precision": precision}  # fmt: skip
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-        env.update(precision_flags())
+    with precision_mode(precision, device):
+        env.update(precision_flags(device))
     return env
 
 
