@@ -847,8 +847,37 @@ def diverged_accuracy(fed: Federation, variant: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+# `shared_federations`: the federations loaded so far in this process, by their split's fields (None: off)
+_SHARED: dict[tuple, Federation] | None = None
+
+
+@contextlib.contextmanager
+def shared_federations() -> Iterator[None]:
+    """Inside the block, every run and group of this process that needs a federation already loaded gets
+    that one (a run never modifies it: label flipping works on a copy), so a GPU window loads each data set
+    once (`benchmarks/gpu_run.py`); the loaded ones are dropped after it."""
+    global _SHARED
+    before, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = before
+
+
 def _load_federation(resolved: RunConfig, device: torch.device) -> Federation:
-    """The run's federation from `config.resolved()`: the data source its key was computed with."""
+    """The run's federation from `config.resolved()`: the data source its key was computed with (the one
+    already loaded inside `shared_federations`)."""
+    if _SHARED is None:
+        return _read_federation(resolved, device)
+    fields = ("dataset", "n_clients", "distribution", "dirichlet_alpha", "data_seed", "data_dir",
+              "femnist_min_writer_samples", "data_source", "variant")  # fmt: skip
+    key = (*(getattr(resolved, name) for name in fields), str(device))
+    if key not in _SHARED:
+        _SHARED[key] = _read_federation(resolved, device)
+    return _SHARED[key]
+
+
+def _read_federation(resolved: RunConfig, device: torch.device) -> Federation:
     return load_federation(resolved.dataset, resolved.n_clients, distribution=resolved.distribution,
                            dirichlet_alpha=resolved.dirichlet_alpha, seed=resolved.data_seed, device=device,
                            data_dir=resolved.data_dir, download=resolved.download,
