@@ -71,6 +71,22 @@ def test_gate_measures_are_zero_for_the_reference_against_itself(digits):
     assert first["zeroed"] and len(first["attack_params"]) == 2
 
 
+def test_shared_federations_loads_each_split_once(monkeypatch):
+    """Inside `training.shared_federations` (the GPU driver's whole window) runs of one split share one loaded
+    federation; outside it every run loads its own, as before."""
+    loads = []
+    read = training._read_federation
+    monkeypatch.setattr(training, "_read_federation", lambda *a: loads.append(a[0].dataset) or read(*a))
+    config = load_experiment("quickstart_digits", scale="smoke").configs[0].replace(rounds=1, device="cpu")
+    with training.shared_federations():
+        training.run(config, progress=False)
+        training.run(config.replace(defense="none"), progress=False)  # same split: no second load
+        training.run(config.replace(seed=1), progress=False)  # its own split (data_seed = seed)
+    assert loads == ["digits", "digits"]
+    training.run(config, progress=False)
+    assert len(loads) == 3
+
+
 def test_paper_profile_plan(gpu_run, tmp_path):
     """Issue 33's order: Table II beta 0.9 `paper` T=800 seed 0 (3 rows x 6 attacks, then the other 4
     defenses), Table I's central pair T=1000, Table II beta 0.9 `authors`, the rest of Table I's non-IID
