@@ -2,7 +2,6 @@
 (benchmarks/gpu_run.py), on the CPU."""
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -16,15 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import autotune  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def gpu_run():
-    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu_run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_run"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

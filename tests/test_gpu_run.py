@@ -1,10 +1,8 @@
 """benchmarks/gpu_run.py rehearsed on the CPU (--simulate): what comes home fits the device tool's limits and
 holds exactly the finished runs; the deadline, missing data and a failing step behave as the issue asks."""
 
-import importlib.util
 import json
 import os
-import sys
 import tarfile
 from pathlib import Path
 
@@ -12,15 +10,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2**20  # the device tool's limits on $OUT
-
-
-@pytest.fixture(scope="module")
-def gpu_run():
-    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu_run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_run"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True)
