@@ -574,8 +574,8 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
         rows.append(
             f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
             f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
-            f"| {e['torch']} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
-            f"| {'yes' if current else 'no'} |"
+            f"| {e['torch']} | {e.get('precision', 'fp32')} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} "
+            f"| {e.get('deterministic')} | {'yes' if current else 'no'} |"
         )
     path = figures_dir / "PROVENANCE.md"
     path.write_text(
@@ -587,7 +587,11 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
         "\n\n```\n" + summary + "```\n\n"
         "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded).\n\n"
         "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | GPU | torch | "
-        "TF32 matmul/cudnn | deterministic | current |\n" + "|---" * 13 + "|\n" + "\n".join(rows) + "\n",
+        "precision | TF32 matmul/cudnn | deterministic | current |\n"
+        + "|---" * 14
+        + "|\n"
+        + "\n".join(rows)
+        + "\n",
         encoding="utf-8",
     )
     return path
