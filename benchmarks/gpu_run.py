@@ -1,15 +1,18 @@
 """One GPU session's work as one command whose results come home, then their import here (issue 24).
 
-    python benchmarks/gpu_run.py [--data DIR] [--out DIR] [--deadline S] [--profile mini|paper] [--simulate]
+    python benchmarks/gpu_run.py [--data DIR] [--out DIR] [--deadline S] [--profile paper|mini] [--simulate]
     python benchmarks/gpu_run.py import TARBALL [--env ENV_TXT] [--summary SUMMARY_TXT]
 
 The run: preflight (CUDA, both data sets, $OUT writable; else exit 2 with one line), env.txt, a CUDA probe
-(a 2-member group x 2 rounds of each dataset; if it fails, one run at a time), then the profile's steps in
-priority order as groups of at most --group-size runs, each group started only while its estimated time fits
-the --deadline. After every group $OUT holds at most 3 files: results.tar.gz (records, failures, the log; no
-checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status; what never
-started) and env.txt. Exit 0 when every started step finished without a failed run, 1 otherwise, 2 for a
-failed preflight. --simulate runs the same driver on the CPU over a tiny digits grid (the CI test).
+(a 2-member group x 2 rounds of each dataset; if it fails, one run at a time), the autotune and its gate
+(`benchmarks/autotune.py`: the precision and engine every later run uses, `autotune.json`), then the
+profile's steps in priority order as groups sized from the autotune's measured rates (at most --group-size
+runs), each group started only while its estimated time fits the --deadline. Each data set is loaded once
+(`training.shared_federations`); runs write no checkpoints (none could come home). After every group $OUT
+holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json; no checkpoints, no locks),
+summary.txt (per step: runs planned/done/failed, seconds, status; what never started) and env.txt. Exit 0
+when every started step finished without a failed run, 1 otherwise, 2 for a failed preflight. --simulate
+runs the same driver on the CPU over a tiny digits grid, either profile's shape (the CI test).
 
 The import unpacks the records into results/gpu/ (apart from the CPU's results/), writes the reports of both
 variants beside the paper into figures/gpu/ and figures/gpu/PROVENANCE.md (GPU, precision, date). Steps and
@@ -38,6 +41,10 @@ sys.path.insert(0, str(ROOT))  # runs from a source tree, no install needed
 
 EXIT_FAILED, EXIT_PREFLIGHT = 1, 2
 PROBE_MARGIN = 2.0  # a group's estimate: the probe's warm round time x this, until a group of the kind ran
+# A group's estimate from the autotune's rates x this, until a group of the dataset ran (then x what the last
+# one measured against its estimate, at least GROUP_MARGIN_MIN): evaluations and Python overhead are not in
+# the rates.
+GROUP_MARGIN, GROUP_MARGIN_MIN = 1.5, 1.1
 CIFAR10_ARCHIVE = Path("cifar10-jpeg") / "cifar10-jpeg.tar.gz"  # under --data
 FEMNIST_FOLDER = Path("femnist-leaf-24")
 TABLE1_ROWS = ["prodigy", "nnm+trimmed_mean"]
@@ -45,6 +52,9 @@ TABLE1_REST = ["none", "nnm+median", "nnm+geomed", "nnm+krum", "nnm+cclip"]
 TABLE1_BLOCK = {"distribution": ["dirichlet"], "local_momentum": [0.9], "local_steps": [10]}
 TABLE2_CELLS = {"defense": ["prodigy", "nnm+trimmed_mean", "none"], "attack": ["none", "alie", "sf"],
                 "local_momentum": [0.9]}  # fmt: skip
+TABLE2_ROWS = ["prodigy", "nnm+trimmed_mean", "none"]
+TABLE2_REST = ["nnm+median", "nnm+geomed", "nnm+krum", "nnm+cclip"]
+TABLE2_BLOCK = {"local_momentum": [0.9], "seed": [0]}  # beta 0.9, seed 0: the paper's cells, one seed
 
 
 @dataclasses.dataclass
@@ -59,17 +69,32 @@ class Step:
 
 
 def plan(profile: str, simulate: bool) -> list[Step]:
-    """The steps of a profile, most wanted first (issue 24's priorities)."""
+    """The steps of a profile, most wanted first (issues 24 and 33's priorities).
+
+    ``paper``: (1) Table II (FEMNIST N=20), beta 0.9, seed 0, `paper` variant, T=800: the ProDiGy, NNM+Trimmed
+    mean and no-defense rows x 6 attacks, then the other 4 defenses; (2) Table I's central pair (ProDiGy and
+    NNM+Trimmed mean under ALIE, non-IID FedAVG beta 0.9) at T=1000; (3) Table II beta 0.9 `authors`; (4) the
+    rest of that Table I block at T=1000 (its step lists the whole block: the pair is done by then).
+    ``mini``: issue 24's mini-scale comparisons. --simulate: each profile's shape on the embedded digits."""
+    quick = "quickstart_digits"
+    if simulate and profile == "paper":  # the smoke grid's defenses: prodigy, nnm+trimmed_mean, none
+        return [Step("rows-paper", quick, "smoke", {"defense": TABLE1_ROWS}),
+                Step("rest-paper", quick, "smoke", {"defense": ["none"]}),
+                Step("rows-authors", quick, "smoke", {"defense": ["prodigy"]}, "authors")]  # fmt: skip
     if simulate:  # the same shape on the embedded digits: two variants, a second table, the rest of a block
-        quick = "quickstart_digits"
         return [
             Step(f"rows-{v}", quick, "smoke", {"defense": ["prodigy"]}, v) for v in ("paper", "authors")
         ] + [
             Step("rest-paper", quick, "smoke", {"defense": ["none", "nnm+trimmed_mean"]}),
         ]
-    if profile == "paper":  # Table I's central pair at T=1000, when the mini profile showed it fits
+    if profile == "paper":
+        femnist = "table2_femnist_n20"
         pair = {**TABLE1_BLOCK, "defense": TABLE1_ROWS, "attack": ["alie"]}
-        return [Step("table1-paper-pair", "table1_cifar10", "paper", pair)]
+        return [Step("table2-paper-rows", femnist, "paper", {**TABLE2_BLOCK, "defense": TABLE2_ROWS}),
+                Step("table2-paper-rest", femnist, "paper", {**TABLE2_BLOCK, "defense": TABLE2_REST}),
+                Step("table1-paper-pair", "table1_cifar10", "paper", pair),
+                Step("table2-authors", femnist, "paper", TABLE2_BLOCK, "authors"),
+                Step("table1-paper-block", "table1_cifar10", "paper", TABLE1_BLOCK)]  # fmt: skip
     steps = [Step(f"table1-rows-{v}", "table1_cifar10", "mini", {**TABLE1_BLOCK, "defense": TABLE1_ROWS}, v)
              for v in ("paper", "authors")]  # fmt: skip
     steps.append(Step("table2-authors", "table2_femnist_n20", "mini", TABLE2_CELLS, "authors"))
@@ -124,6 +149,8 @@ class Driver:
         self.start = time.monotonic()
         self.group_size = args.group_size
         self.rates: dict[str, float] = {}  # dataset -> seconds per run-round, from the last group
+        self.tune: dict[str, Any] = {}  # dataset -> the autotune's choice and rates (`autotune.autotune`)
+        self.margin: dict[str, float] = {}  # dataset -> a group's seconds / its estimate from the rates
         self.rows: list[dict[str, Any]] = []  # summary rows
         self.notes: list[str] = []
 
@@ -148,7 +175,49 @@ class Driver:
                 c.replace(rounds=4, eval_every=2, device="cpu", distribution="iid") for c in exp.configs
             ]
             exp = dataclasses.replace(exp, configs=configs, stand_ins={})
-        return exp
+        tuned = []
+        for c in exp.configs:  # the autotune's choice; no checkpoints (none could come home)
+            choice = self.tune.get(c.dataset, {}).get("chosen", {})
+            tuned.append(c.replace(**choice, checkpoint_every=c.rounds))
+        return dataclasses.replace(exp, configs=tuned)
+
+    def autotune(self) -> None:
+        """Time, gate and choose the precision and engine of each dataset the plan uses
+        (`autotune.autotune`, at most `autotune.BUDGET_S`); `autotune.json` goes into the tarball."""
+        from benchmarks import autotune
+        from prodigy_core import training
+        from prodigy_core.seeding import resolve_device
+
+        configs = {}
+        for step in plan(self.args.profile, self.args.simulate):
+            c = self.experiment(step).configs[0]
+            configs.setdefault(c.dataset, c.replace(engine="batched"))
+        try:
+            feds = {d: training._load_federation(c.resolved(), resolve_device(c.resolved().device))
+                    for d, c in configs.items()}  # fmt: skip
+            report = autotune.autotune(configs, feds, tolerances=self.args.tolerances, log=self.log)
+        except Exception as e:  # noqa: BLE001 - without it the runs go on at fp32, one group size
+            note = f"autotune failed ({type(e).__name__}: {e}); fp32, batched, the probe's rates"
+            self.notes.append(note)
+            self.log(note)
+            return
+        self.tune = report["datasets"]
+        (self.work / "autotune.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+
+    def next_group(self, todo: list[Any]) -> tuple[int, float]:
+        """(size, estimated seconds) of the next group of `todo` (runs of one dataset): `size_group` over
+        the autotune's rates, or the probe's rate and --group-size without them; size 0 when not even one
+        run fits the time left."""
+        first = todo[0]
+        left, cap = self.args.deadline - self.elapsed(), self.group_size
+        tune = self.tune.get(first.dataset)
+        if not tune or not tune["step_s"]:
+            size = min(cap, len(todo))
+            return size, self.rates.get(first.dataset, 0.0) * first.rounds * size
+        margin = self.margin.get(first.dataset, GROUP_MARGIN)
+        step_s = {int(k): v for k, v in tune["step_s"].items()}
+        return size_group(step_s, tune["server_s"], first.local_steps, first.rounds, len(todo), left,
+                          cap, margin)  # fmt: skip
 
     def probe(self) -> None:
         """A 2-member group x 2 rounds of each dataset the plan uses, in a scratch results folder."""
@@ -160,11 +229,12 @@ class Driver:
             datasets.setdefault(c.dataset, c)
         for dataset, c in datasets.items():
             pair = [
-                c.replace(rounds=2, eval_every=1, attack="none", defense=d) for d in ("average", "prodigy")
+                c.replace(rounds=2, eval_every=1, attack="none", defense=d, engine="batched")
+                for d in ("average", "prodigy")
             ]
             tic = time.monotonic()
             try:
-                outcomes = groups.run_group(pair)
+                outcomes = groups.run_group(pair, sync_timing=True)  # round times are read below
                 bad = [o for o in outcomes if isinstance(o, BaseException)]
                 if bad:
                     raise bad[0]
@@ -207,23 +277,34 @@ class Driver:
         todo = [c for c in exp.configs if store.stored_record(folder, c.key()) is None]
         row["planned"] = len(exp.configs)
         row["done"] = len(exp.configs) - len(todo)
-        batches = groups.make_groups(todo, self.group_size) if todo else []
-        self.log(f"== {step.name}: {len(todo)} runs in {len(batches)} groups (t = {self.elapsed():.0f} s)")
-        for batch in batches:
-            rounds = sum(c.rounds for c in batch)
-            rate = self.rates.get(batch[0].dataset)
-            estimate = rate * rounds if rate is not None else 0.0
-            if self.elapsed() + estimate > self.args.deadline:
-                row["status"] = f"stopped by the deadline ({self.args.deadline:.0f} s)"
-                self.log(f"   deadline: the next group needs ~{estimate:.0f} s, {self.elapsed():.0f} s used")
+        self.log(f"== {step.name}: {len(todo)} runs (t = {self.elapsed():.0f} s)")
+        while todo:
+            size, estimate = self.next_group(todo)
+            if size == 0 or self.elapsed() + estimate > self.args.deadline:
+                if estimate > self.args.deadline:  # not even a fresh command could finish one run
+                    row["status"] = "too slow"
+                    self.log(f"   too slow: one run of {step.name} needs ~{estimate:.0f} s at the measured "
+                             f"rate, more than the whole --deadline {self.args.deadline:.0f} s: not started "
+                             "(fewer rounds, a faster precision, or checkpoints across commands)"
+                             )  # fmt: skip
+                else:
+                    row["status"] = f"stopped by the deadline ({self.args.deadline:.0f} s)"
+                    self.log(f"   deadline: the next group needs ~{estimate:.0f} s, "
+                             f"{self.elapsed():.0f} s used")  # fmt: skip
                 break
+            batch = groups.make_groups(todo, size)[0]
+            todo = [c for c in todo if c not in batch]
             row["status"] = "running"
             tic = time.monotonic()
             sub = dataclasses.replace(exp, configs=batch)
             experiments.run_grid(sub, results_dir=self.results, batch_runs=len(batch), progress=False)
             seconds = time.monotonic() - tic
             row["seconds"] += seconds
+            rounds = sum(c.rounds for c in batch)
             self.rates[batch[0].dataset] = seconds / rounds
+            if estimate > 0:  # how far the last estimate was off, for the next group of this dataset
+                raw = estimate / self.margin.get(batch[0].dataset, GROUP_MARGIN)
+                self.margin[batch[0].dataset] = max(GROUP_MARGIN_MIN, seconds / raw)
             for c in batch:
                 what = f"{c.variant} {c.defense} / {c.attack} beta={c.local_momentum} T={c.rounds}"
                 record = store.stored_record(folder, c.key())
@@ -254,7 +335,7 @@ class Driver:
                 tar.add(path, arcname=f"results/{path.relative_to(self.results)}")
             if self.log_path.exists():
                 tar.add(self.log_path, arcname="log.txt")
-            for name in ("env.txt", "summary.txt", "throughput.json"):
+            for name in ("env.txt", "summary.txt", "throughput.json", "autotune.json"):
                 if (self.work / name).exists():
                     tar.add(self.work / name, arcname=name)
         tmp.replace(self.out / "results.tar.gz")
@@ -314,6 +395,34 @@ def throughput(driver: Driver, rounds: int = 5) -> None:
     driver.log(f"throughput (images/s): {found}")
 
 
+def size_group(
+    step_s: dict[int, float],
+    server_s: float,
+    local_steps: int,
+    rounds: int,
+    runs: int,
+    seconds_left: float,
+    cap: int,
+    margin: float = GROUP_MARGIN,
+) -> tuple[int, float]:
+    """(size, estimated seconds) of the next group of `runs` runs of `rounds` rounds of E = `local_steps`:
+    the size R <= min(runs, cap, largest measured) with the most run-rounds per second whose estimate fits
+    `seconds_left`. Estimate: margin x rounds x (E x step_s[R'] + R x server_s), where step_s[R'] is the
+    measured local step of the smallest measured group R' >= R (one step of R' stacked runs bounds one of
+    R) and server_s one run's server side per round. (0, the estimate of one run) when not even one fits."""
+    sizes = sorted(step_s)
+
+    def estimate(r: int) -> float:
+        upper = next(s for s in sizes if s >= r)
+        return margin * rounds * (local_steps * step_s[upper] + r * server_s)
+
+    fits = [r for r in range(1, min(runs, cap, sizes[-1]) + 1) if estimate(r) <= seconds_left]
+    if not fits:
+        return 0, estimate(1)
+    best = max(fits, key=lambda r: r / estimate(r))
+    return best, estimate(best)
+
+
 def preflight(args: argparse.Namespace) -> str | None:
     """The one-line reason the run cannot start, or None."""
     import torch
@@ -366,7 +475,17 @@ def run(args: argparse.Namespace) -> int:
         tic = time.monotonic()
         decode_cifar10_jpeg(args.data / CIFAR10_ARCHIVE, work / "data", progress=False)
         driver.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s")
+    from prodigy_core.training import shared_federations
+
+    with shared_federations():  # every data set loaded once in this process
+        return drive(driver, args, work)
+
+
+def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
+    """The probe, the autotune and the plan's steps (`run` after the preflight and the setup)."""
     driver.probe()
+    driver.autotune()
+    driver.refresh_out()
     for step in plan(args.profile, args.simulate):
         if args.fail_step == step.name:  # the CI test's failing step
             step = dataclasses.replace(step, only={"defense": ["no-such-rule"]})
@@ -423,9 +542,12 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     for folder in sorted({f for f, _, current in records if current}):
         name, _, scale = folder.partition("-")
         # the records' data source, not this machine's (which may have no CIFAR-10): their keys' source
-        sources = sorted({r["config"]["data_source"] for f, r, current in records if f == folder and current})
-        fields = {"data_source": sources[0]} if len(sources) == 1 else None
-        exp = load_experiment(name, scale=scale or "paper", fields=fields)
+        fields = {}
+        for field in ("data_source", "precision"):  # the records' own, when one for the folder
+            found = {r["config"].get(field, "fp32") for f, r, current in records if f == folder and current}
+            if len(found) == 1:
+                fields[field] = found.pop()
+        exp = load_experiment(name, scale=scale or "paper", fields=fields or None)
         for variant in ("paper", "authors"):
             v = exp.with_variant(variant)
             df = store.load(v, results_dir)
@@ -452,8 +574,8 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
         rows.append(
             f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
             f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
-            f"| {e['torch']} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
-            f"| {'yes' if current else 'no'} |"
+            f"| {e['torch']} | {e.get('precision', 'fp32')} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} "
+            f"| {e.get('deterministic')} | {'yes' if current else 'no'} |"
         )
     path = figures_dir / "PROVENANCE.md"
     path.write_text(
@@ -465,7 +587,11 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
         "\n\n```\n" + summary + "```\n\n"
         "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded).\n\n"
         "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | GPU | torch | "
-        "TF32 matmul/cudnn | deterministic | current |\n" + "|---" * 13 + "|\n" + "\n".join(rows) + "\n",
+        "precision | TF32 matmul/cudnn | deterministic | current |\n"
+        + "|---" * 14
+        + "|\n"
+        + "\n".join(rows)
+        + "\n",
         encoding="utf-8",
     )
     return path
@@ -489,13 +615,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")), help="default: $OUT")
     p.add_argument("--work", type=Path, help="records, decoded data, log (default: a temporary folder)")
     p.add_argument("--deadline", type=float, default=500.0, help="seconds of work before no group starts")
-    p.add_argument("--profile", choices=("mini", "paper"), default="mini")
-    p.add_argument(
-        "--group-size", type=int, default=4, help="runs per batched group (the deadline loses at most one)"
-    )
+    p.add_argument("--profile", choices=("paper", "mini"), default="paper")
+    sizing = "at most this many runs per group (sized from the autotune's rates to fit the deadline)"
+    p.add_argument("--group-size", type=int, default=16, help=sizing)
     p.add_argument("--simulate", action="store_true", help="the CPU rehearsal over a tiny digits grid")
     p.add_argument("--resume", type=Path, help="an earlier command's results.tar.gz: skip its finished runs")
     p.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
+    p.set_defaults(tolerances=None)  # tests: the gate's tolerances (None: autotune.TOLERANCES)
     return run(p.parse_args(argv))
 
 

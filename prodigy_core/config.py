@@ -21,6 +21,9 @@ from typing import Any
 from prodigy_core.names import DATASETS, DISTRIBUTIONS, VARIANTS, did_you_mean
 
 ENGINES = ("auto", "batched", "sequential", "compiled")  # compiled: batched under torch.compile
+# fp32: full float32 (on CUDA TF32 off, deterministic kernels); tf32: TF32 convolutions and matmuls (CUDA
+# only); bf16: bfloat16 autocast of the model's forward and backward (`seeding.precision_mode`).
+PRECISIONS = ("fp32", "tf32", "bf16")
 # RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.
 DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jpeg"),
                 "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
@@ -75,6 +78,7 @@ class RunConfig:
     checkpoint_every: int = 50
     device: str = "auto"
     engine: str = "auto"
+    precision: str = "fp32"  # one of PRECISIONS; in the key only when not fp32
     data_dir: str | None = None
     download: bool = False
 
@@ -185,6 +189,8 @@ class RunConfig:
             d.pop("femnist_min_writer_samples")
         if d["variant"] == "authors":
             d["authors_revision"] = AUTHORS_REVISION
+        if d["precision"] == "fp32":  # the keys made before precision existed are fp32 runs'
+            d.pop("precision")
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -225,6 +231,8 @@ class RunConfig:
             )
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown; valid: {', '.join(ENGINES)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}")
         positive = {"n_clients": self.n_clients, "rounds": self.rounds, "local_steps": self.local_steps,
                     "batch_size": self.batch_size, "eval_every": self.eval_every,
                     "checkpoint_every": self.checkpoint_every, "lr": self.lr}  # fmt: skip
@@ -418,6 +426,7 @@ __all__ = [
     "as_row",
     "ConfigError",
     "DATA_SOURCES",
+    "PRECISIONS",
     "decay_round",
     "field_names",
     "parse_settings",

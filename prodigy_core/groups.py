@@ -22,21 +22,22 @@ from tqdm.auto import tqdm
 
 from prodigy_core import training
 from prodigy_core.config import RunConfig
-from prodigy_core.seeding import resolve_device
+from prodigy_core.seeding import precision_mode, resolve_device
 
 # Fields that must be equal for runs to share one stacked local step.
 GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
                 "femnist_min_writer_samples", "data_dir", "data_source", "local_steps", "batch_size",
-                "weight_decay", "device")  # fmt: skip
+                "weight_decay", "device", "precision")  # fmt: skip
 CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
 def group_key(config: RunConfig) -> tuple | None:
-    """Runs with equal keys can share a group; None: the run trains alone (its engine is not `batched`).
+    """Runs with equal keys can share a group; None: the run trains alone (its engine is `sequential`).
 
     Compatible: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
-    data_seed is None, data_dir), E, batch size, weight decay and device, and a run that would use the
-    batched engine alone (`training.pick_engine`). `variant` is part of the key only where it changes the
+    data_seed is None, data_dir), E, batch size, weight decay, device and precision, and runs that would use
+    the same engine alone, `batched` or `compiled` (`training.pick_engine`; a compiled group's step is under
+    torch.compile). `variant` is part of the key only where it changes the
     split (iid and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`);
     otherwise it changes the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`),
     the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode)
@@ -47,11 +48,12 @@ def group_key(config: RunConfig) -> tuple | None:
         device = resolve_device(resolved.device)
     except ValueError:  # the run alone reports it
         return None
-    if training.pick_engine(resolved.engine, device, resolved.dataset) != "batched":
+    engine = training.pick_engine(resolved.engine, device, resolved.dataset)
+    if engine not in ("batched", "compiled"):
         return None
     # which RNG draws the split (`data.load_federation`): numpy's under ``authors``, except FEMNIST's writers
     split_rng = "numpy" if resolved.variant == "authors" and resolved.distribution != "natural" else "torch"
-    return (*(getattr(resolved, name) for name in GROUP_FIELDS), split_rng)
+    return (*(getattr(resolved, name) for name in GROUP_FIELDS), split_rng, engine)
 
 
 def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[list[RunConfig]]:
@@ -198,7 +200,8 @@ def iter_group(
             members.append(_Member(i, st, training._get_rng_states(st.data_gen), st.start + 1))
         if not members:
             return
-        grad_fn = training.per_client_grad(members[0].st.model)
+        compiled = training.pick_engine(first.engine, device, first.dataset) == "compiled"  # one per group
+        grad_fn = training.per_client_grad(members[0].st.model, compiled=compiled)
         eval_net = training.FunctionalNet(members[0].st.model)
         steps = max(m.st.resolved.rounds - m.st.start for m in members)
         bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"group of {len(configs)}")
@@ -207,11 +210,12 @@ def iter_group(
             for step in range(1, steps + 1):
                 tic = time.perf_counter()
                 lrs = [m.st.resolved.lr_at(m.r - 1) for m in active]
-                outs = training.local_steps_stacked(
-                    [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs, first,
-                    [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
-                    streams=[m.st.stream for m in active],
-                )  # fmt: skip
+                with precision_mode(first.precision, device):
+                    outs = training.local_steps_stacked(
+                        [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs,
+                        first, [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
+                        streams=[m.st.stream for m in active],
+                    )  # fmt: skip
                 shared = _elapsed(tic, device, sync_timing) / len(active)
                 served, still = [], []
                 for m, gamma, (pseudo_grads, buffers) in zip(active, lrs, outs, strict=True):
@@ -260,7 +264,8 @@ def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[i
         part = [m for m in due if m.st.resolved.variant == variant]
         train_mode, batch_size = training.eval_settings(part[0].st.resolved)
         models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
-        found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
+        with precision_mode(part[0].st.resolved.precision, part[0].st.momentum.device):
+            found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
         scores.update({m.index: score for m, score in zip(part, found, strict=True)})
     return scores
 

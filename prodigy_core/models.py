@@ -14,12 +14,21 @@ from torch import nn
 from prodigy_core.names import DATASETS
 
 
+class BatchNorm2d(nn.BatchNorm2d):
+    """nn.BatchNorm2d on a float32 copy of its input: under bfloat16 autocast (`precision: bf16`) the batch
+    statistics, the running buffers and the output stay float32 (and CPU autocast under vmap, which fails on
+    a bfloat16 input with float32 weights, works); a float32 or float64 input is used as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
+
+
 def _conv_bn_relu(c_in: int, c_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), BatchNorm2d(c_out), nn.ReLU())
 
 
 def _conv_relu_bn(c_in: int, c_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(c_out))
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), BatchNorm2d(c_out))
 
 
 class Cifar10CNN(nn.Module):
@@ -127,4 +136,4 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-__all__ = ["Cifar10CNN", "FemnistCNN", "DigitsCNN", "MODELS", "make_model", "count_parameters"]
+__all__ = ["BatchNorm2d", "Cifar10CNN", "FemnistCNN", "DigitsCNN", "MODELS", "make_model", "count_parameters"]

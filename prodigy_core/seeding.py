@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -33,12 +35,64 @@ def set_deterministic(enabled: bool = True) -> None:
     torch.backends.cudnn.benchmark = not enabled
 
 
-def precision_flags() -> dict[str, bool]:
-    """The settings that change a CUDA run's rounding or its kernels' choice, as recorded in every CUDA run's
-    `environment`: TF32 for matmuls and convolutions, cuDNN's autotuner, deterministic algorithms."""
-    return {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32, "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "deterministic": torch.are_deterministic_algorithms_enabled()}  # fmt: skip
+def precision_flags(device: torch.device | None = None) -> dict[str, bool | str]:
+    """The settings in force that change a run's rounding or its kernels' choice, as recorded in every
+    record's `environment`: bfloat16 autocast (``autocast``: "bfloat16" or "off") and, on CUDA (or with no
+    device given), TF32 for matmuls and convolutions, cuDNN's autotuner, deterministic algorithms."""
+    device_type = "cuda" if device is None else device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    flags: dict[str, bool | str] = {"autocast": str(torch.get_autocast_dtype(device_type)).removeprefix(
+        "torch.") if autocast else "off"}  # fmt: skip
+    if device_type == "cuda":
+        flags.update({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+                      "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+                      "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                      "deterministic": torch.are_deterministic_algorithms_enabled()})  # fmt: skip
+    return flags
+
+
+@contextlib.contextmanager
+def precision_mode(precision: str, device: torch.device) -> Iterator[None]:
+    """A run's `precision` (config.PRECISIONS) in force inside the block; every flag restored after it.
+
+    - ``fp32``: full float32. On CUDA: TF32 off, deterministic kernels, cuDNN's autotuner off (bitwise
+      reruns on one machine). On a CPU nothing changes (its kernels are float32 and deterministic).
+    - ``tf32`` (CUDA only): TF32 for convolutions and matmuls (10 mantissa bits in their inputs), kernels
+      chosen for speed: deterministic algorithms off, cuDNN's autotuner on.
+    - ``bf16``: the block under bfloat16 autocast (CUDA, or CPU autocast on a CPU): convolutions and matmuls
+      in bfloat16, the parameters, their gradients, the optimizer state and BatchNorm (`FloatBatchNorm`) in
+      float32; on CUDA TF32 off and kernels chosen for speed as for tf32.
+
+    The aggregation rules do not run inside it (and force their own float32/float64 Gram passes anyway).
+    Raises ConfigError for tf32 on a device other than CUDA."""
+    from prodigy_core.config import PRECISIONS, ConfigError
+
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is unknown; valid: {', '.join(PRECISIONS)}")
+    if precision == "tf32" and device.type != "cuda":
+        raise ConfigError(
+            f"precision=tf32 exists only on CUDA and this run is on {device.type}: use precision=fp32 or bf16"
+        )
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+                     torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+            stack.callback(_restore_cuda_flags, saved)
+            tf32 = precision == "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+            set_deterministic(precision == "fp32")
+        if precision == "bf16":  # no cast cache: the sequential engine updates its weights in place
+            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False))
+        yield
+
+
+def _restore_cuda_flags(saved: tuple[bool, ...]) -> None:
+    matmul, cudnn, benchmark, cudnn_deterministic, deterministic, warn_only = saved
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = benchmark, cudnn_deterministic
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

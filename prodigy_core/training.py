@@ -40,7 +40,7 @@ from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
 from prodigy_core.registry import label, plugin_hash
 from prodigy_core.safe_io import atomic_write, quarantine
-from prodigy_core.seeding import precision_flags, resolve_device, seed_everything
+from prodigy_core.seeding import precision_flags, precision_mode, resolve_device, seed_everything
 
 # engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
 # benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
@@ -49,6 +49,9 @@ AUTO_CPU_ENGINE = {"digits": "sequential", "femnist": "sequential", "cifar10": "
 # Test batch size of the paper variant: eval mode gives every batch size the same numbers. (The authors' test
 # loader takes the clients' batch size: `eval_settings`.)
 EVAL_BATCH_SIZE = 1000
+# Training-mode evaluation (``authors``): test images per stacked forward pass, over all the models evaluated
+# together (`evaluate_runs`): 10,000 (one CIFAR-10 test set) is about 2.7 GB of CIFAR-10 activations.
+EVAL_PASS_IMAGES = 10_000
 
 
 @dataclass
@@ -179,9 +182,10 @@ def run(
         for r in range(st.start + 1, resolved.rounds + 1):
             tic = time.perf_counter()
             gamma = resolved.lr_at(r - 1)
-            pseudo_grads, client_buffers = local_steps(
-                st.model, st.fed, resolved.local_steps, gamma, resolved, st.data_gen, stream=st.stream
-            )
+            with precision_mode(resolved.precision, device):
+                pseudo_grads, client_buffers = local_steps(
+                    st.model, st.fed, resolved.local_steps, gamma, resolved, st.data_gen, stream=st.stream
+                )
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
             if sync_timing and device.type == "cuda":
@@ -257,7 +261,7 @@ def start_run(
     # the record names the data source used (resolved: same key as `config`)
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
-    result.environment = _environment(device, engine)
+    result.environment = _environment(device, engine, resolved.precision)  # tf32 on a CPU: refused here
     result.plugins = plugin_hashes(resolved)
     ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
     st = RunState(
@@ -357,7 +361,8 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     if eval_due(resolved, r):
         if scores is None:
             train_mode, batch_size = eval_settings(resolved)
-            scores = evaluate(st.model, st.fed, batch_size, train_mode)
+            with precision_mode(resolved.precision, st.momentum.device):
+                scores = evaluate(st.model, st.fed, batch_size, train_mode)
         result.final_accuracy, result.final_loss = scores
         result.accuracy_curve.append([r, result.final_accuracy])
         # The authors' code stops at a NaN test loss and repeats that evaluation's accuracy (what argmax gave
@@ -809,7 +814,9 @@ def evaluate_runs(
     net: FunctionalNet | None = None,
 ) -> list[tuple[float, float]]:
     """Test accuracy (percent) and mean cross-entropy over test batches of `batch_size` of R models of one
-    architecture, as one forward pass per test batch (vmapped over the models when R > 1).
+    architecture, as one forward pass per test batch (vmapped over the models when R > 1); in train mode as
+    stacked passes over up to `EVAL_PASS_IMAGES` images' batches (`_train_mode_pass`: the authors' 157 test
+    batches of 64 in one pass instead of a loop of 157, with the loop's numbers).
 
     Eval mode (dropout off, each model's BatchNorm running statistics), or with ``train_mode`` as the authors'
     code evaluates: dropout on and BatchNorm normalising each test batch with that batch's own mean and
@@ -832,6 +839,22 @@ def evaluate_runs(
     correct = torch.zeros(runs, device=fed.test_labels.device)
     loss = torch.zeros(runs, device=fed.test_labels.device)
     net.template.train(train_mode)
+    if train_mode:  # every test batch its own BatchNorm statistics: the full batches in stacked passes
+        batches = list(fed.test_batches(batch_size))
+        full = [b for b in batches if len(b[1]) == batch_size]
+        per_pass = max(1, EVAL_PASS_IMAGES // (runs * batch_size))
+        try:
+            for start in range(0, len(full), per_pass):
+                scores = _train_mode_pass(net, params, buffers, contexts, full[start : start + per_pass])
+                correct, loss = correct + scores[0], loss + scores[1]
+            rest = [(x, y) for x, y in batches if len(y) != batch_size]  # the last, partial batch
+            if rest:
+                scores = _train_mode_pass(net, params, buffers, contexts, rest)
+                correct, loss = correct + scores[0], loss + scores[1]
+        finally:
+            net.template.train()
+        total = len(fed.test_labels)
+        return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
     try:
         with torch.no_grad():
             for x, y in fed.test_batches(batch_size):
@@ -850,6 +873,43 @@ def evaluate_runs(
         net.template.train()
     total = len(fed.test_labels)
     return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
+
+
+@torch.no_grad()
+def _train_mode_pass(
+    net: FunctionalNet,
+    params: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    contexts: list[Callable[[], Any]],
+    batches: list[tuple[Tensor, Tensor]],
+) -> tuple[Tensor, Tensor]:
+    """(correct, summed loss) per model over P test batches of one size in training mode, as one forward
+    pass vmapped over the batches (each normalised by its own BatchNorm statistics, as a loop over them
+    would) and over the R models when R > 1 (`params`, `buffers` stacked then). Model i draws its dropout
+    masks within `contexts[i]()`, batch after batch, layer after layer: the draws of a loop."""
+    runs, n_batches = len(contexts), len(batches)
+    xs, ys = torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])  # (P, B, ...)
+    masks: dict[str, Tensor] = {}
+    if net.dropouts:
+        drawn = []
+        for context in contexts:
+            with context():
+                per_batch = [net.masks(x[None]) for x, _ in batches]  # each (1, B, ...)
+            drawn.append({k: torch.cat([m[k] for m in per_batch]) for k in per_batch[0]})  # (P, B, ...)
+        masks = {k: torch.stack([d[k] for d in drawn]) for k in drawn[0]}  # (R, P, B, ...)
+    lead = (runs, n_batches) if runs > 1 else (n_batches,)
+    # train mode writes the running statistics: every batch gets its own copy, thrown away after
+    stacked = {k: (v if runs > 1 else v[None])[:, None].expand(runs, n_batches, *v.shape[runs > 1 :])
+               .clone().reshape(*lead, *v.shape[runs > 1 :]) for k, v in buffers.items()}  # fmt: skip
+    forward = vmap(net, in_dims=(None, 0, 0, 0), randomness="error")  # over the batches
+    if runs > 1:
+        forward = vmap(forward, in_dims=(0, 0, 0, None), randomness="error")  # over the models
+    else:
+        masks = {k: v[0] for k, v in masks.items()}
+    out = forward(params, stacked, masks, xs).reshape(runs, n_batches * ys.shape[1], -1)
+    y = ys.reshape(-1).expand(runs, -1)
+    loss = F.cross_entropy(out.transpose(1, 2), y, reduction="none").sum(dim=1)
+    return (out.argmax(dim=2) == y).sum(dim=1), loss
 
 
 def eval_settings(resolved: RunConfig) -> tuple[bool, int]:
@@ -874,8 +934,37 @@ def diverged_accuracy(fed: Federation, variant: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+# `shared_federations`: the federations loaded so far in this process, by their split's fields (None: off)
+_SHARED: dict[tuple, Federation] | None = None
+
+
+@contextlib.contextmanager
+def shared_federations() -> Iterator[None]:
+    """Inside the block, every run and group of this process that needs a federation already loaded gets
+    that one (a run never modifies it: label flipping works on a copy), so a GPU window loads each data set
+    once (`benchmarks/gpu_run.py`); the loaded ones are dropped after it."""
+    global _SHARED
+    before, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = before
+
+
 def _load_federation(resolved: RunConfig, device: torch.device) -> Federation:
-    """The run's federation from `config.resolved()`: the data source its key was computed with."""
+    """The run's federation from `config.resolved()`: the data source its key was computed with (the one
+    already loaded inside `shared_federations`)."""
+    if _SHARED is None:
+        return _read_federation(resolved, device)
+    fields = ("dataset", "n_clients", "distribution", "dirichlet_alpha", "data_seed", "data_dir",
+              "femnist_min_writer_samples", "data_source", "variant")  # fmt: skip
+    key = (*(getattr(resolved, name) for name in fields), str(device))
+    if key not in _SHARED:
+        _SHARED[key] = _read_federation(resolved, device)
+    return _SHARED[key]
+
+
+def _read_federation(resolved: RunConfig, device: torch.device) -> Federation:
     return load_federation(resolved.dataset, resolved.n_clients, distribution=resolved.distribution,
                            dirichlet_alpha=resolved.dirichlet_alpha, seed=resolved.data_seed, device=device,
                            data_dir=resolved.data_dir, download=resolved.download,
@@ -888,16 +977,18 @@ def plugin_hashes(config: RunConfig) -> dict[str, str]:
     return {spec: plugin_hash(spec, name) for name, spec in config.plugin_specs().items()}
 
 
-def _environment(device: torch.device, engine: str) -> dict[str, Any]:
-    """What a run's last bits depend on besides its config: torch, the thread count and the CPU kernels torch
-    picked (`cpu_capability`: e.g. AVX2, AVX512), the GPU and its precision flags."""
+def _environment(device: torch.device, engine: str, precision: str = "fp32") -> dict[str, Any]:
+    """The record's `environment`: what a run's last bits depend on besides its config: torch, the thread
+    count and the CPU kernels torch picked (`cpu_capability`: e.g. AVX2, AVX512), the GPU, and the precision
+    with the flags its local steps and evaluations run under (`seeding.precision_mode`)."""
     env = {"device": str(device), "engine": engine, "torch": str(torch.__version__),
            "prodigy_fl": prodigy_core.__version__, "python": platform.python_version(),
-           "threads": torch.get_num_threads(),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+           "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "precision": precision}  # fmt: skip
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-        env.update(precision_flags())
+    with precision_mode(precision, device):
+        env.update(precision_flags(device))
     return env
 
 

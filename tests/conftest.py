@@ -157,3 +157,18 @@ def on_accelerator(monkeypatch) -> Callable[..., contextlib.AbstractContextManag
             yield accelerator
 
     return on
+
+
+@pytest.fixture(scope="session")
+def gpu_run():
+    """benchmarks/gpu_run.py as a module (the GPU window driver; test_gpu_run.py, test_autotune.py)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_run", Path(__file__).parents[1] / "benchmarks" / "gpu_run.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_run"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -189,6 +189,7 @@ def test_same_config_same_key_and_any_result_field_changes_it():
         "femnist_min_writer_samples": 5,  # only matters for femnist: checked below
         "data_source": "cifar10-jpeg",  # a source of cifar10 only: checked below
         "defense_params": {"tau": 5}, "attack_params": {"eps": 1},  # settings of CClip and FOE: below
+        "precision": "bf16",
     }  # fmt: skip
     non_result = set(RunConfig.NON_RESULT_FIELDS)
     assert set(changed) | non_result == set(field_names())

@@ -1,10 +1,8 @@
 """benchmarks/gpu_run.py rehearsed on the CPU (--simulate): what comes home fits the device tool's limits and
 holds exactly the finished runs; the deadline, missing data and a failing step behave as the issue asks."""
 
-import importlib.util
 import json
 import os
-import sys
 import tarfile
 from pathlib import Path
 
@@ -12,15 +10,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2**20  # the device tool's limits on $OUT
-
-
-@pytest.fixture(scope="module")
-def gpu_run():
-    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu_run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_run"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True)
@@ -68,15 +57,16 @@ def summary_rows(out: Path) -> dict[str, list[str]]:
     return {r[0]: r[1:] for r in rows}
 
 
-def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run, tmp_path, data):
-    code, out, work = simulate(gpu_run, tmp_path, data)
+@pytest.mark.parametrize("profile", ["paper", "mini"])
+def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run, tmp_path, data, profile):
+    code, out, work = simulate(gpu_run, tmp_path, data, "--profile", profile)
     assert code == 0
     files = [p for p in out.rglob("*") if p.is_file()]
     assert sorted(p.name for p in files) == ["env.txt", "results.tar.gz", "summary.txt"]
     assert len(files) <= MAX_FILES
     assert all(len(p.relative_to(out).parts) - 1 <= MAX_DEPTH and p.stat().st_size < MAX_BYTES for p in files)
     rows = summary_rows(out)
-    assert set(rows) == {s.name for s in gpu_run.plan("mini", simulate=True)}
+    assert set(rows) == {s.name for s in gpu_run.plan(profile, simulate=True)}
     assert all(r[4] == "done" and r[0] == r[1] for r in rows.values())  # planned == done
     done = sum(int(r[1]) for r in rows.values())
     assert tarball_keys(out) == finished_keys(work) and len(finished_keys(work)) == done
@@ -87,6 +77,15 @@ def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run,
             tar.extractfile(next(m for m in tar.getmembers() if m.name.startswith("results/")))
         )
     assert record["environment"]["device"] == "cpu"
+    with tarfile.open(out / "results.tar.gz") as tar:  # the autotune and its gate came home
+        tune = json.load(tar.extractfile("autotune.json"))["datasets"]["digits"]
+    tried = {(t["precision"], t["engine"]) for t in tune["timings"]}
+    assert tried == {("fp32", "batched"), ("bf16", "batched")}  # tf32 exists only on CUDA
+    assert {(g["precision"], g["defense"]) for g in tune["gate"]} == {
+        ("bf16", "prodigy"),
+        ("bf16", "nnm+trimmed_mean"),
+    }
+    assert record["config"].get("precision", "fp32") == tune["chosen"]["precision"]
 
 
 def test_a_short_deadline_stops_between_groups_and_keeps_what_finished(gpu_run, tmp_path, data, monkeypatch):
@@ -97,7 +96,7 @@ def test_a_short_deadline_stops_between_groups_and_keeps_what_finished(gpu_run, 
     rows = summary_rows(out)
     done = sum(int(r[1]) for r in rows.values())
     planned = sum(len(gpu_run.Driver(gpu_run_args(gpu_run, data), work).experiment(s).configs)
-                  for s in gpu_run.plan("mini", simulate=True))  # fmt: skip
+                  for s in gpu_run.plan("paper", simulate=True))  # fmt: skip
     assert 0 < done < planned
     assert any(r[4].startswith("stopped by the deadline") for r in rows.values())
     assert "never started:" in (out / "summary.txt").read_text()
@@ -108,7 +107,7 @@ def gpu_run_args(gpu_run, data):
     import argparse
 
     return argparse.Namespace(
-        simulate=True, profile="mini", out=Path("."), group_size=1, deadline=1.0, data=data
+        simulate=True, profile="paper", out=Path("."), group_size=1, deadline=1.0, data=data
     )
 
 

@@ -91,15 +91,21 @@ def test_engines_agree_on_femnist(femnist_dir):
     assert _relative_error(g_b, g_s) < 1e-4
 
 
-def test_compiled_engine_matches_batched_without_dropout():
-    """engine="compiled" is the batched step under torch.compile: the same function, other kernels."""
+@pytest.mark.parametrize("dropout", [False, True])
+def test_compiled_engine_matches_batched(dropout):
+    """engine="compiled" is the batched step under torch.compile: the same function, other kernels. Dropout
+    masks are drawn before the step from the global generator (`ClientGrad.masks`), so from the same
+    generator state the compiled step multiplies by the same masks as the eager one."""
     fed = load_federation("digits", 4, distribution="dirichlet", seed=0)
     assert len(training._width_groups(fed, 300)) == 2  # two batch widths: the compiled step sees two shapes
     torch.manual_seed(0)
-    model = _disable_dropout(make_model("digits")).train()
+    model = make_model("digits").train()
+    model = model if dropout else _disable_dropout(model)
+    assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) is dropout
     cfg = tiny(n_clients=4, batch_size=300, weight_decay=1e-2).resolved()
     runs = []
     for grad_fn in (None, training.per_client_grad(model, compiled=True)):
+        torch.manual_seed(7)  # the dropout masks' generator
         gen = torch.Generator().manual_seed(1)
         runs.append(training._local_steps_batched(model, fed, 3, 0.05, cfg, gen, grad_fn=grad_fn))
     (g_eager, buf_eager), (g_compiled, buf_compiled) = runs

@@ -1,0 +1,249 @@
+"""The start of a GPU window (issue 33 item 3): time every precision x engine x group size on a real local
+step, gate the fastest candidates against full float32 on 3 rounds of two attacked runs, pick the fastest
+one the gate accepts. Used by `gpu_run.py` (its `autotune.json`); `time_step` also by `throughput.py`.
+
+    from benchmarks.autotune import autotune, time_step
+
+The gate: the reference (`fp32`, batched) and the two fastest other candidates each train ProDiGy + ALIE and
+NNM + Trimmed mean + ALIE for `GATE_ROUNDS` rounds from the same state (same seed: same initial model,
+batches and dropout masks); a candidate is accepted only if every measure in `TOLERANCES` stays within its
+bound against the reference in both runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector
+
+from prodigy_core import training
+from prodigy_core.config import RunConfig
+from prodigy_core.data import Federation
+from prodigy_core.models import make_model
+from prodigy_core.seeding import precision_mode, resolve_device
+
+# What is tried, per device type: engines cheapest first (compiled pays its compilation, so it goes last and
+# only while the budget lasts); tf32 exists only on CUDA.
+CANDIDATES = {
+    "cuda": {"precision": ("fp32", "tf32", "bf16"), "engine": ("batched", "compiled"), "size": (1, 4, 8, 16)},
+    "cpu": {"precision": ("fp32", "bf16"), "engine": ("batched",), "size": (1, 2)},
+}
+REFERENCE = ("fp32", "batched")  # today's exact mode; accepted by definition
+BUDGET_S = 90.0  # the whole autotune, timing and gate, per GPU window (the issue's bound)
+TIMING_SHARE = 0.6  # of the budget for the timings; the gate gets the rest (it never stops half-way)
+TIMED_STEPS = 3  # timed local steps per configuration, after one warm-up step (which pays compilation)
+COMPILE_S = 40.0  # torch.compile's warm-up step, about: a compiled size starts only with this much left
+GATE_ROUNDS = 3
+GATE_DEFENSES = ("prodigy", "nnm+trimmed_mean")  # each under ALIE: the paper's central pair
+TEST_IMAGES = 2000  # the gate's test accuracy: the first 2,000 test images
+LOSS_SAMPLES = 256  # a client's loss: the final server model on its first 256 training samples
+# The gate's bounds, candidate vs fp32 after GATE_ROUNDS rounds from the same state. They ask for "the same
+# distribution", not the same bits: the paper's cells are 3-seed means with spreads of 0.4-9 points, and a
+# reordered dropout-mask stream alone moves the parameters 10-25x more than TF32 does (issue 33).
+TOLERANCES = {
+    # ||theta_c - theta_ref|| / ||theta_ref - theta_0||: the distance between the two runs as a share of the
+    # distance the reference travelled. bf16 on the CPU (digits, measured): 2% after 4 local steps.
+    "param_rel": 0.10,
+    # max over clients of |loss_c - loss_ref| / loss_ref (the final model on each client's own samples)
+    "client_loss_rel": 0.05,
+    # mean over rounds of |z_c - z_ref| / |z_ref|: ALIE's line search picks from a grid, and a rounding
+    # difference can move it one grid point (about 8% of z on digits); a systematic shift cannot pass
+    "attack_param_rel": 0.25,
+    # ProDiGy's zeroed clients: the symmetric difference of the zeroed sets, summed over the rounds (one
+    # borderline client flipping in and out of the zeroed set in 2 of 3 rounds)
+    "zeroed_diff": 2,
+    # test accuracy on TEST_IMAGES images, points: under the smallest spread of a paper cell (0.4) would
+    # refuse seed noise; 2 points is well under a typical one
+    "accuracy_points": 2.0,
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(
+    config: RunConfig, fed: Federation, precision: str, engine: str, size: int, steps: int = TIMED_STEPS
+) -> float:
+    """Seconds of one local SGD step (all N clients, batch b) of `size` runs like `config` stacked in one
+    group, at `precision` with `engine` (batched or compiled): the mean of `steps` steps after one warm-up
+    step, timed with CUDA events on CUDA and perf_counter on a CPU."""
+    device = resolve_device(config.device)
+    resolved = config.resolved()
+    torch.manual_seed(0)
+    models = [make_model(resolved.dataset).to(device).train() for _ in range(size)]
+    grad_fn = training.per_client_grad(models[0], compiled=engine == "compiled")
+    gens = [torch.Generator(device=device).manual_seed(i) for i in range(size)]
+
+    def step() -> None:
+        with precision_mode(precision, device):
+            training.local_steps_stacked(
+                models, [fed] * size, 1, [resolved.lr] * size, resolved, gens, grad_fn
+            )
+
+    step()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sync(device)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        sync(device)
+        return start.elapsed_time(end) / 1000 / steps
+    tic = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - tic) / steps
+
+
+def trajectory(
+    config: RunConfig, fed: Federation, precision: str, engine: str, rounds: int
+) -> dict[str, Any]:
+    """`rounds` rounds of `config` at `precision` with `engine`, the run's own step functions (`training`);
+    returns what the gate compares and the server side's seconds per round."""
+    device = resolve_device(config.device)
+    st = training.start_run(config.replace(precision=precision), device, "batched", fed=fed)
+    theta0 = parameters_to_vector(st.model.parameters()).detach().clone()
+    grad_fn = training.per_client_grad(st.model, compiled=engine == "compiled")
+    server = 0.0
+    for r in range(1, rounds + 1):
+        gamma = st.resolved.lr_at(r - 1)
+        with precision_mode(precision, device):
+            ((grads, buffers),) = training.local_steps_stacked(
+                [st.model], [st.fed], st.resolved.local_steps, [gamma], st.resolved, [st.data_gen], grad_fn,
+                streams=[st.stream],
+            )  # fmt: skip
+        sync(device)
+        tic = time.perf_counter()
+        ok = training.server_round(st, r, gamma, grads, buffers)
+        sync(device)
+        server += time.perf_counter() - tic
+        if not ok:
+            break
+    model = st.model
+    losses = []
+    with torch.no_grad():
+        model.eval()
+        for ix in fed.client_indices:
+            ix = ix[:LOSS_SAMPLES]
+            x = fed.normalise(fed.train_images[ix]).view(len(ix), *fed.image_shape)
+            losses.append(float(F.cross_entropy(model(x), fed.train_labels[ix])))
+        model.train()
+    test = copy.copy(fed)
+    test.test_images, test.test_labels = fed.test_images[:TEST_IMAGES], fed.test_labels[:TEST_IMAGES]
+    train_mode, batch_size = training.eval_settings(st.resolved)
+    with precision_mode(precision, device):
+        accuracy, _ = training.evaluate(model, test, batch_size, train_mode)
+    return {"theta0": theta0, "theta": parameters_to_vector(model.parameters()).detach(), "losses": losses,
+            "attack_params": st.result.attack_params, "zeroed": st.result.zeroed_clients,
+            "accuracy": accuracy, "server_s": server / rounds, "diverged": st.result.diverged}  # fmt: skip
+
+
+def compare(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, float]:
+    """The measures of `TOLERANCES`, candidate trajectory vs reference."""
+    travelled = float((ref["theta"] - ref["theta0"]).norm())
+    param = float((cand["theta"] - ref["theta"]).norm()) / max(travelled, 1e-12)
+    loss = max(abs(c - r) / max(abs(r), 1e-12) for c, r in zip(cand["losses"], ref["losses"], strict=True))
+    pairs = [
+        (c, r) for c, r in zip(cand["attack_params"], ref["attack_params"], strict=False) if r is not None
+    ]
+    attack = sum(abs(c - r) / max(abs(r), 1e-12) for c, r in pairs) / len(pairs) if pairs else 0.0
+    zeroed = sum(len(set(c) ^ set(r)) for c, r in zip(cand["zeroed"], ref["zeroed"], strict=False))
+    zeroed += abs(len(cand["zeroed"]) - len(ref["zeroed"]))  # a run that stopped early differs in its rounds
+    if cand["diverged"] != ref["diverged"]:
+        param = float("inf")
+    return {"param_rel": param, "client_loss_rel": loss, "attack_param_rel": attack, "zeroed_diff": zeroed,
+            "accuracy_points": abs(cand["accuracy"] - ref["accuracy"])}  # fmt: skip
+
+
+def autotune(
+    configs: dict[str, RunConfig],
+    feds: dict[str, Federation],
+    budget_s: float = BUDGET_S,
+    tolerances: dict[str, float] | None = None,
+    timer: Callable[..., float] = time_step,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Per dataset (`configs`: one run of each dataset the window trains, `feds`: their loaded data): the
+    timings, the gate and the choice, as `autotune.json` holds them:
+
+    {dataset: {"timings": [{precision, engine, size, step_s, images_per_s} or {..., error}],
+               "gate": [{precision, engine, defense, measures, accepted}], "chosen": {precision, engine},
+               "step_s": {size: seconds of one local step of the chosen candidate},
+               "server_s": seconds of one run's server side per round (the gate's slowest)}}
+
+    A candidate that raises (no compiler, no bf16 kernels) is left out with its error. `timer`: the timing
+    function (tests give a fake one to make a candidate fastest)."""
+    tolerances = TOLERANCES if tolerances is None else tolerances
+    tic = time.perf_counter()
+    report: dict[str, Any] = {"budget_s": budget_s, "tolerances": tolerances, "datasets": {}}
+    for dataset, config in configs.items():
+        device = resolve_device(config.device)
+        space = CANDIDATES["cuda" if device.type == "cuda" else "cpu"]
+        fed, resolved = feds[dataset], config.resolved()
+        timings: list[dict[str, Any]] = []
+        budget = budget_s * TIMING_SHARE * (list(configs).index(dataset) + 1) / len(configs)
+        for engine in space["engine"]:
+            for precision in space["precision"]:
+                for size in space["size"]:
+                    row: dict[str, Any] = {"precision": precision, "engine": engine, "size": size}
+                    needed = COMPILE_S if engine == "compiled" else 0.0
+                    over = time.perf_counter() - tic + needed > budget
+                    if over and (precision, engine, size) != (*REFERENCE, 1):
+                        break  # out of time: the rest of this candidate's sizes are not tried
+                    try:
+                        row["step_s"] = timer(resolved, fed, precision, engine, size)
+                        row["images_per_s"] = size * resolved.n_clients * resolved.batch_size / row["step_s"]
+                    except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not chosen
+                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        timings.append(row)
+                        break
+                    timings.append(row)
+        best: dict[tuple[str, str], float] = {}
+        for row in timings:
+            if "step_s" in row:
+                key = (row["precision"], row["engine"])
+                best[key] = max(best.get(key, 0.0), row["images_per_s"])
+        fastest = sorted((k for k in best if k != REFERENCE), key=lambda k: -best[k])[:2]
+        gate: list[dict[str, Any]] = []
+        accepted = {REFERENCE}
+        server = 0.0
+        for defense in GATE_DEFENSES:
+            base = config.replace(defense=defense, attack="alie", rounds=GATE_ROUNDS, eval_every=GATE_ROUNDS)
+            ref = trajectory(base, fed, *REFERENCE, GATE_ROUNDS)
+            server = max(server, ref["server_s"])
+            for precision, engine in fastest:
+                try:
+                    measures = compare(ref, trajectory(base, fed, precision, engine, GATE_ROUNDS))
+                    ok = all(measures[name] <= bound for name, bound in tolerances.items())
+                except Exception as e:  # noqa: BLE001
+                    measures, ok = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, False
+                gate.append({"precision": precision, "engine": engine, "defense": defense,
+                             "measures": measures, "accepted": ok})  # fmt: skip
+        for key in fastest:
+            if all(g["accepted"] for g in gate if (g["precision"], g["engine"]) == key):
+                accepted.add(key)
+        chosen = max(accepted, key=lambda k: best.get(k, 0.0))
+        steps = {row["size"]: row["step_s"] for row in timings
+                 if (row["precision"], row["engine"]) == chosen and "step_s" in row}  # fmt: skip
+        report["datasets"][dataset] = {
+            "timings": timings, "gate": gate, "chosen": {"precision": chosen[0], "engine": chosen[1]},
+            "step_s": steps, "server_s": server,
+        }  # fmt: skip
+        speeds = ", ".join(f"{p}/{e} {v:,.0f}" for (p, e), v in best.items())
+        verdicts = ", ".join(f"{g['precision']}/{g['engine']} {g['defense']}: "
+                             + ("ok" if g["accepted"] else "refused") for g in gate)  # fmt: skip
+        log(f"autotune {dataset}: images/s {speeds}; gate {verdicts or 'nothing to gate'}; "
+            f"chosen {chosen[0]}/{chosen[1]}")  # fmt: skip
+    report["seconds"] = time.perf_counter() - tic
+    return report
+
+
+__all__ = ["CANDIDATES", "TOLERANCES", "autotune", "compare", "time_step", "trajectory"]

@@ -1,0 +1,89 @@
+"""Training throughput per dataset, precision, engine and group size on whatever device this machine has.
+
+    python benchmarks/throughput.py [--datasets digits femnist cifar10] [--sizes 1 4] [--steps 3]
+
+One local SGD step (all N clients of the dataset's paper setting, batch 64) of R stacked runs, timed as the
+GPU window's autotune times it (`autotune.time_step`: a warm-up step, then CUDA events or perf_counter),
+printed as training images/s and TFLOP/s. FLOPs per image: torch.utils.flop_counter's count of one forward
+and backward pass of the model on a batch, divided by the batch (convolutions and matmuls; the elementwise
+rest is not counted). A dataset whose data is not on this machine is skipped with a line saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.autotune import CANDIDATES, time_step  # noqa: E402
+from prodigy_core.config import RunConfig  # noqa: E402
+from prodigy_core.models import make_model  # noqa: E402
+
+SETTINGS = {  # the paper's client side (digits: the quickstart's)
+    "digits": dict(dataset="digits", distribution="iid", n_clients=10, n_byzantine=3),
+    "femnist": dict(dataset="femnist", distribution="natural", n_clients=20, n_byzantine=6,
+                    femnist_min_writer_samples=350),
+    "cifar10": dict(dataset="cifar10", distribution="iid", n_clients=10, n_byzantine=3),
+}  # fmt: skip
+
+
+def flops_per_image(dataset: str, image_shape: tuple[int, ...], batch: int = 64) -> float:
+    """FLOPs of one training pass (forward + backward) per image, as torch.utils.flop_counter counts them."""
+    model = make_model(dataset).train()
+    x = torch.randn(batch, *image_shape)
+    y = torch.zeros(batch, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    return counter.get_total_flops() / batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prodigy_core import training
+    from prodigy_core.seeding import resolve_device
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--datasets", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument(
+        "--sizes", nargs="+", type=int, help="group sizes (default: the autotune's for the device)"
+    )
+    p.add_argument("--precisions", nargs="+", help="default: those of the device (no tf32 on a CPU)")
+    p.add_argument("--engines", nargs="+", help="default: batched (and compiled on CUDA)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    args = p.parse_args(argv)
+    device = resolve_device("auto")
+    space = CANDIDATES["cuda" if device.type == "cuda" else "cpu"]
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU, {torch.get_num_threads()} threads"
+    )
+    print(f"device: {name}; torch {torch.__version__}")
+    print("dataset | precision | engine | group | images/s | TFLOP/s")
+    for dataset in args.datasets:
+        config = RunConfig(**SETTINGS[dataset], device=str(device), batch_size=64)
+        try:
+            fed = training._load_federation(config.resolved(), device)
+        except Exception as e:  # noqa: BLE001 - data absent: this dataset is skipped, the others run
+            print(f"{dataset}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            continue
+        flops = flops_per_image(dataset, fed.image_shape)
+        for engine in args.engines or space["engine"]:
+            for precision in args.precisions or space["precision"]:
+                for size in args.sizes or space["size"]:
+                    seconds = time_step(config, fed, precision, engine, size, args.steps)
+                    images = size * config.n_clients * config.batch_size / seconds
+                    print(f"{dataset} | {precision} | {engine} | {size} | {images:,.0f} | "
+                          f"{images * flops / 1e12:.3g}", flush=True)  # fmt: skip
+        print(f"{dataset}: {flops / 1e9:.4f} GFLOP per training image (forward + backward)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

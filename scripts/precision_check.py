@@ -1,0 +1,112 @@
+"""Is bf16 the same distribution as fp32? The quickstart's seed grid at both precisions (issue 33 item 4).
+
+    python scripts/precision_check.py [--seeds 3] [--jobs auto] [--results-dir DIR] [--out DIR] [--smoke]
+
+Trains (or reads from the store: `prodigy-fl quickstart --seeds 3` made the fp32 runs) the quickstart grid
+(digits, Dirichlet 0.1, N=10, f=3, FedAVG E=10, beta 0.9; 7 defenses x 6 attacks) for seeds 0..S-1 at fp32
+and at bf16 (CPU autocast; their own keys in the same results folder), and writes precision_check.md and
+.csv into --out (default figures/): per cell the mean over seeds of the paired difference bf16 - fp32 (same
+seed: same split, initial model and batches) against twice its standard error (sd of the differences /
+sqrt(S)); per row whether the worst-case attack (lowest mean accuracy) is the same at both precisions.
+--smoke: the smoke grid with the same seeds, in seconds (the test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def experiments(seeds: int, smoke: bool, rounds: int | None = None) -> tuple:
+    """The fp32 and the bf16 grid of the quickstart over seeds 0..seeds-1."""
+    from prodigy_core.experiments import load_experiment
+
+    exp = load_experiment("quickstart_digits", smoke=smoke, overrides={"seeds": list(range(seeds))})
+    configs = exp.configs
+    if smoke:  # the smoke profile keeps the first seed only
+        configs = [c.replace(seed=s) for s in range(seeds) for c in configs if c.seed == 0]
+    if rounds is not None:
+        configs = [c.replace(rounds=rounds, eval_every=min(c.eval_every, rounds)) for c in configs]
+    fp32 = dataclasses.replace(exp, configs=configs)
+    return fp32, dataclasses.replace(exp, configs=[c.replace(precision="bf16") for c in configs])
+
+
+def compare(fp32: pd.DataFrame, bf16: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(cells, rows): per (defense, attack) the means, the paired mean difference and its standard error;
+    per defense the worst-case attack at each precision."""
+    keys = ["defense", "attack", "seed"]
+    both = fp32[keys + ["final_accuracy"]].merge(bf16[keys + ["final_accuracy"]], on=keys,
+                                                  suffixes=("_fp32", "_bf16"))  # fmt: skip
+    both["diff"] = both["final_accuracy_bf16"] - both["final_accuracy_fp32"]
+    cells = both.groupby(["defense", "attack"], sort=False).agg(
+        fp32=("final_accuracy_fp32", "mean"), bf16=("final_accuracy_bf16", "mean"),
+        diff=("diff", "mean"), sd=("diff", "std"), seeds=("diff", "size"),
+    ).reset_index()  # fmt: skip
+    cells["two_se"] = 2 * cells["sd"] / cells["seeds"].map(math.sqrt)
+    cells["within"] = cells["diff"].abs() <= cells["two_se"]
+    attacked = cells[cells["attack"] != "none"]
+    rows = []
+    for defense, part in attacked.groupby("defense", sort=False):
+        worst = {p: part.loc[part[p].idxmin(), "attack"] for p in ("fp32", "bf16")}
+        rows.append({"defense": defense, "worst_fp32": worst["fp32"], "worst_bf16": worst["bf16"],
+                     "same": worst["fp32"] == worst["bf16"]})  # fmt: skip
+    return cells, pd.DataFrame(rows)
+
+
+def markdown(cells: pd.DataFrame, rows: pd.DataFrame, seeds: int) -> str:
+    within, total = int(cells["within"].sum()), int(cells["two_se"].notna().sum())
+    lines = [
+        f"# bf16 vs fp32 on the quickstart grid ({seeds} seeds)\n",
+        "Test accuracy (%), mean over seeds; diff: the mean of the paired differences bf16 - fp32 (same "
+        "seed: same split, initial model, batches and dropout masks), 2 SE: twice its standard error. "
+        f"{within} of {total} cells have |diff| <= 2 SE (about 95% would for one distribution); "
+        f"{int(rows['same'].sum())} of {len(rows)} rows keep their worst-case attack.\n",
+        "| defense | attack | fp32 | bf16 | diff | 2 SE | within |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cells.itertuples():
+        two_se = "n/a" if math.isnan(c.two_se) else f"{c.two_se:.2f}"
+        lines.append(f"| {c.defense} | {c.attack} | {c.fp32:.2f} | {c.bf16:.2f} | {c.diff:+.2f} | {two_se} "
+                     f"| {'yes' if c.within else 'no'} |")  # fmt: skip
+    lines += ["", "| defense | worst attack, fp32 | worst attack, bf16 | same |", "|---|---|---|---|"]
+    lines += [f"| {r.defense} | {r.worst_fp32} | {r.worst_bf16} | {'yes' if r.same else 'no'} |"
+              for r in rows.itertuples()]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prodigy_core import results as store
+    from prodigy_core.experiments import run_grid
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--jobs", default="auto", help="worker processes (auto: one per core)")
+    p.add_argument("--results-dir", type=Path, default=None, help="the store (default: results/)")
+    p.add_argument("--out", type=Path, default=ROOT / "figures")
+    p.add_argument("--smoke", action="store_true", help="the smoke grid: seconds")
+    p.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # tests: fewer rounds
+    args = p.parse_args(argv)
+    jobs = args.jobs if args.jobs == "auto" else int(args.jobs)
+    frames = []
+    for exp in experiments(args.seeds, args.smoke, args.rounds):
+        run_grid(exp, jobs=jobs, results_dir=args.results_dir, progress=False)
+        frames.append(store.load(exp, args.results_dir))
+    cells, rows = compare(*frames)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cells.merge(rows, on="defense", how="left").to_csv(args.out / "precision_check.csv", index=False)
+    text = markdown(cells, rows, args.seeds)
+    (args.out / "precision_check.md").write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

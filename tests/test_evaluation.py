@@ -1,0 +1,31 @@
+"""The ``authors`` evaluation (training mode, test batches of b): stacked passes over the test batches equal
+a brute-force loop over them, one nn.Module forward per batch."""
+
+import pytest
+import torch
+
+from prodigy_core import training
+from prodigy_core.data import load_federation
+from prodigy_core.models import make_model
+
+
+@pytest.mark.parametrize("pass_images", [10_000, 100])  # one pass; passes of 3 batches, then the partial one
+def test_train_mode_evaluation_in_stacked_passes_equals_the_loop_over_batches(monkeypatch, pass_images):
+    monkeypatch.setattr(training, "EVAL_PASS_IMAGES", pass_images)
+    fed = load_federation("digits", 4, seed=0)
+    batch_size = 32
+    assert len(fed.test_labels) % batch_size  # a partial last batch, evaluated on its own statistics
+    torch.manual_seed(0)
+    model = make_model("digits")
+    torch.manual_seed(5)  # the dropout masks' generator
+    batched = training.evaluate(model, fed, batch_size, train_mode=True)
+    torch.manual_seed(5)
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for x, y in fed.test_batches(batch_size):  # brute force: the authors' loop, batch after batch
+            out = model.train()(x)
+            correct += int((out.argmax(dim=1) == y).sum())
+            loss += float(torch.nn.functional.cross_entropy(out, y, reduction="sum"))
+    total = len(fed.test_labels)
+    assert batched[0] == pytest.approx(100.0 * correct / total, abs=1e-12)
+    assert batched[1] == pytest.approx(loss / total, rel=1e-5)
