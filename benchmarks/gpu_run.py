@@ -383,10 +383,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- import
+MAX_MEMBER_BYTES = 64 * 2**20  # a record is a few KB, the log a few MB: a bigger member is refused unread
+TOP_FILES = ("log.txt", "env.txt", "summary.txt", "throughput.json")  # what `Driver.refresh_out` writes
+
+
+def tar_member_kind(member: tarfile.TarInfo) -> str | None:
+    """Why a member of a results tarball is skipped (None: import it): only regular files of the kinds
+    `Driver.refresh_out` writes (results/<folder>/<key>[.failed].json, TOP_FILES), at most
+    MAX_MEMBER_BYTES, are imported."""
+    name = Path(member.name)
+    if not member.isfile():
+        return "not a regular file"
+    if member.size > MAX_MEMBER_BYTES:
+        return f"{member.size:,} bytes, over {MAX_MEMBER_BYTES:,}"
+    record = (len(name.parts) == 3 and name.parts[0] == "results" and name.suffix == ".json"
+              and all(p not in ("", ".", "..") for p in name.parts))  # fmt: skip
+    if not record and member.name not in TOP_FILES:
+        return "not a record (results/<folder>/<key>.json) nor one of " + ", ".join(TOP_FILES)
+    return None
+
+
 def import_results(tarball: Path, results_root: Path, figures_root: Path) -> list[Path]:
-    """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/."""
+    """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/.
+    Records are data: their keys are checked from their stored fields and plug-in hashes, no code is
+    imported (`results.record_config_key`); a member of another kind, too big, or a record that is not
+    valid JSON with a valid config is skipped with a warning naming it."""
     from prodigy_core import results as store
-    from prodigy_core.config import RunConfig
+    from prodigy_core.config import ConfigError
     from prodigy_core.experiments import load_experiment
     from prodigy_core.report import write_report
 
@@ -395,13 +418,24 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     records: list[tuple[str, dict, bool]] = []  # (results folder, record, its key is current)
     with tarfile.open(tarball) as tar:
         for member in tar.getmembers():
-            name = Path(member.name)
-            if not member.isfile() or ".." in name.parts or name.is_absolute():
+            why = tar_member_kind(member)
+            if why is not None:
+                print(f"gpu_run import: skipped {member.name!r}: {why}", file=sys.stderr)
                 continue
+            name = Path(member.name)
             content = tar.extractfile(member).read()
-            if name.parts[0] == "results" and name.suffix == ".json" and ".failed" not in name.name:
-                record = json.loads(content)
-                current = RunConfig.from_dict(record["config"]).key() == record.get("key")
+            if name.parts[0] == "results" and ".failed" not in name.name:
+                try:
+                    record = json.loads(content.decode("utf-8"))
+                    current = store.record_config_key(record) == record.get("key")
+                except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+                    what = "no config or an invalid one" if isinstance(e, ConfigError) else "not JSON"
+                    print(f"gpu_run import: skipped {member.name!r}: {what} ({e})", file=sys.stderr)
+                    continue
+                why = store.check_record(record, Path(name.name)) if current else None
+                if why is not None:
+                    print(f"gpu_run import: skipped {member.name!r}: {why}", file=sys.stderr)
+                    continue
                 records.append((name.parent.name, record, current))
                 if not current:  # e.g. an older AUTHORS_REVISION: listed in PROVENANCE.md, not reported
                     continue
@@ -447,12 +481,14 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
     rows = []
     setting = ("variant", "defense", "attack")
     for folder, r, current in sorted(records, key=lambda fr: (fr[0], *(fr[1]["config"][k] for k in setting))):
-        c, e = r["config"], r["environment"]
-        seconds = sum(t for t in r.get("round_times") or [] if t)
+        c, e = r["config"], r.get("environment") or {}  # a stale record is listed as it is
+        seconds = sum(t for t in r.get("round_times") or [] if isinstance(t, int | float))
+        accuracy = r.get("final_accuracy")
+        accuracy = f"{accuracy:.2f}" if isinstance(accuracy, int | float) else str(accuracy)
         rows.append(
             f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
-            f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
-            f"| {e['torch']} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
+            f"| {c['rounds']} | {accuracy} | {seconds:.1f} | {e.get('gpu', e.get('device'))} "
+            f"| {e.get('torch')} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
             f"| {'yes' if current else 'no'} |"
         )
     path = figures_dir / "PROVENANCE.md"

@@ -28,6 +28,7 @@ from typing import Any
 import prodigy_core
 from prodigy_core import paths
 from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, as_row, field_names, parse_value
+from prodigy_core.registry import records_are_data
 
 EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
@@ -258,8 +259,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     config = experiment.configs[0]
     folder = results.experiment_dir(experiment.results_name, args.results_dir)
-    path = results.record_path(folder, config.key())
-    stored = None if args.force else results.stored_record(folder, config.key())
+    key = config.key()  # once, before training: an edit of a plug-in during the run never renames its record
+    path = results.record_path(folder, key)
+    stored = None if args.force else results.stored_record(folder, key)
     if stored is not None:
         record = stored
         print(f"stored result {path} (use --force to rerun)", file=sys.stderr)
@@ -268,7 +270,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder),
                               resume=not args.force, keep_checkpoint=True)  # fmt: skip
         result.stand_in = experiment.stand_in_for(config)
-        results.save_record(folder, config.key(), result.to_dict(), experiment.results_name)
+        results.save_record(folder, key, result.to_dict(), experiment.results_name)
         record = json.loads(path.read_text())
     stand_in = f" [stand-in: {record['stand_in']}]" if record.get("stand_in") else ""
     accuracy = record["final_accuracy"]
@@ -303,12 +305,15 @@ batch_runs = auto_or_count("stacked where faster", "one run at a time")  # --bat
 def cmd_grid(args: argparse.Namespace) -> int:
     from prodigy_core.experiments import load_experiment, run_grid, select, undone
 
+    if args.dry_run:  # imports no plug-in: a dry run runs no code of the params file's
+        with records_are_data():
+            experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
+            experiment = select(experiment, parse_only(args.only)) if args.only else experiment
+            print("\n".join(dry_run(experiment, args.results_dir)))
+        return 0
     experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
     if args.only:
         experiment = select(experiment, parse_only(args.only))
-    if args.dry_run:
-        print("\n".join(dry_run(experiment, args.results_dir)))
-        return 0
     df = run_grid(
         experiment, executor=args.executor, jobs=args.jobs, force=args.force, results_dir=args.results_dir,
         address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus, batch_runs=args.batch_runs,

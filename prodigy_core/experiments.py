@@ -668,6 +668,12 @@ class Task:
     folder: str | None = None  # where the record goes: written by whoever finishes the run
     experiment: str = ""
     resume: bool = True  # False (--force): ignore an existing checkpoint
+    key: str = ""  # the run's key when planned ("": computed from config); its record is stored under it
+
+    def run_key(self) -> str:
+        """The key the record goes under: the planned one, computed before training (a plug-in edited while
+        the run trains never moves its record; `results.check_record` then finds it stale)."""
+        return self.key or RunConfig.from_dict(self.config).key()
 
 
 def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
@@ -681,13 +687,14 @@ def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     config = RunConfig.from_dict(task.config)
+    key = task.run_key()
     # the checkpoint goes once the record is stored (`store.save_record`, here or in the driver)
     result = training.run(config, progress=False, checkpoint_dir=task.checkpoint_dir, resume=task.resume,
                           keep_checkpoint=True)  # fmt: skip
     result.stand_in = task.stand_in
     record = result.to_dict()
     if task.folder is not None:
-        store.save_record(Path(task.folder), config.key(), record, task.experiment)
+        store.save_record(Path(task.folder), key, record, task.experiment)
     return record
 
 
@@ -709,7 +716,7 @@ def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
     from prodigy_core import groups
 
     configs = [RunConfig.from_dict(t.config) for t in tasks]
-    keys = [c.key() for c in configs]
+    keys = [t.run_key() for t in tasks]
     pending = set(keys)
     for task, key in zip(tasks, keys, strict=True):
         if not task.resume:  # --force: the group starts from round 0, its checkpoints are replaced
@@ -825,6 +832,7 @@ def plan_grid(
             str(folder),
             experiment.results_name,
             resume=not force,
+            key=c.key(),
         )
         for c in todo
     }
@@ -975,7 +983,7 @@ def _inline_outcomes(
                 yield key, outcome, time.perf_counter() - start
             continue
         for task in claimed:
-            key = RunConfig.from_dict(task.config).key()
+            key = task.run_key()
             try:
                 outcome: Outcome = execute(task)
             except Exception as e:  # recorded as a failed run; the grid goes on
@@ -987,7 +995,7 @@ def _work(tasks: list[Task], threads: int | None = None) -> list[tuple[str, Outc
     """One pool or Ray work item: a single run, or a group of runs."""
     if len(tasks) > 1:
         return execute_group(tasks, threads)
-    return [(RunConfig.from_dict(tasks[0].config).key(), execute(tasks[0], threads))]
+    return [(tasks[0].run_key(), execute(tasks[0], threads))]
 
 
 def _pool_outcomes(

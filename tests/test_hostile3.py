@@ -1,0 +1,211 @@
+"""Hostile inputs, round 3 (issue 35): records that run code, plug-in edits that reuse old numbers, settings
+that merge wrong. One regression test per finding, each against an independent expectation (a file a
+plug-in's top level would write, a hand-computed value, the file system after the fault)."""
+
+import importlib.util
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from prodigy_core import results, training
+from prodigy_core.aggregators import make_aggregator
+from prodigy_core.cli import main
+from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.registry import plugin_hash
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A digits run of a second or less.
+TINY = dict(dataset="digits", n_clients=6, n_byzantine=1, defense="average", attack="none", rounds=2, local_steps=1,
+            batch_size=32, eval_every=1, checkpoint_every=1, device="cpu")  # fmt: skip
+TINY_SET = [f"--set={k}={v}" for k, v in TINY.items()]
+
+# A rule whose module's top level leaves a mark: whoever imports it runs it.
+PAYLOAD = """
+from pathlib import Path
+import torch
+from prodigy_core.aggregators import Rule
+
+Path({mark!r}).write_text("ran")
+
+
+class X(Rule):
+    def __init__(self, f: int, scale: float = 1.0):
+        self.f, self.scale = f, scale
+
+    def aggregate(self, G):
+        return self.scale * G.mean(dim=0)
+"""
+
+
+def payload(folder: Path, name: str = "payload.py") -> Path:
+    """``folder/name`` defining the rule X; returns the file its import would write."""
+    mark = folder / f"{name}.ran"
+    (folder / name).write_text(PAYLOAD.format(mark=str(mark)))
+    return mark
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    folder = tmp_path / "work"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def record_of(config: dict, key: str, plugins: dict) -> dict:
+    return {"key": key, "experiment": "x", "status": "done", "config": config, "final_accuracy": 50.0,
+            "accuracy_curve": [[1, 50.0]], "plugins": plugins}  # fmt: skip
+
+
+# -------------------------------------------------- 7: reading a record never imports code
+
+
+def test_7_judging_a_record_that_names_a_plugin_imports_nothing(work):
+    mark = payload(work)
+    config = {**TINY, "defense": "payload.py:X"}
+    folder = work / "results" / "exp"
+    folder.mkdir(parents=True)
+    for key in ("0123456789abcdef", "fedcba9876543210"):
+        (folder / f"{key}.json").write_text(json.dumps(record_of(config, key, {"payload.py:X": "0" * 16})))
+        record, why = results.judge_record(folder, key)
+        assert record is None and "key" in why  # a key its stored code hash does not give
+    assert not mark.exists()
+
+
+def test_7_a_plugin_record_is_checked_against_its_stored_code_hash(work):
+    from prodigy_core.registry import records_are_data
+
+    mark = payload(work)
+    config = {**TINY, "defense": "payload.py:X", "data_source": "digits"}
+    with records_are_data():
+        key = RunConfig.from_dict(config).key(code={"payload.py:X": "ab" * 8})
+    folder = work / "results" / "exp"
+    folder.mkdir(parents=True)
+    (folder / f"{key}.json").write_text(json.dumps(record_of(config, key, {"payload.py:X": "ab" * 8})))
+    record, why = results.judge_record(folder, key)
+    assert why is None and record["key"] == key and not mark.exists()
+    (folder / f"{key}.json").write_text(json.dumps(record_of(config, key, {})))  # no stored hash
+    assert "without its code hash" in results.judge_record(folder, key)[1] and not mark.exists()
+
+
+def test_7_gpu_import_of_a_tarball_that_plants_a_plugin_runs_nothing(work, gpu_run):
+    config = {**TINY, "defense": "figures/gpu/payload.py:X", "data_source": "digits"}
+    mark = work / "ran"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, text in [("payload.py", PAYLOAD.format(mark=str(mark))),
+                           ("results/gpu_x-mini/0123456789abcdef.json",
+                            json.dumps(record_of(config, "0123456789abcdef", {})))]:  # fmt: skip
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (work / "r.tar.gz").write_bytes(buffer.getvalue())
+    gpu_run.import_results(work / "r.tar.gz", work / "results", work / "figures")
+    assert not mark.exists()
+    assert not (work / "figures" / "gpu" / "payload.py").exists()  # 13: only the kinds a tarball holds
+
+
+@pytest.fixture(scope="module")
+def gpu_run():
+    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu_run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_run"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+# -------------------------------------------------- 8: a dry run imports nothing
+
+
+def test_8_a_dry_run_of_a_params_file_naming_a_plugin_imports_nothing(work, capsys):
+    mark = payload(work)
+    (work / "p.yaml").write_text(
+        "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 2}\n"
+        'grid: {defense: [average, "payload.py:X"], attack: [none]}\nseeds: [0]\n'
+    )
+    assert main(["grid", "p.yaml", "--dry-run", "--results-dir", str(work / "results")]) == 0
+    out = capsys.readouterr().out
+    assert "defense=payload.py:X" in out and "2 runs (0 stored, 2 to run)" in out
+    assert not mark.exists()
+
+
+def test_8_the_docs_say_a_params_file_naming_a_plugin_runs_its_file():
+    for doc in (ROOT / "README.md", ROOT / "docs" / "usage.md"):
+        text = " ".join(doc.read_text().split())
+        assert "runs that file like a script" in text, doc
+
+
+# -------------------------------------------------- 1: a plug-in edited while its run trains
+
+
+RULE = """
+from prodigy_core.aggregators import Rule
+
+
+class Scaled(Rule):
+    def __init__(self, f: int):
+        self.f = f
+
+    def aggregate(self, G):
+        return {scale} * G.mean(dim=0)
+"""
+
+
+def test_1_a_plugin_edited_while_it_trains_keeps_its_record_under_the_old_code(work, monkeypatch, capsys):
+    (work / "rule.py").write_text(RULE.format(scale=1.0))
+    config = RunConfig(**{**TINY, "defense": "rule.py:Scaled"})
+    old_key, old_hash = config.key(), plugin_hash("rule.py:Scaled")
+    real = training.end_round
+
+    def edit_then_end(*args, **kwargs):
+        (work / "rule.py").write_text(RULE.format(scale=0.0))  # the user edits the file meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "end_round", edit_then_end)
+    argv = ["run", *TINY_SET, "--set=defense=rule.py:Scaled", "--results-dir", str(work / "results")]
+    assert main(argv) == 0
+    monkeypatch.setattr(training, "end_round", real)
+    folder = work / "results" / "runs"
+    stored = json.loads((folder / f"{old_key}.json").read_text())
+    assert stored["plugins"] == {"rule.py:Scaled": old_hash}  # the code that ran
+    assert results.judge_record(folder, old_key)[1] is None  # valid: old code, old key
+    new_key = RunConfig(**{**TINY, "defense": "rule.py:Scaled"}).key()
+    assert new_key != old_key and not (folder / f"{new_key}.json").exists()
+    capsys.readouterr()
+    assert main(argv) == 0  # the edited rule trains: no stored result of the old code
+    assert "stored result" not in capsys.readouterr().err
+    assert (folder / f"{new_key}.json").exists()
+
+
+# -------------------------------------------------- 2: a plug-in's helper module is in its key
+
+
+def test_2_editing_a_helper_beside_a_plugin_changes_its_key_and_its_code(work, monkeypatch):
+    monkeypatch.syspath_prepend(str(work))
+    (work / "helpers_35.py").write_text("SCALE = 1.0\n")
+    (work / "rule.py").write_text(
+        "import helpers_35\nfrom prodigy_core.aggregators import Rule\n\n\nclass Scaled(Rule):\n"
+        "    def __init__(self, f: int):\n        self.f = f\n\n"
+        "    def aggregate(self, G):\n        return helpers_35.SCALE * G.mean(dim=0)\n"
+    )
+    config = RunConfig(**{**TINY, "defense": "rule.py:Scaled"})
+    before = config.key()
+    G = torch.ones(6, 3)
+    assert torch.equal(make_aggregator("rule.py:Scaled", 1)(G), torch.ones(3))
+    (work / "helpers_35.py").write_text("SCALE = 2.0\n")
+    assert config.key() != before  # the helper is part of the plug-in's code
+    assert torch.equal(make_aggregator("rule.py:Scaled", 1)(G), 2 * torch.ones(3))  # and runs edited
+    sys.modules.pop("helpers_35", None)
+
+
+def test_config_error_is_still_raised_for_a_bad_plugin_setting_outside_records(work):
+    payload(work)
+    with pytest.raises(ConfigError, match="no setting 'nope'"):
+        RunConfig(**{**TINY, "defense": "payload.py:X", "defense_params": {"nope": 1}})
