@@ -403,13 +403,33 @@ def tar_member_kind(member: tarfile.TarInfo) -> str | None:
     return None
 
 
+def read_record(content: bytes, file_name: str) -> tuple[dict, bool, str | None]:
+    """(record, whether its key is current, None), or ({}, False, why it is skipped): not UTF-8 JSON, not an
+    object, no config or an invalid one, or a current key whose record is invalid (`results.check_record`).
+    Imports no code: the key comes from the stored fields and plug-in hashes (`results.record_config_key`)."""
+    from prodigy_core import results as store
+    from prodigy_core.config import ConfigError
+
+    try:
+        record = json.loads(content.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError too
+        return {}, False, f"not JSON ({e})"
+    if not isinstance(record, dict):
+        return {}, False, f"not a JSON object ({type(record).__name__})"
+    try:
+        current = store.record_config_key(record) == record.get("key")
+    except (ConfigError, TypeError, KeyError) as e:
+        return {}, False, f"no config or an invalid one ({e})"
+    why = store.check_record(record, Path(file_name)) if current else None
+    return record, current, why
+
+
 def import_results(tarball: Path, results_root: Path, figures_root: Path) -> list[Path]:
     """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/.
     Records are data: their keys are checked from their stored fields and plug-in hashes, no code is
     imported (`results.record_config_key`); a member of another kind, too big, or a record that is not
     valid JSON with a valid config is skipped with a warning naming it."""
     from prodigy_core import results as store
-    from prodigy_core.config import ConfigError
     from prodigy_core.experiments import load_experiment
     from prodigy_core.report import write_report
 
@@ -425,14 +445,7 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
             name = Path(member.name)
             content = tar.extractfile(member).read()
             if name.parts[0] == "results" and ".failed" not in name.name:
-                try:
-                    record = json.loads(content.decode("utf-8"))
-                    current = store.record_config_key(record) == record.get("key")
-                except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
-                    what = "no config or an invalid one" if isinstance(e, ConfigError) else "not JSON"
-                    print(f"gpu_run import: skipped {member.name!r}: {what} ({e})", file=sys.stderr)
-                    continue
-                why = store.check_record(record, Path(name.name)) if current else None
+                record, current, why = read_record(content, name.name)
                 if why is not None:
                     print(f"gpu_run import: skipped {member.name!r}: {why}", file=sys.stderr)
                     continue

@@ -21,8 +21,8 @@ from prodigy_core.registry import plugin_hash
 ROOT = Path(__file__).resolve().parents[1]
 
 # A digits run of a second or less.
-TINY = dict(dataset="digits", n_clients=6, n_byzantine=1, defense="average", attack="none", rounds=2, local_steps=1,
-            batch_size=32, eval_every=1, checkpoint_every=1, device="cpu")  # fmt: skip
+TINY = dict(dataset="digits", n_clients=6, n_byzantine=1, defense="average", attack="none", rounds=2,
+            local_steps=1, batch_size=32, eval_every=1, checkpoint_every=1, device="cpu")  # fmt: skip
 TINY_SET = [f"--set={k}={v}" for k, v in TINY.items()]
 
 # A rule whose module's top level leaves a mark: whoever imports it runs it.
@@ -97,19 +97,59 @@ def test_7_a_plugin_record_is_checked_against_its_stored_code_hash(work):
 def test_7_gpu_import_of_a_tarball_that_plants_a_plugin_runs_nothing(work, gpu_run):
     config = {**TINY, "defense": "figures/gpu/payload.py:X", "data_source": "digits"}
     mark = work / "ran"
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for name, text in [("payload.py", PAYLOAD.format(mark=str(mark))),
-                           ("results/gpu_x-mini/0123456789abcdef.json",
-                            json.dumps(record_of(config, "0123456789abcdef", {})))]:  # fmt: skip
-            data = text.encode()
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    (work / "r.tar.gz").write_bytes(buffer.getvalue())
+    write_tar(work / "r.tar.gz", [("payload.py", PAYLOAD.format(mark=str(mark))),
+                                  ("results/gpu_x-mini/0123456789abcdef.json",
+                                   json.dumps(record_of(config, "0123456789abcdef", {})))])  # fmt: skip
     gpu_run.import_results(work / "r.tar.gz", work / "results", work / "figures")
     assert not mark.exists()
     assert not (work / "figures" / "gpu" / "payload.py").exists()  # 13: only the kinds a tarball holds
+
+
+def write_tar(path: Path, members: list[tuple[str, str | bytes]]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in members:
+            data = text.encode() if isinstance(text, str) else text
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+# ------------------------------------------- 11, 13, 17: gpu_run.py import reads only what the driver writes
+
+
+def test_11_import_refuses_a_member_over_the_size_cap_unread(work, gpu_run, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_run, "MAX_MEMBER_BYTES", 1000)
+    tarball = write_tar(work / "r.tar.gz", [("log.txt", "x" * 2000), ("env.txt", "small")])
+    gpu_run.import_results(tarball, work / "results", work / "figures")
+    assert (
+        not (work / "figures" / "gpu" / "log.txt").exists()
+        and (work / "figures" / "gpu" / "env.txt").exists()
+    )
+    assert "'log.txt'" in capsys.readouterr().err
+
+
+def test_13_a_member_named_results_never_turns_results_gpu_into_a_file(work, gpu_run, capsys):
+    tarball = write_tar(work / "r.tar.gz", [("results", "not a folder"), ("results/x/y/z.json", "{}")])
+    gpu_run.import_results(tarball, work / "results", work / "figures")
+    assert not (work / "results" / "gpu").is_file() and not (work / "results" / "gpu" / "x").exists()
+    err = capsys.readouterr().err
+    assert "skipped 'results'" in err and "skipped 'results/x/y/z.json'" in err
+
+
+@pytest.mark.parametrize(
+    "content, what",
+    [(b"\xff not json", "not JSON"), (b"[1, 2]", "not a JSON object"), (b'{"key": "k"}', "no config"),
+     (json.dumps({"key": "k", "config": {"rounds": -1}}).encode(), "invalid")],
+)  # fmt: skip
+def test_17_import_skips_a_bad_record_with_a_warning_naming_it(work, gpu_run, capsys, content, what):
+    name = "results/gpu_x-mini/0123456789abcdef.json"
+    gpu_run.import_results(
+        write_tar(work / "r.tar.gz", [(name, content)]), work / "results", work / "figures"
+    )
+    err = capsys.readouterr().err
+    assert f"skipped {name!r}" in err and what in err, err
+    assert not list((work / "results").rglob("*.json"))
 
 
 @pytest.fixture(scope="module")
