@@ -27,7 +27,15 @@ from typing import Any
 
 import prodigy_core
 from prodigy_core import paths
-from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, as_row, field_names, parse_value
+from prodigy_core.config import (
+    SETTINGS_FIELDS,
+    ConfigError,
+    RunConfig,
+    SettingsUpdate,
+    as_row,
+    field_names,
+    parse_value,
+)
 from prodigy_core.registry import records_are_data
 
 EXIT_USAGE = 2
@@ -208,15 +216,16 @@ def scale_flag(scale: str) -> str:
 
 def parse_fields(pairs: list[str]) -> dict[str, Any]:
     """`["rounds=50", "defense=prodigy"]` -> {"rounds": 50, "defense": "prodigy"}, typed like RunConfig;
-    ``defense_params.tau=5`` sets one setting of the rule (``attack_params.eps=1`` of the attack)."""
+    ``defense_params.tau=5`` sets one setting of the rule (``attack_params.eps=1`` of the attack), the
+    params file's other settings kept (`config.SettingsUpdate`)."""
     fields: dict[str, Any] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep:
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set rounds=50")
         name, dot, setting = name.strip().partition(".")
-        if dot and name in SETTINGS_FIELDS and setting:
-            fields.setdefault(name, {})[setting] = parse_value(name, text)
+        if dot and name in SETTINGS_FIELDS and setting:  # merged into the params file's settings
+            fields.setdefault(name, SettingsUpdate())[setting] = parse_value(name, text)
         elif dot:
             raise ConfigError(
                 f"--set {pair!r}: only {' and '.join(SETTINGS_FIELDS)} take a dotted setting "

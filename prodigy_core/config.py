@@ -42,6 +42,15 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field, the value and the fix."""
 
 
+class SettingsUpdate(dict):
+    """Settings given one by one (``--set defense_params.tau=5``): merged into the params file's own settings
+    of that field (`experiments.ParamsSpec.parse`), where a whole mapping (``--set defense_params={tau:
+    5}``) replaces them."""
+
+    def merged_into(self, settings: Any) -> dict[str, Any]:
+        return {**settings, **self} if isinstance(settings, dict) else dict(self)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     dataset: str = "digits"
@@ -427,6 +436,7 @@ __all__ = [
     "as_row",
     "ConfigError",
     "DATA_SOURCES",
+    "SettingsUpdate",
     "decay_round",
     "field_names",
     "parse_settings",

@@ -28,7 +28,7 @@ import yaml
 
 from prodigy_core import paths
 from prodigy_core import results as store
-from prodigy_core.config import ConfigError, RunConfig, field_names
+from prodigy_core.config import ConfigError, RunConfig, SettingsUpdate, field_names
 from prodigy_core.names import FIGURES, did_you_mean
 from prodigy_core.registry import is_plugin
 
@@ -294,7 +294,8 @@ class ParamsSpec:
                 raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
         name, title, paper_table = _header(spec, source, where)
         base = _mapping(spec.get("base") or {}, f"{where}: base")
-        base.update(fields)
+        base.update({k: v.merged_into(base.get(k)) if isinstance(v, SettingsUpdate) else v
+                     for k, v in fields.items()})  # fmt: skip
         grids = _grid_mappings(spec.get("grid"), where)
         seeds = _seeds(spec.get("seeds"), base, fields, where)
         report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
@@ -370,7 +371,9 @@ def _axes(grid: dict, label: str, fields: dict[str, Any], where: str) -> dict[st
             raise ConfigError(f"{where}: {label}.{key} is not a run field{did_you_mean(key, names)}")
         if key == "seed":
             raise ConfigError(f"{where}: {label}.seed: list the seeds in the top-level `seeds` key")
-        if key in fields:
+        if isinstance(fields.get(key), SettingsUpdate) and isinstance(values, list):
+            values = [fields[key].merged_into(v) for v in values]  # --set defense_params.tau=5: into each
+        elif key in fields:
             continue  # pinned by --set
         if not isinstance(values, list) or not values:
             raise ConfigError(

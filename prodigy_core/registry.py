@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import sys
 from collections.abc import Iterator, Mapping
@@ -130,9 +131,22 @@ class Registry:
 
 
 def format_value(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """A setting's value as YAML reads it back to the same value and type, so that two settings that give
+    two keys never give one label: 5 -> "5", 5.0 -> "5.0", 5.00001 -> "5.00001" (the shortest repr),
+    True -> "true", None -> "null", "5" -> '"5"' (a text that would read as another type is quoted)."""
+    import yaml
+
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, str):
+        try:
+            plain = yaml.safe_load(value) == value and "," not in value and "=" not in value
+        except yaml.YAMLError:
+            plain = False
+        return value if plain else json.dumps(value)
+    return repr(value)
 
 
 def settings_of(cls: type) -> dict[str, Any]:

@@ -5,6 +5,7 @@ plug-in's top level would write, a hand-computed value, the file system after th
 import importlib.util
 import io
 import json
+import os
 import sys
 import tarfile
 from pathlib import Path
@@ -14,8 +15,9 @@ import torch
 
 from prodigy_core import results, training
 from prodigy_core.aggregators import make_aggregator
-from prodigy_core.cli import main
-from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.cli import main, parse_fields
+from prodigy_core.config import ConfigError, RunConfig, as_row, parse_settings
+from prodigy_core.experiments import load_experiment
 from prodigy_core.registry import plugin_hash
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +37,7 @@ Path({mark!r}).write_text("ran")
 
 
 class X(Rule):
-    def __init__(self, f: int, scale: float = 1.0):
+    def __init__(self, f: int, scale: float = 1.0, tag=None):
         self.f, self.scale = f, scale
 
     def aggregate(self, G):
@@ -249,3 +251,109 @@ def test_config_error_is_still_raised_for_a_bad_plugin_setting_outside_records(w
     payload(work)
     with pytest.raises(ConfigError, match="no setting 'nope'"):
         RunConfig(**{**TINY, "defense": "payload.py:X", "defense_params": {"nope": 1}})
+
+
+# -------------------------------------------------- 3, 5: labels and the explorer's box are exact
+
+
+@pytest.mark.parametrize(
+    "a, b", [(5.00001, 5.00002), (1, 1.0), (True, 1), ("5", 5), (None, "None"), (1e-5, 1.0000001e-5)]
+)
+def test_3_two_settings_that_give_two_keys_give_two_labels(work, a, b):
+    payload(work)  # a plug-in setting keeps its type: 1 and 1.0 are two keys there
+    runs = [RunConfig(**{**TINY, "defense": "payload.py:X", "defense_params": {"tag": v}}) for v in (a, b)]
+    assert runs[0].key() != runs[1].key()
+    rows = [as_row(r.to_dict())["defense"] for r in runs]
+    assert rows[0] != rows[1], rows
+
+
+def test_3_foe_eps_written_close_stays_two_columns():
+    runs = [RunConfig(**{**TINY, "attack": "foe", "attack_params": {"eps": e}}) for e in (5.00001, 5.00002)]
+    assert as_row(runs[0].to_dict())["attack"] == "foe(eps=5.00001)" != as_row(runs[1].to_dict())["attack"]
+
+
+@pytest.mark.parametrize("settings", [{"tau": 1.23456}, {"tau": 123.456789, "L": 2}, {"tau": 5.0}])
+def test_5_the_explorer_settings_box_runs_the_values_it_was_given(settings):
+    pytest.importorskip("ipywidgets")
+    from prodigy_core.explorer import explorer
+
+    box = explorer(defense="cclip", defense_params=settings).controls["defense_params"]
+    assert parse_settings("defense_params", box.value) == settings, box.value
+
+
+# -------------------------------------------------- 4: --set name.setting merges into the file's settings
+
+
+def test_4_a_dotted_set_keeps_the_params_files_other_settings(work):
+    (work / "p.yaml").write_text(
+        "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 2, "
+        "defense: cclip, defense_params: {L: 1}}\ngrid: {attack: [none]}\nseeds: [0]\n"
+    )
+    fields = parse_fields(["defense_params.tau=5"])
+    (config,) = load_experiment(work / "p.yaml", fields=fields).configs
+    assert dict(config.defense_params) == {"L": 1, "tau": 5.0}
+    (config,) = load_experiment(work / "p.yaml", fields=parse_fields(["defense_params={tau: 5}"])).configs
+    assert dict(config.defense_params) == {"tau": 5.0}  # a whole mapping replaces
+
+
+def test_4_a_dotted_set_merges_into_each_settings_of_a_grid_axis(work):
+    (work / "p.yaml").write_text(
+        "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 2, "
+        "defense: cclip}\ngrid: {defense_params: [{L: 1}, {L: 2}]}\nseeds: [0]\n"
+    )
+    configs = load_experiment(work / "p.yaml", fields=parse_fields(["defense_params.tau=5"])).configs
+    assert [dict(c.defense_params) for c in configs] == [{"L": 1, "tau": 5.0}, {"L": 2, "tau": 5.0}]
+
+
+# -------------------------------------------------- 6, 10, 20: data files
+
+
+def leaf(root: Path, pixel: float = 0.5) -> Path:
+    """A LEAF folder of three writers (4 train and 2 test samples each), one pixel of w_b set to ``pixel``."""
+    for split, n in (("train", 4), ("test", 2)):
+        (root / split).mkdir(parents=True)
+        data = {w: {"x": [[0.5] * 784 for _ in range(n)], "y": list(range(n))} for w in ("w_a", "w_b", "w_c")}
+        data["w_b"]["x"][1][7] = pixel
+        content = {"users": sorted(data), "num_samples": [n] * 3, "user_data": data}
+        (root / split / "part.json").write_text(json.dumps(content))
+    return root
+
+
+@pytest.mark.parametrize("pixel", [1e30, -0.5, 1.5])
+def test_6_a_femnist_pixel_outside_0_1_is_refused(tmp_path, pixel):
+    from prodigy_core.data import DataError, load_federation
+
+    with pytest.raises(
+        DataError, match=r"part.json: writer w_b: x row 1 is not 784 finite numbers in \[0, 1\]"
+    ):
+        load_federation("femnist", 3, "natural", data_dir=leaf(tmp_path / "leaf", pixel))
+    assert load_federation("femnist", 3, "natural", data_dir=leaf(tmp_path / "ok", 1.0)).n_clients == 3
+
+
+def test_10_a_fifo_named_json_in_a_femnist_folder_is_refused_unread(tmp_path):
+    from prodigy_core.data import DataError, load_federation
+
+    folder = leaf(tmp_path / "leaf")
+    os.mkfifo(folder / "train" / "zz.json")  # reading it would block forever
+    with pytest.raises(DataError, match="zz.json: not a regular file"):
+        load_federation("femnist", 3, "natural", data_dir=folder)
+
+
+def test_10_a_fifo_named_jpg_in_an_unpacked_cifar10_copy_is_refused_unread(tmp_path, jpeg_folder):
+    from prodigy_core.data import DataError, decode_cifar10_jpeg
+
+    root = jpeg_folder(tmp_path / "jpeg", per_class=1)
+    fifo = next(root.glob("train/*/*.jp*g"))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=f"{fifo.name}: not a regular file"):
+        decode_cifar10_jpeg(root, tmp_path / "out", progress=False)
+
+
+def test_20_a_non_utf8_json_in_a_femnist_folder_is_named(tmp_path):
+    from prodigy_core.data import DataError, load_federation
+
+    folder = leaf(tmp_path / "leaf")
+    (folder / "train" / "bad.json").write_bytes(b'{"users": ["\xff"]}')
+    with pytest.raises(DataError, match="bad.json: not a UTF-8 LEAF JSON file"):
+        load_federation("femnist", 3, "natural", data_dir=folder)
