@@ -370,7 +370,13 @@ def parse_settings(name: str, text: str) -> dict[str, Any]:
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-_WRITE = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+TYPE_WORDS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    type(None): "null",
+}
 
 
 @functools.cache  # evaluating the annotations costs ~1 ms, and every RunConfig needs them
@@ -391,7 +397,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
                 errors.append(str(e))
         if len(errors) == 1:
             raise ConfigError(errors[-1])
-        what = " or ".join(_WRITE.get(o, str(o)) for o in options)
+        what = " or ".join(TYPE_WORDS.get(o, str(o)) for o in options)
         raise ConfigError(f"{name}={value!r} must be {what}{_number_hint(value)}")
     if hint is type(None):
         if value is not None:
@@ -417,7 +423,9 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         hint_text = _number_hint(value)
         if hint is int and isinstance(value, float) and value.is_integer():
             hint_text = f" (write {int(value)})"
-        raise ConfigError(f"{name}={value!r} must be {_WRITE[hint]}, not {type(value).__name__}{hint_text}")
+        raise ConfigError(
+            f"{name}={value!r} must be {TYPE_WORDS[hint]}, not {type(value).__name__}{hint_text}"
+        )
 
 
 def _number_hint(value: Any) -> str:

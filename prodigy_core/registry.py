@@ -20,6 +20,8 @@ import inspect
 import json
 import math
 import sys
+import types
+import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -176,6 +178,7 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
             raise ValueError(f"{owner} has no setting {key!r}{hint}")
     for key, value in check_values(owner, params).items():
         default = valid[key]
+        _check_type(owner, cls, key, value, default)
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
@@ -186,6 +189,31 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
     if missing:
         raise ValueError(f"{owner} needs the setting(s) {', '.join(missing)} (e.g. {missing[0]}: 1.0)")
     return Settings(sorted(out.items()))
+
+
+def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> None:
+    """A ValueError unless ``value`` fits the setting's annotation (or its default's type, without one) when
+    that is made of int, float, bool, str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true,
+    a number no true."""
+    from prodigy_core.config import TYPE_WORDS
+
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(key)
+    except Exception:  # a plug-in's annotation that does not resolve: its default's type
+        hint = None
+    if hint is None:
+        hint = None if default is inspect.Parameter.empty or default is None else type(default)
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = typing.get_args(hint) if union else (hint,)
+    if not options or not all(o in TYPE_WORDS for o in options):
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    fits = {int: number and isinstance(value, int), float: number, bool: isinstance(value, bool),
+            str: isinstance(value, str), type(None): value is None}  # fmt: skip
+    if not any(fits[o] for o in options):
+        fix = f" (write {int(value)})" if int in options and number and float(value).is_integer() else ""
+        what = " or ".join(TYPE_WORDS[o] for o in options)
+        raise ValueError(f"{owner}: {key}={value!r} must be {what}{fix}")
 
 
 def check_values(owner: str, params: Mapping[str, Any]) -> dict[str, Any]:

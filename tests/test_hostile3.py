@@ -357,3 +357,49 @@ def test_20_a_non_utf8_json_in_a_femnist_folder_is_named(tmp_path):
     (folder / "train" / "bad.json").write_bytes(b'{"users": ["\xff"]}')
     with pytest.raises(DataError, match="bad.json: not a UTF-8 LEAF JSON file"):
         load_federation("femnist", 3, "natural", data_dir=folder)
+
+
+# -------------------------------------------------- 14, 9: integer settings and iteration bounds
+
+
+@pytest.mark.parametrize(
+    "defense, setting, message",
+    [
+        ("cclip", "L=2.0", r"L=2.0 must be an integer \(write 2\)"),
+        ("cclip", "L=2.5", "L=2.5 must be an integer"),
+        ("geomed", "R=2.5", "R=2.5 must be an integer"),
+        ("multikrum", "m=2.5", "m=2.5 must be an integer or null"),
+        ("multikrum", "m=None", "m='None' must be an integer or null"),
+        ("cclip", "tau=true", "tau=True must be a number"),
+    ],
+)
+def test_14_a_float_or_bool_where_an_integer_or_number_is_meant_is_refused_at_config_time(
+    defense, setting, message
+):
+    fields = parse_fields([f"defense={defense}", f"defense_params.{setting}", "n_byzantine=1"])
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_dict(fields)
+
+
+def test_14_integer_settings_written_as_integers_still_run():
+    assert dict(RunConfig(defense="cclip", defense_params={"L": 2, "tau": 5}).defense_params) == {
+        "L": 2,
+        "tau": 5.0,
+    }
+    assert dict(RunConfig(defense="multikrum", n_byzantine=1, defense_params={"m": 4}).defense_params) == {
+        "m": 4
+    }
+
+
+@pytest.mark.parametrize("defense, setting", [("cclip", "L"), ("geomed", "R")])
+def test_9_an_iteration_count_beyond_the_bound_is_refused_not_run(defense, setting, capsys):
+    from prodigy_core.aggregators import MAX_ITERATIONS
+
+    with pytest.raises(ConfigError, match=f"1 <= {setting} <= {MAX_ITERATIONS}, got .*{setting}=1000000000"):
+        RunConfig(defense=defense, defense_params={setting: 10**9})
+    assert RunConfig(defense=defense, defense_params={setting: MAX_ITERATIONS}).defense_params[setting] == 100
+    assert (
+        main(["run", *TINY_SET, f"--set=defense={defense}", f"--set=defense_params.{setting}=1000000000"])
+        == 2
+    )
+    assert "prodigy-fl: error:" in capsys.readouterr().err
