@@ -325,6 +325,10 @@ def preflight(args: argparse.Namespace) -> str | None:
         return (f"data missing: {', '.join(missing)}; copy ../shared/data/cifar10-jpeg and femnist-leaf-24 "
                 f"into "
                 f"{args.data} (benchmarks/README.md)")  # fmt: skip
+    if args.resume is not None and not args.resume.is_file():
+        return f"--resume {args.resume}: no such file (an earlier command's results.tar.gz)"
+    if args.resume is not None and not tarfile.is_tarfile(args.resume):
+        return f"--resume {args.resume}: not a tar archive (an earlier command's results.tar.gz)"
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         probe = args.out / ".write-test"
@@ -353,9 +357,9 @@ def run(args: argparse.Namespace) -> int:
     driver.log(env.rstrip())
     if args.resume:  # an earlier command's records: its finished runs are not run again
         with tarfile.open(args.resume) as tar:
-            for member in tar.getmembers():
+            for member in tar.getmembers():  # the records only, as `import_results` reads them
                 name = Path(member.name)
-                if member.isfile() and name.parts[0] == "results" and ".." not in name.parts:
+                if tar_member_kind(member) is None and name.parts[0] == "results":
                     target = work / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(tar.extractfile(member).read())

@@ -403,3 +403,39 @@ def test_9_an_iteration_count_beyond_the_bound_is_refused_not_run(defense, setti
         == 2
     )
     assert "prodigy-fl: error:" in capsys.readouterr().err
+
+
+# -------------------------------------------------- 18: --resume checked before $OUT is written
+
+
+@pytest.mark.parametrize("kind", ["missing", "not a tar"])
+def test_18_resume_with_a_missing_or_non_tar_file_is_one_line_before_out_is_written(
+    tmp_path, gpu_run, capsys, kind
+):
+    data = tmp_path / "data"
+    (data / "cifar10-jpeg").mkdir(parents=True)
+    (data / "cifar10-jpeg" / "cifar10-jpeg.tar.gz").write_bytes(b"")
+    (data / "femnist-leaf-24").mkdir()
+    resume = tmp_path / "earlier.tar.gz"
+    if kind == "not a tar":
+        resume.write_text("hello")
+    out = tmp_path / "out"
+    argv = [
+        "--simulate",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "w"),
+        "--resume",
+        str(resume),
+    ]
+    assert gpu_run.main(argv) == gpu_run.EXIT_PREFLIGHT
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.count("\n") == 0
+        and f"--resume {resume}: " in err
+        and kind.replace("missing", "no such file") in err
+    )
+    assert not out.exists()
