@@ -439,3 +439,69 @@ def test_18_resume_with_a_missing_or_non_tar_file_is_one_line_before_out_is_writ
         and kind.replace("missing", "no such file") in err
     )
     assert not out.exists()
+
+
+# -------------------------------------------------- 12, 16: the JupyterLab hook and git-setup
+
+
+def _git(folder: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(
+        ["git", "-C", str(folder), *args], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_12_the_save_hook_never_stages_an_untracked_file_whose_name_is_a_glob(tmp_path):
+    import shutil
+
+    from prodigy_core import lab
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    for args in (["init", "-q"], ["config", "user.email", "t@example.org"], ["config", "user.name", "t"]):
+        _git(repo, *args)
+    (repo / "analysis1.ipynb").write_text('{"cells": []}\n')
+    _git(repo, "add", "analysis1.ipynb")
+    _git(repo, "commit", "-q", "-m", "a")
+    (repo / "analysis[1].ipynb").write_text('{"cells": [1]}\n')  # untracked: the glob matches analysis1
+    assert not lab.refresh_git_index(str(repo / "analysis[1].ipynb"))
+    assert _git(repo, "diff", "--cached", "--name-only") == ""
+    assert "?? analysis[1].ipynb" in _git(repo, "status", "--porcelain")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"ContentsManager": "x"}', "ContentsManager='x' is not an object of settings"),
+        ("[1, 2]", "is not a JSON object of settings"),
+        (
+            '{"FileContentsManager": {"post_save_hook": "my.hook"}}',
+            "sets FileContentsManager.post_save_hook='my.hook'",
+        ),
+    ],
+)
+def test_16_git_setup_on_a_config_it_cannot_use_says_why(tmp_path, content, message):
+    from prodigy_core import lab
+
+    config = lab.config_file(str(tmp_path))
+    config.parent.mkdir(parents=True)
+    config.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        lab.install_hook(str(tmp_path))
+    assert config.read_text() == content  # left as it was
+
+
+def test_16_git_setup_fills_a_null_contents_manager(tmp_path):
+    from prodigy_core import lab
+
+    config = lab.config_file(str(tmp_path))
+    config.parent.mkdir(parents=True)
+    config.write_text('{"ContentsManager": null, "ServerApp": {"port_retries": 3}}')
+    lab.install_hook(str(tmp_path))
+    assert json.loads(config.read_text()) == {
+        "ContentsManager": {"post_save_hook": lab.HOOK},
+        "ServerApp": {"port_retries": 3},
+    }
