@@ -1094,10 +1094,17 @@ def _ray_outcomes(
         raise ImportError('executor="ray" needs Ray: pip install "prodigy-fl[ray]"') from None
     started_here = not ray.is_initialized()
     if started_here:
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+        except Exception as e:  # Ray's own errors name no fix: one line that does
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = f"at {address}" if address else "on this machine"
+            raise ValueError(
+                f"Ray could not start {where} ({first}); run without Ray: --executor local (the default)"
+            ) from None
     remote = ray.remote(max_retries=1, retry_exceptions=True)(_work)
     refs: dict[Any, tuple[list[str], float]] = {}
     try:

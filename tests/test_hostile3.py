@@ -505,3 +505,44 @@ def test_16_git_setup_fills_a_null_contents_manager(tmp_path):
         "ContentsManager": {"post_save_hook": lab.HOOK},
         "ServerApp": {"port_retries": 3},
     }
+
+
+# -------------------------------------------------- 22: Ray that cannot start
+
+
+def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_it(work, monkeypatch, capsys):
+    ray = pytest.importorskip("ray")
+
+    def init(*args, **kwargs):
+        raise Exception("The current node timed out during startup.\nThis could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    (work / "p.yaml").write_text(
+        "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 1, "
+        "defense: average}\ngrid: {attack: [none]}\nseeds: [0]\n"
+    )
+    assert main(["grid", "p.yaml", "--executor", "ray", "--results-dir", str(work / "results")]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "prodigy-fl: error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "Ray could not start on this machine (The current node timed out" in lines[0]
+    assert "--executor local" in lines[0]
+
+
+# -------------------------------------------------- 21: a plug-in named like a built-in
+
+
+def test_21_a_plugin_whose_display_is_a_builtins_gets_a_row_of_its_own(work):
+    from prodigy_core.registry import records_are_data
+    from prodigy_core.report import display_value
+
+    (work / "fake.py").write_text(
+        'from prodigy_core.aggregators import Rule\n\n\nclass Fake(Rule):\n    display = "ProDiGy"\n\n'
+        "    def __init__(self, f: int):\n        self.f = f\n\n    def aggregate(self, G):\n"
+        "        return G.mean(dim=0)\n"
+    )
+    shown = [display_value("defense", d) for d in ("prodigy", "fake.py:Fake", "nnm+fake.py:Fake")]
+    assert shown == ["ProDiGy", "ProDiGy [fake.py:Fake]", "NNM+ProDiGy [fake.py:Fake]"]
+    with records_are_data():  # reading records: the spec, never an import
+        assert display_value("defense", "fake.py:Fake") == "fake.py:Fake"
