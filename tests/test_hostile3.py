@@ -546,3 +546,25 @@ def test_21_a_plugin_whose_display_is_a_builtins_gets_a_row_of_its_own(work):
     assert shown == ["ProDiGy", "ProDiGy [fake.py:Fake]", "NNM+ProDiGy [fake.py:Fake]"]
     with records_are_data():  # reading records: the spec, never an import
         assert display_value("defense", "fake.py:Fake") == "fake.py:Fake"
+
+
+# -------------------------------------------------- 15: the explorer takes every setting RunConfig takes
+
+
+@pytest.mark.parametrize(
+    "setting, field, shown",
+    [
+        (dict(attack="foe", attack_params={"eps": 1}), "attack", "foe"),  # the notebook's own example
+        (dict(attack="foe_0.1", attack_params={"eps": 1}), "attack", "foe"),
+        (dict(defense="payload.py:X", attack="none"), "defense", "payload.py:X"),
+    ],
+)
+def test_15_the_explorer_opens_on_a_setting_outside_its_menus(work, setting, field, shown):
+    pytest.importorskip("ipywidgets")
+    from prodigy_core.explorer import explorer
+
+    payload(work)
+    widget = explorer(**setting)
+    assert widget.controls[field].value == shown
+    if "attack_params" in setting:
+        assert parse_settings("attack_params", widget.controls["attack_params"].value) == {"eps": 1}
