@@ -434,6 +434,10 @@ def preflight(args: argparse.Namespace) -> str | None:
         return (f"data missing: {', '.join(missing)}; copy ../shared/data/cifar10-jpeg and femnist-leaf-24 "
                 f"into "
                 f"{args.data} (benchmarks/README.md)")  # fmt: skip
+    if args.resume is not None and not args.resume.is_file():
+        return f"--resume {args.resume}: no such file (an earlier command's results.tar.gz)"
+    if args.resume is not None and not tarfile.is_tarfile(args.resume):
+        return f"--resume {args.resume}: not a tar archive (an earlier command's results.tar.gz)"
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         probe = args.out / ".write-test"
@@ -462,9 +466,9 @@ def run(args: argparse.Namespace) -> int:
     driver.log(env.rstrip())
     if args.resume:  # an earlier command's records: its finished runs are not run again
         with tarfile.open(args.resume) as tar:
-            for member in tar.getmembers():
+            for member in tar.getmembers():  # the records only, as `import_results` reads them
                 name = Path(member.name)
-                if member.isfile() and name.parts[0] == "results" and ".." not in name.parts:
+                if tar_member_kind(member) is None and name.parts[0] == "results":
                     target = work / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(tar.extractfile(member).read())
@@ -502,10 +506,53 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- import
-def import_results(tarball: Path, results_root: Path, figures_root: Path) -> list[Path]:
-    """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/."""
+MAX_MEMBER_BYTES = 64 * 2**20  # a record is a few KB, the log a few MB: a bigger member is refused unread
+TOP_FILES = ("log.txt", "env.txt", "summary.txt", "throughput.json")  # what `Driver.refresh_out` writes
+
+
+def tar_member_kind(member: tarfile.TarInfo) -> str | None:
+    """Why a member of a results tarball is skipped (None: import it): only regular files of the kinds
+    `Driver.refresh_out` writes (results/<folder>/<key>[.failed].json, TOP_FILES), at most
+    MAX_MEMBER_BYTES, are imported."""
+    name = Path(member.name)
+    if not member.isfile():
+        return "not a regular file"
+    if member.size > MAX_MEMBER_BYTES:
+        return f"{member.size:,} bytes, over {MAX_MEMBER_BYTES:,}"
+    record = (len(name.parts) == 3 and name.parts[0] == "results" and name.suffix == ".json"
+              and all(p not in ("", ".", "..") for p in name.parts))  # fmt: skip
+    if not record and member.name not in TOP_FILES:
+        return "not a record (results/<folder>/<key>.json) nor one of " + ", ".join(TOP_FILES)
+    return None
+
+
+def read_record(content: bytes, file_name: str) -> tuple[dict, bool, str | None]:
+    """(record, whether its key is current, None), or ({}, False, why it is skipped): not UTF-8 JSON, not an
+    object, no config or an invalid one, or a current key whose record is invalid (`results.check_record`).
+    Imports no code: the key comes from the stored fields and plug-in hashes (`results.record_config_key`)."""
     from prodigy_core import results as store
-    from prodigy_core.config import RunConfig
+    from prodigy_core.config import ConfigError
+
+    try:
+        record = json.loads(content.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError too
+        return {}, False, f"not JSON ({e})"
+    if not isinstance(record, dict):
+        return {}, False, f"not a JSON object ({type(record).__name__})"
+    try:
+        current = store.record_config_key(record) == record.get("key")
+    except (ConfigError, TypeError, KeyError) as e:
+        return {}, False, f"no config or an invalid one ({e})"
+    why = store.check_record(record, Path(file_name)) if current else None
+    return record, current, why
+
+
+def import_results(tarball: Path, results_root: Path, figures_root: Path) -> list[Path]:
+    """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/.
+    Records are data: their keys are checked from their stored fields and plug-in hashes, no code is
+    imported (`results.record_config_key`); a member of another kind, too big, or a record that is not
+    valid JSON with a valid config is skipped with a warning naming it."""
+    from prodigy_core import results as store
     from prodigy_core.experiments import load_experiment
     from prodigy_core.report import write_report
 
@@ -514,13 +561,17 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     records: list[tuple[str, dict, bool]] = []  # (results folder, record, its key is current)
     with tarfile.open(tarball) as tar:
         for member in tar.getmembers():
-            name = Path(member.name)
-            if not member.isfile() or ".." in name.parts or name.is_absolute():
+            why = tar_member_kind(member)
+            if why is not None:
+                print(f"gpu_run import: skipped {member.name!r}: {why}", file=sys.stderr)
                 continue
+            name = Path(member.name)
             content = tar.extractfile(member).read()
-            if name.parts[0] == "results" and name.suffix == ".json" and ".failed" not in name.name:
-                record = json.loads(content)
-                current = RunConfig.from_dict(record["config"]).key() == record.get("key")
+            if name.parts[0] == "results" and ".failed" not in name.name:
+                record, current, why = read_record(content, name.name)
+                if why is not None:
+                    print(f"gpu_run import: skipped {member.name!r}: {why}", file=sys.stderr)
+                    continue
                 records.append((name.parent.name, record, current))
                 if not current:  # e.g. an older AUTHORS_REVISION: listed in PROVENANCE.md, not reported
                     continue
@@ -569,13 +620,16 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
     rows = []
     setting = ("variant", "defense", "attack")
     for folder, r, current in sorted(records, key=lambda fr: (fr[0], *(fr[1]["config"][k] for k in setting))):
-        c, e = r["config"], r["environment"]
-        seconds = sum(t for t in r.get("round_times") or [] if t)
+        c, e = r["config"], r.get("environment") or {}  # a stale record is listed as it is
+        seconds = sum(t for t in r.get("round_times") or [] if isinstance(t, int | float))
+        accuracy = r.get("final_accuracy")
+        accuracy = f"{accuracy:.2f}" if isinstance(accuracy, int | float) else str(accuracy)
         rows.append(
             f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
-            f"| {c['rounds']} | {r['final_accuracy']:.2f} | {seconds:.1f} | {e.get('gpu', e['device'])} "
-            f"| {e['torch']} | {e.get('precision', 'fp32')} | {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} "
-            f"| {e.get('deterministic')} | {'yes' if current else 'no'} |"
+            f"| {c['rounds']} | {accuracy} | {seconds:.1f} | {e.get('gpu', e.get('device'))} "
+            f"| {e.get('torch')} | {e.get('precision', 'fp32')} "
+            f"| {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
+            f"| {'yes' if current else 'no'} |"
         )
     path = figures_dir / "PROVENANCE.md"
     path.write_text(

@@ -54,6 +54,11 @@ def _check_input(G: Tensor, rule: str) -> None:
         raise ValueError(f"{rule}: the client vectors are empty (d=0)")
 
 
+# The most iterations per round a rule's setting may ask for (CClip's L, GeoMed's R; the papers use 1 to 3):
+# a typo such as L=1000000000 is refused instead of hanging a run.
+MAX_ITERATIONS = 100
+
+
 def check_f(rule: str, f: int, minimum: int = 0) -> int:
     """f, or a ValueError naming ``rule`` when f is not an integer >= minimum (for a rule's ``__init__``)."""
     if isinstance(f, bool) or not isinstance(f, int) or f < minimum:
@@ -492,8 +497,8 @@ class GeoMed(Rule):
 
     def __init__(self, f: int = 0, nu: float = 0.1, R: int = 3):
         self.f = check_f("GeoMed", f)
-        if not nu > 0 or R < 1:
-            raise ValueError(f"GeoMed: needs nu > 0 and R >= 1, got nu={nu}, R={R}")
+        if not nu > 0 or not 1 <= R <= MAX_ITERATIONS:
+            raise ValueError(f"GeoMed: needs nu > 0 and 1 <= R <= {MAX_ITERATIONS}, got nu={nu}, R={R}")
         self.nu, self.R = nu, R
 
     def check_n(self, n: int) -> None:
@@ -552,6 +557,8 @@ class MultiKrum(Rule):
 
     def __init__(self, f: int, m: int | None = None):
         self.f = check_f("MultiKrum", f)
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"MultiKrum: m must be an integer >= 1 or null (N - f), got m={m!r}")
         self.m = m
 
     def check_n(self, n: int) -> None:
@@ -623,8 +630,8 @@ class CClip(Rule):
 
     def __init__(self, f: int = 0, tau: float = 10.0, L: int = 3, variant: str = "paper"):
         self.f = check_f("CClip", f)
-        if not tau > 0 or L < 1:
-            raise ValueError(f"CClip: needs tau > 0 and L >= 1, got tau={tau}, L={L}")
+        if not tau > 0 or not 1 <= L <= MAX_ITERATIONS:
+            raise ValueError(f"CClip: needs tau > 0 and 1 <= L <= {MAX_ITERATIONS}, got tau={tau}, L={L}")
         self.tau, self.L = tau, L
         self.variant = check_variant("CClip", variant)
         self.prev: Tensor | None = None

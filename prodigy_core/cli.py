@@ -27,7 +27,16 @@ from typing import Any
 
 import prodigy_core
 from prodigy_core import paths
-from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, as_row, field_names, parse_value
+from prodigy_core.config import (
+    SETTINGS_FIELDS,
+    ConfigError,
+    RunConfig,
+    SettingsUpdate,
+    as_row,
+    field_names,
+    parse_value,
+)
+from prodigy_core.registry import records_are_data
 
 EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
@@ -207,15 +216,16 @@ def scale_flag(scale: str) -> str:
 
 def parse_fields(pairs: list[str]) -> dict[str, Any]:
     """`["rounds=50", "defense=prodigy"]` -> {"rounds": 50, "defense": "prodigy"}, typed like RunConfig;
-    ``defense_params.tau=5`` sets one setting of the rule (``attack_params.eps=1`` of the attack)."""
+    ``defense_params.tau=5`` sets one setting of the rule (``attack_params.eps=1`` of the attack), the
+    params file's other settings kept (`config.SettingsUpdate`)."""
     fields: dict[str, Any] = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
         if not sep:
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set rounds=50")
         name, dot, setting = name.strip().partition(".")
-        if dot and name in SETTINGS_FIELDS and setting:
-            fields.setdefault(name, {})[setting] = parse_value(name, text)
+        if dot and name in SETTINGS_FIELDS and setting:  # merged into the params file's settings
+            fields.setdefault(name, SettingsUpdate())[setting] = parse_value(name, text)
         elif dot:
             raise ConfigError(
                 f"--set {pair!r}: only {' and '.join(SETTINGS_FIELDS)} take a dotted setting "
@@ -258,8 +268,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     config = experiment.configs[0]
     folder = results.experiment_dir(experiment.results_name, args.results_dir)
-    path = results.record_path(folder, config.key())
-    stored = None if args.force else results.stored_record(folder, config.key())
+    key = config.key()  # once, before training: an edit of a plug-in during the run never renames its record
+    path = results.record_path(folder, key)
+    stored = None if args.force else results.stored_record(folder, key)
     if stored is not None:
         record = stored
         print(f"stored result {path} (use --force to rerun)", file=sys.stderr)
@@ -268,7 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder),
                               resume=not args.force, keep_checkpoint=True)  # fmt: skip
         result.stand_in = experiment.stand_in_for(config)
-        results.save_record(folder, config.key(), result.to_dict(), experiment.results_name)
+        results.save_record(folder, key, result.to_dict(), experiment.results_name)
         record = json.loads(path.read_text())
     stand_in = f" [stand-in: {record['stand_in']}]" if record.get("stand_in") else ""
     accuracy = record["final_accuracy"]
@@ -303,12 +314,15 @@ batch_runs = auto_or_count("stacked where faster", "one run at a time")  # --bat
 def cmd_grid(args: argparse.Namespace) -> int:
     from prodigy_core.experiments import load_experiment, run_grid, select, undone
 
+    if args.dry_run:  # imports no plug-in: a dry run runs no code of the params file's
+        with records_are_data():
+            experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
+            experiment = select(experiment, parse_only(args.only)) if args.only else experiment
+            print("\n".join(dry_run(experiment, args.results_dir)))
+        return 0
     experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
     if args.only:
         experiment = select(experiment, parse_only(args.only))
-    if args.dry_run:
-        print("\n".join(dry_run(experiment, args.results_dir)))
-        return 0
     df = run_grid(
         experiment, executor=args.executor, jobs=args.jobs, force=args.force, results_dir=args.results_dir,
         address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus, batch_runs=args.batch_runs,

@@ -15,6 +15,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,15 @@ SETTINGS_FIELDS = tuple(f"{name}_params" for name in NAMED_FIELDS)
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field, the value and the fix."""
+
+
+class SettingsUpdate(dict):
+    """Settings given one by one (``--set defense_params.tau=5``): merged into the params file's own settings
+    of that field (`experiments.ParamsSpec.parse`), where a whole mapping (``--set defense_params={tau:
+    5}``) replaces them."""
+
+    def merged_into(self, settings: Any) -> dict[str, Any]:
+        return {**settings, **self} if isinstance(settings, dict) else dict(self)
 
 
 @dataclass(frozen=True)
@@ -166,10 +176,12 @@ class RunConfig:
             else self.weight_decay,
         )
 
-    def key(self) -> str:
+    def key(self, code: Mapping[str, str] | None = None) -> str:
         """Hash of every resolved field that affects the result, and of nothing else: settings only when
-        given (so keys made before settings existed stay valid), a plug-in's file hash
-        (`registry.plugin_hash`). Reads the disk: a plug-in's file is hashed, and when `data_source` is None
+        given (so keys made before settings existed stay valid), a plug-in's code hash
+        (`registry.plugin_hash`; ``code``: {spec: hash} to use instead, a record's ``plugins``, so that a
+        record's key is checked without reading any plug-in file; a KeyError names a spec it lacks).
+        Reads the disk: a plug-in's code is hashed (never imported), and when `data_source` is None
         `resolved` looks the source up on this machine (which CIFAR-10 copy, or a hash of the FEMNIST
         writers), so such a config's key can change with this machine's data; a config with `data_source` set
         (every task `run_grid` hands a worker, every stored record) hashes its fields alone."""
@@ -182,7 +194,7 @@ class RunConfig:
             if not d[name]:
                 d.pop(name)
         for name, spec in self.plugin_specs().items():
-            d[f"{name}_code"] = plugin_hash(spec, name)
+            d[f"{name}_code"] = plugin_hash(spec, name) if code is None else code[spec]
         if d["distribution"] != "dirichlet":
             d.pop("dirichlet_alpha")
         if d["dataset"] != "femnist":
@@ -278,16 +290,22 @@ class RunConfig:
             )
         if self.weight_decay is not None and self.weight_decay < 0:
             raise ConfigError(f"weight_decay={self.weight_decay} must be >= 0")
-        # The rule and the attack check their own constraints (one source of truth for each limit).
+        # The rule and the attack check their own constraints (one source of truth for each limit); a
+        # plug-in only when plug-ins may be imported (not while records are read: `records_are_data`).
         from prodigy_core.aggregators import make_aggregator
         from prodigy_core.attacks import make_attack
+        from prodigy_core.registry import imports_plugins
 
+        data_only = set() if imports_plugins() else set(self.plugin_specs())
+        n, f = self.n_clients, self.n_byzantine
         try:
-            make_aggregator(self.defense, self.n_byzantine, self.n_clients, self.variant, self.defense_params)
+            if "defense" not in data_only:
+                make_aggregator(self.defense, f, n, self.variant, self.defense_params)
         except ValueError as e:
             raise ConfigError(f"defense={self.defense!r}: {e}") from None
         try:
-            make_attack(self.attack, variant=self.variant, params=self.attack_params)
+            if "attack" not in data_only:
+                make_attack(self.attack, variant=self.variant, params=self.attack_params)
         except ValueError as e:
             raise ConfigError(f"attack={self.attack!r}: {e}") from None
         if self.attack != "none" and self.n_byzantine == 0:
@@ -360,7 +378,13 @@ def parse_settings(name: str, text: str) -> dict[str, Any]:
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-_WRITE = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+TYPE_WORDS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    type(None): "null",
+}
 
 
 @functools.cache  # evaluating the annotations costs ~1 ms, and every RunConfig needs them
@@ -381,7 +405,7 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
                 errors.append(str(e))
         if len(errors) == 1:
             raise ConfigError(errors[-1])
-        what = " or ".join(_WRITE.get(o, str(o)) for o in options)
+        what = " or ".join(TYPE_WORDS.get(o, str(o)) for o in options)
         raise ConfigError(f"{name}={value!r} must be {what}{_number_hint(value)}")
     if hint is type(None):
         if value is not None:
@@ -407,7 +431,9 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         hint_text = _number_hint(value)
         if hint is int and isinstance(value, float) and value.is_integer():
             hint_text = f" (write {int(value)})"
-        raise ConfigError(f"{name}={value!r} must be {_WRITE[hint]}, not {type(value).__name__}{hint_text}")
+        raise ConfigError(
+            f"{name}={value!r} must be {TYPE_WORDS[hint]}, not {type(value).__name__}{hint_text}"
+        )
 
 
 def _number_hint(value: Any) -> str:
@@ -427,6 +453,7 @@ __all__ = [
     "ConfigError",
     "DATA_SOURCES",
     "PRECISIONS",
+    "SettingsUpdate",
     "decay_round",
     "field_names",
     "parse_settings",

@@ -182,6 +182,7 @@ def leaf_writer_counts(leaf_dir: Path) -> dict[str, tuple[int, int]]:
     for split in ("train", "test"):
         counts: dict[str, int] = {}
         for path in sorted((leaf_dir / split).glob("*.json")):
+            _check_regular(path)
             stat = path.stat()
             counts.update(_leaf_file_counts(str(path), stat.st_mtime_ns, stat.st_size))
         splits.append(counts)
@@ -199,8 +200,7 @@ def _leaf_file_counts(path: str, mtime_ns: int, size: int) -> dict[str, int]:
     """{writer: num_samples} of one LEAF JSON file. LEAF writes `users` and `num_samples` before
     `user_data`: that head is parsed alone (0.1 s instead of 4 s for 8,000 samples); else the whole file."""
     del mtime_ns, size  # part of the cache key only
-    with open(path) as fh:
-        text = fh.read()
+    text = _read_leaf_text(Path(path))
     head = text[: max(text.find('"user_data"'), 0)].rstrip().rstrip(",")
     try:
         content = json.loads(head + "}")
@@ -808,6 +808,7 @@ def _cifar10_jpeg_files(source: Path) -> dict[tuple[str, str], dict[str, Callabl
         for path in sorted(source.glob("*/*/*")):
             match = pattern.search(path.relative_to(source).as_posix())
             if match:
+                _check_regular(path)
                 _check_jpeg_size(source, path.relative_to(source).as_posix(), path.stat().st_size)
                 files.setdefault(match.group(1, 2), {})[match.group(3)] = path.read_bytes
     elif source.is_file():
@@ -835,11 +836,10 @@ def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list, Path]]:
     DataError naming the file (and the writer) when it does not have LEAF's structure."""
     writers: dict[str, tuple[list, list, Path]] = {}
     for path in sorted(directory.glob("*.json")):
-        with open(path) as f:
-            try:
-                content = json.load(f)
-            except ValueError as e:
-                raise DataError(f"{path}: not a valid LEAF JSON file ({e})") from None
+        try:
+            content = json.loads(_read_leaf_text(path))
+        except ValueError as e:
+            raise DataError(f"{path}: not a valid LEAF JSON file ({e})") from None
         users = content.get("users") if isinstance(content, dict) else None
         user_data = content.get("user_data") if isinstance(content, dict) else None
         if not isinstance(users, list) or not isinstance(user_data, dict):
@@ -858,9 +858,24 @@ def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list, Path]]:
     return writers
 
 
+def _check_regular(path: Path) -> None:
+    """A DataError naming ``path`` unless it is a regular file (a FIFO or a device would block a read)."""
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file (a FIFO, a device or a folder); move it out of the data")
+
+
+def _read_leaf_text(path: Path) -> str:
+    """A LEAF JSON file's text; a DataError naming the file when it is not a regular file or not UTF-8."""
+    _check_regular(path)
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a UTF-8 LEAF JSON file ({e})") from None
+
+
 def _writer_tensors(x: list, y: list, path: Path, writer: str) -> tuple[Tensor, Tensor]:
     """One writer's images (n, 784) float32 and labels (n,) int64, checked: as many x rows as labels, 784
-    finite values a row, integer labels among the FEMNIST_CLASSES classes; DataError naming the file and
+    values in [0, 1] a row, integer labels among the FEMNIST_CLASSES classes; DataError naming the file and
     the writer (a shifted row would otherwise pair later images with the wrong labels, silently)."""
     where = f"{path}: writer {writer}"
     if len(x) != len(y):
@@ -879,10 +894,10 @@ def _writer_tensors(x: list, y: list, path: Path, writer: str) -> tuple[Tensor, 
     bad = (
         torch.arange(len(x))
         if images is None
-        else torch.nonzero(~torch.isfinite(images).all(dim=1)).flatten()
+        else torch.nonzero(~((images >= 0) & (images <= 1)).all(dim=1)).flatten()  # NaN fails both
     )
     if len(bad):
-        raise DataError(f"{where}: x row {int(bad[0])} is not 784 finite numbers")
+        raise DataError(f"{where}: x row {int(bad[0])} is not 784 finite numbers in [0, 1] (LEAF's scale)")
     return images, torch.tensor(y, dtype=torch.long)
 
 

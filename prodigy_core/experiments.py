@@ -28,7 +28,7 @@ import yaml
 
 from prodigy_core import paths
 from prodigy_core import results as store
-from prodigy_core.config import ConfigError, RunConfig, field_names
+from prodigy_core.config import ConfigError, RunConfig, SettingsUpdate, field_names
 from prodigy_core.names import FIGURES, did_you_mean
 from prodigy_core.registry import is_plugin
 
@@ -294,7 +294,8 @@ class ParamsSpec:
                 raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, TOP_LEVEL_KEYS)}")
         name, title, paper_table = _header(spec, source, where)
         base = _mapping(spec.get("base") or {}, f"{where}: base")
-        base.update(fields)
+        base.update({k: v.merged_into(base.get(k)) if isinstance(v, SettingsUpdate) else v
+                     for k, v in fields.items()})  # fmt: skip
         grids = _grid_mappings(spec.get("grid"), where)
         seeds = _seeds(spec.get("seeds"), base, fields, where)
         report = _mapping(spec.get("report") or {}, f"{where}: report", names=REPORT_KEYS, check_fields=False)
@@ -370,7 +371,9 @@ def _axes(grid: dict, label: str, fields: dict[str, Any], where: str) -> dict[st
             raise ConfigError(f"{where}: {label}.{key} is not a run field{did_you_mean(key, names)}")
         if key == "seed":
             raise ConfigError(f"{where}: {label}.seed: list the seeds in the top-level `seeds` key")
-        if key in fields:
+        if isinstance(fields.get(key), SettingsUpdate) and isinstance(values, list):
+            values = [fields[key].merged_into(v) for v in values]  # --set defense_params.tau=5: into each
+        elif key in fields:
             continue  # pinned by --set
         if not isinstance(values, list) or not values:
             raise ConfigError(
@@ -668,6 +671,12 @@ class Task:
     folder: str | None = None  # where the record goes: written by whoever finishes the run
     experiment: str = ""
     resume: bool = True  # False (--force): ignore an existing checkpoint
+    key: str = ""  # the run's key when planned ("": computed from config); its record is stored under it
+
+    def run_key(self) -> str:
+        """The key the record goes under: the planned one, computed before training (a plug-in edited while
+        the run trains never moves its record; `results.check_record` then finds it stale)."""
+        return self.key or RunConfig.from_dict(self.config).key()
 
 
 def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
@@ -681,13 +690,14 @@ def execute(task: Task, threads: int | None = None) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     config = RunConfig.from_dict(task.config)
+    key = task.run_key()
     # the checkpoint goes once the record is stored (`store.save_record`, here or in the driver)
     result = training.run(config, progress=False, checkpoint_dir=task.checkpoint_dir, resume=task.resume,
                           keep_checkpoint=True)  # fmt: skip
     result.stand_in = task.stand_in
     record = result.to_dict()
     if task.folder is not None:
-        store.save_record(Path(task.folder), config.key(), record, task.experiment)
+        store.save_record(Path(task.folder), key, record, task.experiment)
     return record
 
 
@@ -709,7 +719,7 @@ def _group_outcomes(tasks: list[Task]) -> Iterator[tuple[str, Outcome]]:
     from prodigy_core import groups
 
     configs = [RunConfig.from_dict(t.config) for t in tasks]
-    keys = [c.key() for c in configs]
+    keys = [t.run_key() for t in tasks]
     pending = set(keys)
     for task, key in zip(tasks, keys, strict=True):
         if not task.resume:  # --force: the group starts from round 0, its checkpoints are replaced
@@ -826,6 +836,7 @@ def plan_grid(
             str(folder),
             experiment.results_name,
             resume=not force,
+            key=c.key(),
         )
         for c in todo
     }
@@ -1001,7 +1012,7 @@ def _inline_batches(
                 yield key, outcome, time.perf_counter() - start
             continue
         for task in claimed:
-            key = RunConfig.from_dict(task.config).key()
+            key = task.run_key()
             try:
                 outcome: Outcome = execute(task)
             except Exception as e:  # recorded as a failed run; the grid goes on
@@ -1013,7 +1024,7 @@ def _work(tasks: list[Task], threads: int | None = None) -> list[tuple[str, Outc
     """One pool or Ray work item: a single run, or a group of runs."""
     if len(tasks) > 1:
         return execute_group(tasks, threads)
-    return [(RunConfig.from_dict(tasks[0].config).key(), execute(tasks[0], threads))]
+    return [(tasks[0].run_key(), execute(tasks[0], threads))]
 
 
 def _pool_outcomes(
@@ -1109,10 +1120,17 @@ def _ray_outcomes(
         raise ImportError('executor="ray" needs Ray: pip install "prodigy-fl[ray]"') from None
     started_here = not ray.is_initialized()
     if started_here:
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+        except Exception as e:  # Ray's own errors name no fix: one line that does
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = f"at {address}" if address else "on this machine"
+            raise ValueError(
+                f"Ray could not start {where} ({first}); run without Ray: --executor local (the default)"
+            ) from None
     remote = ray.remote(max_retries=1, retry_exceptions=True)(_work)
     refs: dict[Any, tuple[list[str], float]] = {}
     try:

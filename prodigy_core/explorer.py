@@ -256,6 +256,9 @@ def explorer(**setting: Any) -> Any:
         return widgets.Text(value=settings_text(settings), placeholder=SETTINGS_PLACEHOLDER, tooltip=tip)
 
     s = explorer_setting(**setting)
+    # a name the menus lack but the setting gives (``foe`` with its eps, a plug-in) is offered too
+    menus = {"attack": list(ATTACKS.ready()), "defense": list(EXPLORER_DEFENSES)}
+    given = {field: [s[field]] if s[field] not in menus[field] else [] for field in menus}
     (n_low, n_high), (t_low, t_high) = EXPLORER_RANGES["n_clients"], EXPLORER_RANGES["rounds"]
     alpha_low, alpha_high = (math.log10(a) for a in EXPLORER_RANGES["dirichlet_alpha"])
     fill = {"width": "100%"}
@@ -269,8 +272,12 @@ def explorer(**setting: Any) -> Any:
         dirichlet_alpha=widgets.FloatLogSlider(
             value=s["dirichlet_alpha"], base=10, min=alpha_low, max=alpha_high
         ),  # fmt: skip
-        attack=widgets.Dropdown(options=choices("attack", list(ATTACKS.ready())), value=s["attack"]),
-        defense=widgets.Dropdown(options=choices("defense", EXPLORER_DEFENSES), value=s["defense"]),
+        attack=widgets.Dropdown(
+            options=choices("attack", menus["attack"] + given["attack"]), value=s["attack"]
+        ),
+        defense=widgets.Dropdown(
+            options=choices("defense", menus["defense"] + given["defense"]), value=s["defense"]
+        ),
         defense_params=settings_box(s["defense_params"]),
         attack_params=settings_box(s["attack_params"]),
         rounds=widgets.IntSlider(value=s["rounds"], min=t_low, max=t_high),
@@ -327,10 +334,10 @@ def explorer(**setting: Any) -> Any:
         controls["data_dir"].disabled = dataset == "digits"
         controls["download"].disabled = dataset != "cifar10"
         values = current()
-        attacks = runnable_options("attack", list(ATTACKS.ready()), {**values, "defense": "none"})
+        attacks = runnable_options("attack", menus["attack"], {**values, "defense": "none"}) + given["attack"]
         offer("attack", attacks or ["none"])
-        defenses = runnable_options("defense", EXPLORER_DEFENSES, {**current(), "attack": "none"})
-        offer("defense", defenses or ["none"])
+        defenses = runnable_options("defense", menus["defense"], {**current(), "attack": "none"})
+        offer("defense", defenses + given["defense"] or ["none"])
 
     for field in ("dataset", "n_clients", "n_byzantine", "distribution"):
         controls[field].observe(update, names="value")

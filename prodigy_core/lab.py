@@ -52,7 +52,9 @@ def setup_git(folder: Path, prefix: str | None = None) -> list[str]:
 
 
 def _git(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, check=False)
+    """git in ``folder``; file names are literal, never globs (``analysis[1].ipynb`` is that one file)."""
+    command = ["git", "--literal-pathspecs", "-C", str(folder), *args]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
 def refresh_git_index(os_path: str, model: Any = None, contents_manager: Any = None) -> bool:
@@ -130,7 +132,24 @@ def install_hook(prefix: str | None = None) -> Path:
     kept. A different hook already there is an error (never replaced). Returns the file's path."""
     path = config_file(prefix)
     config = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else {}
-    section = config.setdefault("ContentsManager", {})
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path} is not a JSON object of settings ({type(config).__name__}): fix or remove it"
+        )
+    if config.get("ContentsManager") is None:
+        config["ContentsManager"] = {}
+    section = config["ContentsManager"]
+    if not isinstance(section, dict):
+        raise ValueError(
+            f"{path}: ContentsManager={section!r} is not an object of settings: fix or remove it"
+        )
+    for name, other in config.items():  # a subclass's hook (FileContentsManager) wins over ContentsManager's
+        hook = other.get("post_save_hook") if isinstance(other, dict) else None
+        if name != "ContentsManager" and hook not in (None, HOOK, *FORMER_HOOKS):
+            raise ValueError(
+                f"{path} sets {name}.post_save_hook={hook!r}, which JupyterLab runs instead of "
+                f"ContentsManager's: call {HOOK} from it, or remove it and run git-setup again"
+            )
     if section.get("post_save_hook") not in (None, HOOK, *FORMER_HOOKS):
         raise ValueError(
             f"{path} already sets ContentsManager.post_save_hook={section['post_save_hook']!r}; call "

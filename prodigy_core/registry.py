@@ -2,20 +2,26 @@
 
 A class registers itself with a ``name`` (what a params file writes), a ``display`` name (what a table
 prints) and optional named ``presets`` (``foe_0.1`` is FOE with eps=0.1); its settings are its ``__init__``
-keywords. A plug-in is ``path/to/file.py:Class`` or ``package.module:Class``; its file's hash is part of
-every result key.
-Entry points: `Registry`, `settings_of`, `load_plugin`, `is_plugin`.
+keywords. A plug-in is ``path/to/file.py:Class`` or ``package.module:Class``; the hash of its code (its file
+and every ``.py`` file beside it, `plugin_hash`) is part of every result key. Only training imports a plug-in:
+within `records_are_data` (reading records, a dry run) a plug-in spec is data, never imported.
+Entry points: `Registry`, `settings_of`, `load_plugin`, `is_plugin`, `records_are_data`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import sys
+import types
+import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -78,8 +84,10 @@ class Registry:
         """The entry of a registered name or of a plug-in spec (`load_plugin`); a ValueError with a
         did-you-mean hint otherwise."""
         if is_plugin(name):
+            if not imports_plugins():
+                raise ValueError(f"{self.kind} {name!r} is a plug-in: not imported while records are read")
             cls = load_plugin(name, self.kind)
-            return Entry(cls, {}, getattr(cls, "display", "") or cls.__name__)
+            return Entry(cls, {}, _plugin_display(cls, name, self))
         if name not in self._entries:
             hint = did_you_mean(name, self._entries)
             if not hint.startswith("; valid"):
@@ -102,7 +110,9 @@ class Registry:
         try:
             entry = self.lookup(name)
         except ValueError:
-            return None
+            if not is_plugin(name):
+                return None
+            entry = Entry(object, {}, name)  # a plug-in not imported (`records_are_data`): its spec
         return f"{entry.display} ({shown})" if shown else entry.display
 
     def canonical(self, name: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -110,6 +120,8 @@ class Registry:
         (`check_settings`), those equal to the class's defaults dropped, and a class's name with settings
         that equal a preset's written as that preset (``foe`` with eps=0.1 is ``foe_0.1``), so that one run
         has one key whichever way it was written."""
+        if is_plugin(name) and not imports_plugins():  # a record's settings, stored in this form
+            return name, Settings(sorted(check_values(f"{self.kind} {name!r}", params).items()))
         entry = self.lookup(name)
         full = check_settings(f"{self.kind} {name!r}", entry.cls, {**entry.params, **params})
         if full == entry.params:
@@ -121,9 +133,22 @@ class Registry:
 
 
 def format_value(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """A setting's value as YAML reads it back to the same value and type, so that two settings that give
+    two keys never give one label: 5 -> "5", 5.0 -> "5.0", 5.00001 -> "5.00001" (the shortest repr),
+    True -> "true", None -> "null", "5" -> '"5"' (a text that would read as another type is quoted)."""
+    import yaml
+
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, str):
+        try:
+            plain = yaml.safe_load(value) == value and "," not in value and "=" not in value
+        except yaml.YAMLError:
+            plain = False
+        return value if plain else json.dumps(value)
+    return repr(value)
 
 
 def settings_of(cls: type) -> dict[str, Any]:
@@ -147,17 +172,14 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
     default becomes a float (1 and 1.0: one key), and values equal to the default are dropped. Sorted."""
     valid = settings_of(cls)
     out = {}
-    for key, value in params.items():
+    for key in params:
         if key not in valid:
             hint = did_you_mean(key, valid) if valid else "; it has no settings"
             raise ValueError(f"{owner} has no setting {key!r}{hint}")
-        items = value if isinstance(value, list) else [value]
-        if not all(isinstance(v, SCALARS) for v in items):
-            raise ValueError(f"{owner}: {key}={value!r} must be a number, a string, true/false or a list")
-        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
-            raise ValueError(f"{owner}: {key}={value!r} must be finite")
+    for key, value in check_values(owner, params).items():
         default = valid[key]
         _check_number(owner, key, value, default)
+        _check_type(owner, cls, key, value, default)
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
@@ -177,6 +199,40 @@ def _check_number(owner: str, key: str, value: Any, default: Any) -> None:
     items = value if isinstance(value, list) else [value]
     if number and any(isinstance(v, str | bool) for v in items):
         raise ValueError(f"{owner}: {key}={value!r} must be a number, like its default {key}={default!r}")
+def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> None:
+    """A ValueError unless ``value`` fits the setting's annotation (or its default's type, without one) when
+    that is made of int, float, bool, str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true,
+    a number no true."""
+    from prodigy_core.config import TYPE_WORDS
+
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(key)
+    except Exception:  # a plug-in's annotation that does not resolve: its default's type
+        hint = None
+    if hint is None:
+        hint = None if default is inspect.Parameter.empty or default is None else type(default)
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = typing.get_args(hint) if union else (hint,)
+    if not options or not all(o in TYPE_WORDS for o in options):
+        return
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    fits = {int: number and isinstance(value, int), float: number, bool: isinstance(value, bool),
+            str: isinstance(value, str), type(None): value is None}  # fmt: skip
+    if not any(fits[o] for o in options):
+        fix = f" (write {int(value)})" if int in options and number and float(value).is_integer() else ""
+        what = " or ".join(TYPE_WORDS[o] for o in options)
+        raise ValueError(f"{owner}: {key}={value!r} must be {what}{fix}")
+
+
+def check_values(owner: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` whose values are YAML scalars or lists of them, numbers finite; a ValueError otherwise."""
+    for key, value in params.items():
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, SCALARS) for v in items):
+            raise ValueError(f"{owner}: {key}={value!r} must be a number, a string, true/false or a list")
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            raise ValueError(f"{owner}: {key}={value!r} must be finite")
+    return dict(params)
 
 
 class Settings(dict):
@@ -248,20 +304,70 @@ def plugin_file(spec: str, kind: str = "plug-in") -> Path:
     return Path(module_spec.origin).resolve()
 
 
+_IMPORTS = contextvars.ContextVar("prodigy_plugin_imports", default=True)
+
+
+@contextlib.contextmanager
+def records_are_data() -> Iterator[None]:
+    """Within this block no plug-in is imported: a plug-in spec is text, its settings are checked as values
+    only (`check_values`, kept as given) and `Registry.lookup` refuses it. Reading records (`results`,
+    `gpu_run.py import`) and a dry run work inside it, so that a record or a params file never runs code
+    until a run is trained."""
+    token = _IMPORTS.set(False)
+    try:
+        yield
+    finally:
+        _IMPORTS.reset(token)
+
+
+def imports_plugins() -> bool:
+    """False inside `records_are_data`."""
+    return _IMPORTS.get()
+
+
+def plugin_code_files(spec: str, kind: str = "plug-in") -> list[Path]:
+    """The files a plug-in's key covers: its file and every other regular ``*.py`` file in the same folder
+    (the helpers it may import from beside it), not those in subfolders."""
+    path = plugin_file(spec, kind)
+    return sorted({path, *(p for p in path.parent.glob("*.py") if p.is_file())})
+
+
 def plugin_hash(spec: str, kind: str = "plug-in") -> str:
-    """sha256 (16 hex digits) of the file that defines the plug-in: part of its runs' result keys, so that an
-    edited rule never reads the records of the old one."""
-    return hashlib.sha256(plugin_file(spec, kind).read_bytes()).hexdigest()[:16]
+    """sha256 (16 hex digits) of the plug-in's code, its file and every ``.py`` file beside it
+    (`plugin_code_files`), names and contents: part of its runs' result keys, so that an edited rule or
+    helper never reads the records of the old one."""
+    return _code_hash(plugin_code_files(spec, kind))
+
+
+def _code_hash(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{hashlib.sha256(path.read_bytes()).hexdigest()}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def _plugin_display(cls: type, spec: str, registry: Registry) -> str:
+    """A plug-in's ``display`` (its class name without one), with its spec in brackets when a registered
+    name has the same display, so that two rows never read alike."""
+    display = getattr(cls, "display", "") or cls.__name__
+    taken = {e.display for e in registry._entries.values()}
+    return f"{display} [{spec}]" if display in taken else display
 
 
 def load_plugin(spec: str, kind: str) -> type:
     """The class a plug-in spec names, imported without editing the package: a ``.py`` file is loaded as a
-    module of its own (once per content), a module path is imported. A clear ValueError when the file, the
+    module of its own (once per content of its folder's ``.py`` files, modules imported from that folder
+    loaded again when those change), a module path is imported. A clear ValueError when the file, the
     module or the class is missing, or the class does not follow the contract (`Rule` / `Attack` subclass
-    with ``name``)."""
+    with ``name``). `loaded_hash` gives the hash of the code it loaded."""
+    if not imports_plugins():
+        raise ValueError(f"{kind} {spec!r}: plug-ins are not imported while records are read")
     where, cls_name = _split(spec, kind)
     path = plugin_file(spec, kind)
     digest = plugin_hash(spec, kind)
+    if _FOLDERS.get(path.parent, digest) != digest:
+        _forget_modules_in(path.parent)  # an edited helper is imported again, as the key says
+    _FOLDERS[path.parent] = digest
     module = _load_file(str(path), digest) if where.endswith(".py") else _import_module(where, digest)
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
@@ -274,14 +380,30 @@ def load_plugin(spec: str, kind: str) -> type:
             f"{kind} {spec!r}: {cls_name} must subclass {base.__module__}.{base.__name__} "
             f"(see its docstring for the few methods a new one implements)"
         )
+    _LOADED[kind, spec] = digest
     return cls
 
 
-_IMPORTED: dict[str, str] = {}  # module path -> hash of its file when imported
+def loaded_hash(spec: str, kind: str) -> str:
+    """The `plugin_hash` of the code `load_plugin` last loaded for ``spec`` (what a record stores)."""
+    return _LOADED[kind, spec]
+
+
+_IMPORTED: dict[str, str] = {}  # module path -> hash of its code when imported
+_FOLDERS: dict[Path, str] = {}  # a plug-in's folder -> hash of its code when last loaded
+_LOADED: dict[tuple[str, str], str] = {}  # (kind, spec) -> hash of the code loaded
+
+
+def _forget_modules_in(folder: Path) -> None:
+    """Drop from sys.modules the modules loaded from ``folder``, so that the next import reads them again."""
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and not name.startswith("prodigy_plugin_") and Path(file).resolve().parent == folder:
+            del sys.modules[name]
 
 
 def _import_module(name: str, digest: str) -> Any:
-    """The module ``name``, imported again when its file changed since (its hash is in the key: the code
+    """The module ``name``, imported again when its code changed since (its hash is in the key: the code
     that runs must be the code the key names)."""
     module = importlib.import_module(name)
     if _IMPORTED.get(name, digest) != digest:
@@ -320,13 +442,18 @@ __all__ = [
     "Registry",
     "Settings",
     "check_settings",
+    "check_values",
     "contract",
     "format_value",
+    "imports_plugins",
     "is_plugin",
     "label",
     "load_plugin",
+    "loaded_hash",
+    "plugin_code_files",
     "plugin_file",
     "plugin_hash",
+    "records_are_data",
     "settings_of",
     "settings_text",
     "split_label",

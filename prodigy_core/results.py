@@ -27,6 +27,7 @@ import pandas as pd
 from prodigy_core import paths
 from prodigy_core.config import ConfigError, RunConfig, as_row, field_names
 from prodigy_core.names import VARIANTS
+from prodigy_core.registry import records_are_data
 from prodigy_core.safe_io import quarantine, write_json_atomic
 
 NO_ATTACK = "none"
@@ -134,9 +135,11 @@ def check_record(record: Any, path: Path) -> str | None:
     if not isinstance(config, dict):
         return "it has no config"
     try:
-        config_key = RunConfig.from_dict(config).key()
+        config_key = record_config_key(record)
     except (ConfigError, TypeError) as e:
         return f"its config is invalid ({e})"
+    except KeyError as e:
+        return f"it names the plug-in {e} without its code hash in 'plugins'"
     if config_key != key:
         return f"its config has the key {config_key}, not {key}"
     accuracy = record.get("final_accuracy")
@@ -151,6 +154,19 @@ def check_record(record: Any, path: Path) -> str | None:
     ):
         return f"accuracy_curve={_short(curve)} is not a list of [round, accuracy %] pairs of numbers"
     return None
+
+
+def record_config_key(record: dict[str, Any]) -> str:
+    """The key of a record's config, computed from the record alone: no plug-in is imported or read, its
+    code hash is the one the record stores (``plugins``; `registry.records_are_data`). ConfigError or
+    TypeError for an invalid config, KeyError for a plug-in without a stored hash."""
+    plugins, config = record.get("plugins") or {}, record.get("config")
+    if not isinstance(config, dict):
+        raise ConfigError("it has no config (a mapping of RunConfig fields)")
+    if not isinstance(plugins, dict):
+        raise ConfigError(f"plugins={_short(plugins)} is not a mapping of plug-in: code hash")
+    with records_are_data():
+        return RunConfig.from_dict(config).key(code=plugins)
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -38,7 +38,7 @@ from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
-from prodigy_core.registry import label, plugin_hash
+from prodigy_core.registry import label, loaded_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, precision_mode, resolve_device, seed_everything
 
@@ -262,16 +262,17 @@ def start_run(
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
     result.environment = _environment(device, engine, resolved.precision)  # tf32 on a CPU: refused here
-    result.plugins = plugin_hashes(resolved)
-    ckpt = Path(checkpoint_dir) / f"{config.key()}.pt" if checkpoint_dir is not None else None
+    result.plugins = plugin_hashes(resolved)  # the code built above: the record's key names it
+    key = config.key(code=result.plugins)
+    ckpt = Path(checkpoint_dir) / f"{key}.pt" if checkpoint_dir is not None else None
     st = RunState(
         config, resolved, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream
     )
     if resume and ckpt is not None and ckpt.exists():
         try:
             state = torch.load(ckpt, map_location=device, weights_only=True)
-            if state["key"] != config.key():
-                raise ValueError(f"it belongs to another config ({state['key']} != {config.key()})")
+            if state["key"] != key:
+                raise ValueError(f"it belongs to another config ({state['key']} != {key})")
             st.start, saved = int(state["round"]), state["momentum"]
             if not 0 < st.start < resolved.rounds or saved.shape != momentum.shape:
                 raise ValueError(f"round {st.start} or momentum shape {tuple(saved.shape)} does not fit")
@@ -371,7 +372,7 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
             result.diverged, result.diverged_at, st.stopped_at_nan_loss = True, r, True
             return False
     if st.ckpt is not None and r % resolved.checkpoint_every == 0 and r < resolved.rounds:
-        state = {"key": st.config.key(), "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
+        state = {"key": st.ckpt.stem, "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
                  "rng": _get_rng_states(st.data_gen)}  # fmt: skip
         if st.stream is not None:  # authors: every client's epoch order and position
@@ -973,8 +974,9 @@ def _read_federation(resolved: RunConfig, device: torch.device) -> Federation:
 
 
 def plugin_hashes(config: RunConfig) -> dict[str, str]:
-    """{spec: file hash} of the run's plug-in defense and attack (`registry.plugin_hash`, as in its key)."""
-    return {spec: plugin_hash(spec, name) for name, spec in config.plugin_specs().items()}
+    """{spec: code hash} of the run's plug-in defense and attack as built (`registry.loaded_hash`; the
+    `registry.plugin_hash` its key takes unless the code changed on disk since it was loaded)."""
+    return {spec: loaded_hash(spec, name) for name, spec in config.plugin_specs().items()}
 
 
 def _environment(device: torch.device, engine: str, precision: str = "fp32") -> dict[str, Any]:

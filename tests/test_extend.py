@@ -223,10 +223,10 @@ def test_settings_in_a_grid_make_rows_of_their_own(fake_training, tmp_path):
     from prodigy_core.experiments import run_grid
 
     df = run_grid(experiment, results_dir=tmp_path, progress=False)
-    assert list(df["defense"]) == ["nnm+cclip", "nnm+cclip(tau=5)"]
+    assert list(df["defense"]) == ["nnm+cclip", "nnm+cclip(tau=5.0)"]  # tau is a float: 5.0
     from prodigy_core.report import display_value
 
-    assert [display_value("defense", d) for d in df["defense"]] == ["NNM+CClip", "NNM+CClip (tau=5)"]
+    assert [display_value("defense", d) for d in df["defense"]] == ["NNM+CClip", "NNM+CClip (tau=5.0)"]
 
 
 def test_a_notebooks_papermill_parameters_carry_settings():
