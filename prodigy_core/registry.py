@@ -199,6 +199,8 @@ def _check_number(owner: str, key: str, value: Any, default: Any) -> None:
     items = value if isinstance(value, list) else [value]
     if number and any(isinstance(v, str | bool) for v in items):
         raise ValueError(f"{owner}: {key}={value!r} must be a number, like its default {key}={default!r}")
+
+
 def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> None:
     """A ValueError unless ``value`` fits the setting's annotation (or its default's type, without one) when
     that is made of int, float, bool, str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true,
