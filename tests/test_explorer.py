@@ -230,9 +230,9 @@ def test_titles_and_summary_name_the_settings(monkeypatch):
         ex = box.train()
         figures = explorer.exploration_figures(ex)
         seen[tau] = (explorer.exploration_summary(ex), figures["distances"]._suptitle.get_text())
-    for tau, (summary, title) in seen.items():
-        assert summary.startswith(f"NNM+CClip (tau={tau}) vs SF"), summary
-        assert f"NNM+CClip (tau={tau})" in title.replace("\n", " "), title
+    for tau, (summary, title) in seen.items():  # tau's default is a float: 5 runs as 5.0, and says so
+        assert summary.startswith(f"NNM+CClip (tau={float(tau)}) vs SF"), summary
+        assert f"NNM+CClip (tau={float(tau)})" in title.replace("\n", " "), title
 
 
 def test_the_same_setting_is_trained_once_and_shown_again(monkeypatch):
