@@ -253,7 +253,7 @@ def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[i
     together (`training.evaluate_runs`): one pass per variant (`training.eval_settings`: the ``authors``
     ones in training mode), each member drawing its dropout masks from its own RNG state."""
     due = [m for m in members if training.eval_due(m.st.resolved, m.r)]
-    scores: dict[int, tuple[float, float]] = {}
+    scores: dict[int, tuple[float, float, float]] = {}
     for variant in sorted({m.st.resolved.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
         part = [m for m in due if m.st.resolved.variant == variant]
         train_mode, batch_size = training.eval_settings(part[0].st.resolved)

@@ -71,6 +71,9 @@ class RunResult:
     environment: dict[str, Any] = field(default_factory=dict)
     stand_in: str | None = None  # set by callers that ran a stand-in for the paper's setting
     plugins: dict[str, str] = field(default_factory=dict)  # plug-in spec -> its file's hash (in the key too)
+    # ``authors``: the test loss their server prints at the last evaluation, sum of the test batches' mean
+    # cross-entropies / test-set size (server.py:63-67; about final_loss / b); None under ``paper``.
+    authors_test_loss: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(dataclasses.asdict(self))
@@ -324,17 +327,19 @@ def server_round(
     return True
 
 
-def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -> bool:
+def end_round(st: RunState, r: int, scores: tuple[float, float, float] | None = None) -> bool:
     """After round r's server step: evaluate when due (`eval_due`), save the checkpoint when due. Returns
     False when the run diverged (``authors``: a test loss that is not finite; recorded in `st.result`).
-    `scores`: the due evaluation's (accuracy, loss) when the caller made it (`groups`: all members in one
+    `scores`: the due evaluation's `evaluate_runs` triple when the caller made it (`groups`: all members in one
     pass, `evaluate_runs`); None: evaluated here."""
     resolved, result = st.resolved, st.result
     if eval_due(resolved, r):
         if scores is None:
             train_mode, batch_size = eval_settings(resolved)
             scores = evaluate(st.model, st.fed, batch_size, train_mode)
-        result.final_accuracy, result.final_loss = scores
+        result.final_accuracy, result.final_loss = scores[:2]
+        if resolved.variant == "authors":
+            result.authors_test_loss = scores[2]
         result.accuracy_curve.append([r, result.final_accuracy])
         # The authors' code stops at a NaN test loss and repeats that evaluation's accuracy (what argmax gave
         # on that network); an infinite loss goes on.
@@ -373,7 +378,7 @@ def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
     if result.diverged:
         if not st.stopped_at_nan_loss:
             result.final_accuracy = diverged_accuracy(st.fed, st.resolved.variant)
-        result.final_loss = None
+        result.final_loss = result.authors_test_loss = None
     if result.zeroed_clients and f > 0:
         flagged = sum(len(z) for z in result.zeroed_clients)
         result.detection_precision = st.hits / flagged if flagged else None
@@ -766,8 +771,8 @@ def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> 
 @torch.no_grad()
 def evaluate(
     model: nn.Module, fed: Federation, batch_size: int = EVAL_BATCH_SIZE, train_mode: bool = False
-) -> tuple[float, float]:
-    """Test accuracy (percent) and mean cross-entropy of one model: `evaluate_runs` of [model]."""
+) -> tuple[float, float, float]:
+    """`evaluate_runs` of [model]: (accuracy %, mean cross-entropy, the authors' test loss)."""
     return evaluate_runs([model], fed, train_mode, batch_size=batch_size)[0]
 
 
@@ -778,9 +783,11 @@ def evaluate_runs(
     own_rng: list[Callable[[], Any]] | None = None,
     batch_size: int = EVAL_BATCH_SIZE,
     net: FunctionalNet | None = None,
-) -> list[tuple[float, float]]:
-    """Test accuracy (percent) and mean cross-entropy over test batches of `batch_size` of R models of one
-    architecture, as one forward pass per test batch (vmapped over the models when R > 1).
+) -> list[tuple[float, float, float]]:
+    """Test accuracy (percent), mean cross-entropy (sum over the test samples / M) and the authors' test loss
+    (sum over the test batches of the batch's mean cross-entropy / M, what their server prints,
+    server.py:63-67) over test batches of `batch_size` of R models of one architecture (M test samples), as
+    one forward pass per test batch (vmapped over the models when R > 1).
 
     Eval mode (dropout off, each model's BatchNorm running statistics), or with ``train_mode`` as the authors'
     code evaluates: dropout on and BatchNorm normalising each test batch with that batch's own mean and
@@ -802,6 +809,7 @@ def evaluate_runs(
         params, buffers = ({k: torch.stack([d[k] for d in ds]) for k in ds[0]} for ds in (params, buffers))
     correct = torch.zeros(runs, device=fed.test_labels.device)
     loss = torch.zeros(runs, device=fed.test_labels.device)
+    batch_means = torch.zeros(runs, device=fed.test_labels.device)
     net.template.train(train_mode)
     try:
         with torch.no_grad():
@@ -815,12 +823,15 @@ def evaluate_runs(
                     masks = {k: torch.cat([d[k] for d in drawn]) for k in drawn[0]}  # (R, B, ...)
                     masks = {k: v[0] for k, v in masks.items()} if runs == 1 else masks
                 out = forward(params, buffers, masks, x).reshape(runs, len(y), -1)
-                loss += F.cross_entropy(out.transpose(1, 2), y.expand(runs, -1), reduction="none").sum(dim=1)
+                summed = F.cross_entropy(out.transpose(1, 2), y.expand(runs, -1), reduction="none").sum(dim=1)
+                loss += summed
+                batch_means += summed / len(y)
                 correct += (out.argmax(dim=2) == y).sum(dim=1)
     finally:
         net.template.train()
     total = len(fed.test_labels)
-    return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
+    rows = zip(correct.tolist(), loss.tolist(), batch_means.tolist(), strict=True)
+    return [(100.0 * c / total, v / total, m / total) for c, v, m in rows]
 
 
 def eval_settings(resolved: RunConfig) -> tuple[bool, int]:

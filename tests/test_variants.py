@@ -229,16 +229,18 @@ def test_train_mode_evaluation_uses_each_test_batchs_statistics():
     x, y = torch.randn(10, 4, generator=gen), torch.randint(0, 3, (10,), generator=gen)
     model, fed = _bn_model(), _fake_federation(x, y)
     lin, bn = model[0], model[1]
-    correct = loss = 0.0
+    correct = loss = batch_means = 0.0
     for start in (0, 4, 8):  # batches of 4, 4, 2
         z = x[start : start + 4] @ lin.weight.detach().T + lin.bias.detach()
         mu, var = z.mean(dim=0), z.var(dim=0, unbiased=False)
         out = (z - mu) / torch.sqrt(var + bn.eps) * bn.weight.detach() + bn.bias.detach()
         loss += F.cross_entropy(out, y[start : start + 4], reduction="sum").item()
+        batch_means += F.cross_entropy(out, y[start : start + 4]).item()  # server.py:63-66: the batch's mean
         correct += (out.argmax(dim=1) == y[start : start + 4]).sum().item()
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
-    acc, mean_loss = evaluate(model, fed, batch_size=4, train_mode=True)
+    acc, mean_loss, authors_loss = evaluate(model, fed, batch_size=4, train_mode=True)
     assert acc == pytest.approx(100 * correct / 10) and mean_loss == pytest.approx(loss / 10, rel=1e-5)
+    assert authors_loss == pytest.approx(batch_means / 10, rel=1e-5)  # server.py:67: / len(dataset)
     for k, v in model.state_dict().items():  # the server's BatchNorm statistics are left as they were
         torch.testing.assert_close(v, buffers[k])
     assert evaluate(model, fed, batch_size=4)[1] != pytest.approx(mean_loss, rel=1e-3)  # eval mode differs
@@ -271,11 +273,11 @@ def test_nan_and_overflowing_logits_give_argmax_accuracy_and_a_nan_loss():
                            [1.0, 2.0, 3.0]])  # fmt: skip
     labels = torch.tensor([0, 1, 1, 2])
     fed = _fake_federation(torch.arange(4.0)[:, None], labels)
-    acc, loss = evaluate(_FixedLogits(logits), fed, batch_size=2)
+    acc, loss, _ = evaluate(_FixedLogits(logits), fed, batch_size=2)
     assert acc == 75.0  # samples 0, 2 and 3 by hand; not the class-0 share (25%)
     assert math.isnan(loss)
     assert evaluate(_FixedLogits(logits[3:]), _fake_federation(torch.zeros(1, 1), labels[3:]))[1] < inf
-    acc_inf, loss_inf = evaluate(_FixedLogits(logits[1:2]), _fake_federation(torch.zeros(1, 1), labels[1:2]))
+    acc_inf, loss_inf, _ = evaluate(_FixedLogits(logits[1:2]), _fake_federation(torch.zeros(1, 1), labels[1:2]))
     assert acc_inf == 0.0 and loss_inf == inf  # an infinite, not-NaN loss
 
 
@@ -285,7 +287,7 @@ def test_authors_run_stops_at_a_nan_test_loss_and_keeps_that_evaluations_accurac
 
     def fake_evaluate(model, fed, batch_size, train_mode):
         calls.append((batch_size, train_mode))
-        return (37.5, loss) if len(calls) == 2 else (50.0, 1.0)
+        return (37.5, loss, loss / 32) if len(calls) == 2 else (50.0, 1.0, 0.5)
 
     monkeypatch.setattr(training, "evaluate", fake_evaluate)
     result = run(tiny(variant="authors", rounds=12), progress=False)  # evaluations at rounds 4, 8, 12
@@ -296,6 +298,7 @@ def test_authors_run_stops_at_a_nan_test_loss_and_keeps_that_evaluations_accurac
         assert [r for r, _ in result.accuracy_curve] == [4, 8]
     else:
         assert not result.diverged and result.rounds_completed == 12 and len(calls) == 3
+        assert result.authors_test_loss == 0.5  # their printed number, recorded beside ours
     paper = run(tiny(rounds=12), progress=False)  # paper: never stopped by the test loss
     assert not paper.diverged and set(calls[-3:]) == {(1000, False)}
 
