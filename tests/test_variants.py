@@ -277,7 +277,9 @@ def test_nan_and_overflowing_logits_give_argmax_accuracy_and_a_nan_loss():
     assert acc == 75.0  # samples 0, 2 and 3 by hand; not the class-0 share (25%)
     assert math.isnan(loss)
     assert evaluate(_FixedLogits(logits[3:]), _fake_federation(torch.zeros(1, 1), labels[3:]))[1] < inf
-    acc_inf, loss_inf, _ = evaluate(_FixedLogits(logits[1:2]), _fake_federation(torch.zeros(1, 1), labels[1:2]))
+    acc_inf, loss_inf, _ = evaluate(
+        _FixedLogits(logits[1:2]), _fake_federation(torch.zeros(1, 1), labels[1:2])
+    )
     assert acc_inf == 0.0 and loss_inf == inf  # an infinite, not-NaN loss
 
 
