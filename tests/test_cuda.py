@@ -14,6 +14,7 @@ from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import load_federation
 from prodigy_core.models import make_model
+from prodigy_core.streams import ClientStreams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 CUDA = torch.device("cuda")
@@ -108,7 +109,7 @@ def test_batched_engine_matches_sequential_on_cuda(no_tf32):
                     batch_size=100, device="cuda").resolved()  # fmt: skip
     out = []
     for local_steps in (training._local_steps_batched, training._local_steps_sequential):
-        gen = fed.generator(1)  # the same batches for both engines
+        gen = ClientStreams(1, fed.n_clients)  # the same batches and dropout masks for both engines
         out.append(local_steps(model, fed, 3, 0.05, cfg, gen)[0])
     assert out[0].device.type == "cuda"
     assert (torch.linalg.vector_norm(out[0] - out[1]) / torch.linalg.vector_norm(out[1])).item() < 1e-4

@@ -19,6 +19,7 @@ from prodigy_core.attacks import make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.experiments import load_experiment
+from prodigy_core.streams import ClientStreams
 from prodigy_core.training import diverged_accuracy, evaluate, local_momentum, run, server_input
 
 TINY = dict(dataset="digits", n_clients=6, n_byzantine=0, defense="average", attack="none", rounds=8,
@@ -327,20 +328,20 @@ def _two_client_federation() -> Federation:
 def test_authors_stream_takes_consecutive_slices_of_each_clients_epoch_shuffles_tail_dropped():
     fed, b, steps = _two_client_federation(), 2, 7
     stream = training.AuthorsBatchStream(fed, b)
-    gen = torch.Generator().manual_seed(4)
+    gens = [torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)]
     got = []
     for _ in range(steps):
-        idx, mask = stream.next(gen)
+        idx, mask = stream.next(gens)
         assert idx.shape == (2, b) and mask.shape == (2, b) and bool(mask.all())
         got.append(idx.tolist())
     # By hand: client 0 (5 samples) gives 2 batches an epoch, its 5th sample dropped; client 1 (7) gives 3.
-    # New epochs start at steps 0, 2, 4, 6 (client 0) and 0, 3, 6 (client 1), drawn client by client within
-    # a step, each as the client's rows in the order of one torch.randperm from the generator.
-    ref = torch.Generator().manual_seed(4)
+    # New epochs start at steps 0, 2, 4, 6 (client 0) and 0, 3, 6 (client 1), each as the client's rows in
+    # the order of one torch.randperm from its own generator.
+    refs = [torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)]
     own = [ix.tolist() for ix in fed.client_indices]
     epochs: dict[int, list[list[int]]] = {0: [], 1: []}
     for _step, k in [(0, 0), (0, 1), (2, 0), (3, 1), (4, 0), (6, 0), (6, 1)]:
-        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=ref).tolist()])
+        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=refs[k]).tolist()])
     for t in range(steps):
         (e0, p0), (e1, p1) = divmod(t, 2), divmod(t, 3)
         assert got[t] == [epochs[0][e0][b * p0 : b * p0 + b], epochs[1][e1][b * p1 : b * p1 + b]], t
@@ -351,12 +352,13 @@ def test_authors_stream_takes_consecutive_slices_of_each_clients_epoch_shuffles_
             assert len(set(seen)) == len(seen) == len(own[k]) - len(own[k]) % b and set(seen) <= set(own[k])
         assert len({tuple(ep) for ep in epochs[k]}) > 1  # a new shuffle each epoch
     # the state round-trips: a stream restored from it (with the generator's state) goes on identically
-    saved, gen_state = stream.state_dict(), gen.get_state()
-    after = [stream.next(gen)[0].tolist() for _ in range(4)]
+    saved, gen_states = stream.state_dict(), [g.get_state() for g in gens]
+    after = [stream.next(gens)[0].tolist() for _ in range(4)]
     restored = training.AuthorsBatchStream(fed, b)
     restored.load_state_dict(saved)
-    gen.set_state(gen_state)
-    assert [restored.next(gen)[0].tolist() for _ in range(4)] == after
+    for g, state in zip(gens, gen_states, strict=True):
+        g.set_state(state)
+    assert [restored.next(gens)[0].tolist() for _ in range(4)] == after
 
 
 def _recorded_batches(monkeypatch, config):
@@ -383,18 +385,18 @@ def test_authors_runs_draw_every_clients_epochs_across_rounds(monkeypatch, engin
     seen = _recorded_batches(monkeypatch, cfg)
     assert len(seen) == 9
     # expected, written from the rule: client k's epoch e covers steps e q_k .. (e + 1) q_k - 1 with
-    # q_k = |D_k| // b; epochs are drawn from the run's data generator (seeded with the seed; digits draws
-    # nothing else from it) in the order of their first step, clients in id order within a step
+    # q_k = |D_k| // b; client k's epochs are drawn from its own generator (`ClientStreams`; digits draws
+    # nothing else from it) one after another
     own = [
         ix.tolist()
         for ix in load_federation("digits", 6, "dirichlet", seed=0, variant="authors").client_indices
     ]
     b, q = cfg.batch_size, [len(ix) // cfg.batch_size for ix in own]
     assert min(q) < 9 and max(q) > 3  # epochs end inside a round and the position crosses rounds
-    starts = sorted((e * q[k], k) for k in range(6) for e in range(-(-9 // q[k])))
-    gen, epochs = torch.Generator().manual_seed(cfg.seed), {k: [] for k in range(6)}
-    for _, k in starts:
-        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=gen).tolist()])
+    gens, epochs = ClientStreams(cfg.seed, 6).gens, {k: [] for k in range(6)}
+    for k in range(6):
+        for _ in range(-(-9 // q[k])):
+            epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=gens[k]).tolist()])
     for t, idx in enumerate(seen):
         expected = [epochs[k][t // q[k]][b * (t % q[k]) : b * (t % q[k]) + b] for k in range(6)]
         assert idx.tolist() == expected, t
@@ -404,10 +406,10 @@ def test_paper_runs_still_draw_sample_batch_anew_every_step(monkeypatch):
     cfg = tiny(rounds=3, local_steps=3, eval_every=3)  # paper
     seen = _recorded_batches(monkeypatch, cfg)
     fed = load_federation("digits", 6, "dirichlet", seed=0)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gens = fed.generators(cfg.seed)
     assert len(seen) == 9
     for idx in seen:
-        assert torch.equal(idx, fed.sample_batch(cfg.batch_size, gen)[0])
+        assert torch.equal(idx, fed.sample_batch(cfg.batch_size, gens)[0])
     assert training.make_batch_stream(cfg.resolved(), fed) is None
 
 
