@@ -288,7 +288,7 @@ def test_nan_and_overflowing_logits_give_argmax_accuracy_and_a_nan_loss():
 def test_authors_run_stops_at_a_nan_test_loss_and_keeps_that_evaluations_accuracy(monkeypatch, loss, stops):
     calls = []
 
-    def fake_evaluate(model, fed, batch_size, train_mode):
+    def fake_evaluate(model, fed, batch_size, train_mode, key):
         calls.append((batch_size, train_mode))
         return (37.5, loss, loss / 32) if len(calls) == 2 else (50.0, 1.0, 0.5)
 
