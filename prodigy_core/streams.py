@@ -20,7 +20,8 @@ from torch import Tensor
 MASK64 = 2**64 - 1
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-TRAIN, EVAL = 1, 2  # the two dropout streams: clients' local steps, the ``authors`` train-mode evaluation
+# the dropout streams (clients' local steps, the ``authors`` train-mode evaluation) and the attack's generator
+TRAIN, EVAL, ATTACK = 1, 2, 3
 
 
 def mix(*words: int) -> int:
@@ -66,7 +67,8 @@ def dropout_mask(keys: Tensor, shape: tuple[int, ...], p: float, dtype: torch.dt
 
 
 class ClientStreams:
-    """One run's streams: client k's CPU generator `gens[k]` (batches, augmentation) and the dropout keys.
+    """One run's streams: client k's CPU generator `gens[k]` (batches, augmentation), the dropout keys and
+    `attack`, the CPU generator of an attack's own draws (gaussian's noise, moved to the device).
 
     Client k's training masks at local step c, layer l have the key mix(client_keys[k], c, l), with
     client_keys[k] = mix(seed, TRAIN, k); an evaluation after round r (``authors``: train mode) uses
@@ -77,6 +79,7 @@ class ClientStreams:
         self.seed, self.step = seed, 0
         self.gens = [torch.Generator().manual_seed(mix(seed, k) >> 1) for k in range(n_clients)]
         self.client_keys = [mix(seed, TRAIN, k) for k in range(n_clients)]
+        self.attack = torch.Generator().manual_seed(mix(seed, ATTACK) >> 1)
 
     def eval_key(self, r: int) -> int:
         """The key of the evaluation after round r."""
@@ -89,7 +92,8 @@ class ClientStreams:
         return torch.tensor(words, dtype=torch.int64).to(device)
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {"gens": torch.stack([g.get_state() for g in self.gens]), "step": torch.tensor(self.step)}
+        return {"gens": torch.stack([g.get_state() for g in self.gens]), "step": torch.tensor(self.step),
+                "attack": self.attack.get_state()}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         gens = state["gens"]
@@ -98,6 +102,7 @@ class ClientStreams:
         for g, s in zip(self.gens, gens, strict=True):
             g.set_state(s.cpu().clone())
         self.step = int(state["step"])
+        self.attack.set_state(state["attack"].cpu().clone())
 
 
 __all__ = ["ClientStreams", "dropout_mask", "uniforms", "mix", "TRAIN", "EVAL"]

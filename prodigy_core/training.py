@@ -246,13 +246,14 @@ def start_run(
     seed_everything(resolved.seed)
     model = make_model(resolved.dataset).to(device).train()
     pipeline = make_aggregator(resolved.defense, f, n, resolved.variant, resolved.defense_params)
-    attack = None
+    attack, streams = None, ClientStreams(resolved.seed, n)
     if f > 0 and resolved.attack != "none":
         attack = make_attack(resolved.attack, variant=resolved.variant, params=resolved.attack_params)
+        if getattr(attack, "generator", False) is None:  # its draws (gaussian): the run's CPU stream
+            attack.generator = streams.attack
         if attack.flips_labels:
             fed = copy.copy(fed)  # flip_labels replaces the copy's label tensor, never the shared one
             fed.flip_labels(range(f))
-    streams = ClientStreams(resolved.seed, n)
     momentum = torch.zeros(n, sum(p.numel() for p in model.parameters()), device=device)
     # the record names the data source used (resolved: same key as `config`)
     recorded = config.replace(data_source=fed.source).to_dict()
