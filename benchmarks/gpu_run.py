@@ -314,6 +314,34 @@ def throughput(driver: Driver, rounds: int = 5) -> None:
     driver.log(f"throughput (images/s): {found}")
 
 
+def cross_device_check(driver: Driver) -> None:
+    """The first check: the committed CPU reference (benchmarks/cross_device_reference.json, made by
+    scripts/cross_device_reference.py) rerun on this device; its agreement to rounding, or the round where
+    it parts, goes into the summary. --simulate: a tiny digits reference made here with the sequential
+    engine, rerun with the batched one."""
+    import importlib.util
+
+    script = ROOT / "scripts" / "cross_device_reference.py"
+    spec = importlib.util.spec_from_file_location("cross_device", script)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    try:
+        if driver.args.simulate:
+            fields = dict(dataset="digits", distribution="iid", defense="prodigy", attack="alie",
+                          n_clients=6, n_byzantine=2, local_steps=2, local_momentum=0.9, rounds=2,
+                          eval_every=1)  # fmt: skip
+            reference = ref.summarise(fields, engine="sequential")
+            found = ref.summarise(fields, engine="batched")
+        else:
+            reference = json.loads(ref.REFERENCE.read_text(encoding="utf-8"))
+            found = ref.summarise(device="cuda")
+        _, line = ref.compare(found, reference)
+    except Exception as e:  # the check reports; the session's runs still go on
+        line = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    driver.notes.append(f"cross-device check vs the CPU reference: {line}")
+    driver.log(driver.notes[-1])
+
+
 def preflight(args: argparse.Namespace) -> str | None:
     """The one-line reason the run cannot start, or None."""
     import torch
@@ -366,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
         tic = time.monotonic()
         decode_cifar10_jpeg(args.data / CIFAR10_ARCHIVE, work / "data", progress=False)
         driver.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s")
+    cross_device_check(driver)
     driver.probe()
     for step in plan(args.profile, args.simulate):
         if args.fail_step == step.name:  # the CI test's failing step
