@@ -395,18 +395,19 @@ def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
 def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     """Resolve engine="auto": batched on CUDA, the measured faster one on CPU (`AUTO_CPU_ENGINE`).
 
-    Engines (same semantics, same batches drawn from the same generator):
+    Engines (same semantics; the same batches, augmentation and dropout masks, from the clients' streams,
+    `prodigy_core.streams`, on any device):
     - ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters
-      and BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn
-      before the step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout),
-      and passed in (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this
-      way. Clients smaller than batch_size (``paper`` only) are vmapped in groups of equal batch width, so
-      every client's loss and BatchNorm batch statistics use exactly its own b_k samples.
+      and BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout masks are made
+      before the step (`FunctionalNet.masks`) and passed in (`ClientGrad`); `prodigy_core.groups` stacks
+      several runs' clients in the same step this way. Clients smaller than batch_size (``paper`` only)
+      are vmapped in groups of equal batch width, so every client's loss and BatchNorm batch statistics use
+      exactly its own b_k samples.
     - ``sequential``: the reference, one model copy trained client after client on exactly its valid
-      entries.
+      entries, its dropout layers multiplying by the same masks.
     - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
       run (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
-      It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
+      It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
     - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
       (`AUTO_CPU_ENGINE`).
