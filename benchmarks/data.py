@@ -87,7 +87,7 @@ def main() -> None:
         CIFAR10_STD,
         augment=True,
     )
-    fed_gen = fed.generator(0)
+    fed_gen = fed.generators(0)
 
     def on_device_round() -> None:
         for _ in range(steps):

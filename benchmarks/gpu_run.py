@@ -423,6 +423,34 @@ def size_group(
     return best, estimate(best)
 
 
+def cross_device_check(driver: Driver) -> None:
+    """The first check: the committed CPU reference (benchmarks/cross_device_reference.json, made by
+    scripts/cross_device_reference.py) rerun on this device; its agreement to rounding, or the round where
+    it parts, goes into the summary. --simulate: a tiny digits reference made here with the sequential
+    engine, rerun with the batched one."""
+    import importlib.util
+
+    script = ROOT / "scripts" / "cross_device_reference.py"
+    spec = importlib.util.spec_from_file_location("cross_device", script)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    try:
+        if driver.args.simulate:
+            fields = dict(dataset="digits", distribution="iid", defense="prodigy", attack="alie",
+                          n_clients=6, n_byzantine=2, local_steps=2, local_momentum=0.9, rounds=2,
+                          eval_every=1)  # fmt: skip
+            reference = ref.summarise(fields, engine="sequential")
+            found = ref.summarise(fields, engine="batched")
+        else:
+            reference = json.loads(ref.REFERENCE.read_text(encoding="utf-8"))
+            found = ref.summarise(device="cuda")
+        _, line = ref.compare(found, reference)
+    except Exception as e:  # the check reports; the session's runs still go on
+        line = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    driver.notes.append(f"cross-device check vs the CPU reference: {line}")
+    driver.log(driver.notes[-1])
+
+
 def preflight(args: argparse.Namespace) -> str | None:
     """The one-line reason the run cannot start, or None."""
     import torch
@@ -486,7 +514,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
-    """The probe, the autotune and the plan's steps (`run` after the preflight and the setup)."""
+    """The cross-device check, the probe, the autotune and the plan's steps (`run` after the preflight and
+    the setup)."""
+    cross_device_check(driver)
     driver.probe()
     driver.autotune()
     driver.refresh_out()

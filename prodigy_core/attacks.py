@@ -559,6 +559,12 @@ class FOE(LineSearchAttack):
     """Fall of Empires / inner-product manipulation (Xie, Koyejo and Gupta, UAI 2019): every Byzantine client
     sends -eps* mu_H, eps* in {0.1 eps, 0.2 eps, ..., eps} chosen against the real defense (ProDiGy paper:
     eps = 0.1 and eps = 100, the attacks ``foe_0.1`` and ``foe_100``).
+
+    ``variant="authors"`` (the authors' ``FOE_optim``, malicious.py lines 119-127): a candidate wins when its
+    damage is ``> max_dist``, starting from max_dist = 0 with eps itself chosen, as their ALIE (`ALIE`): ties
+    keep the first, a NaN damage never wins (an infinite one does), and eps is sent when no candidate's
+    damage exceeds 0. (``paper``: the first candidate always wins at first, a non-finite damage counts as
+    +inf.)
     """
 
     name = "foe"
@@ -566,14 +572,20 @@ class FOE(LineSearchAttack):
     symbol = "ε"
     presets = {"foe_0.1": ("FOE ε=0.1", {"eps": 0.1}), "foe_100": ("FOE ε=100", {"eps": 100.0})}
 
-    def __init__(self, eps: float) -> None:
+    def __init__(self, eps: float, variant: str = "paper") -> None:
         super().__init__()
         if not eps > 0:
             raise ValueError(f"foe: eps={eps} must be > 0")
-        self.eps = float(eps)
+        self.eps, self.variant = float(eps), check_variant("foe", variant)
+        self.raw_damage = variant == "authors"
 
     def grid(self, n: int, f: int) -> list[float]:
         return [k * self.eps / FOE_STEPS for k in range(1, FOE_STEPS + 1)]
+
+    def _start(self, n: int, f: int) -> tuple[Any, float]:
+        if self.variant == "authors":
+            return self.eps, 0.0  # malicious.py lines 120-121: max_dist = 0, best_eps = epsilon
+        return super()._start(n, f)
 
     def rows(self, eps: float, stats: dict[str, Tensor]) -> Tensor:
         return -eps * stats["mean"]

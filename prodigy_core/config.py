@@ -31,8 +31,14 @@ DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jp
 # Part of every ``authors`` result key: bumped whenever the authors variant's numbers change, so that a record
 # made before is never read as current. 2: fidelity round 2 (test batches of 64 in an interleaved order,
 # stop at a NaN test loss, numpy's split, the authors' ALIE z grid). 3: the authors' batch stream (epoch
-# shuffles, drop_last, one iterator kept across rounds; `training.AuthorsBatchStream`).
-AUTHORS_REVISION = 3
+# shuffles, drop_last, one iterator kept across rounds; `training.AuthorsBatchStream`). 4: FOE's choice
+# from max_dist = 0 at eps (malicious.py:120-127) and the authors' test loss recorded beside ours.
+AUTHORS_REVISION = 4
+# Part of every result key: the random streams' revision (docs/semantics.md, "Random streams"). 1: every
+# client's batches, augmentation and dropout masks from its own streams (`prodigy_core.streams`), the same
+# on every device and in every engine; keys without it are the streams before, drawn on the run's device in
+# an engine's order.
+STREAMS_REVISION = 1
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
@@ -92,7 +98,8 @@ class RunConfig:
     data_dir: str | None = None
     download: bool = False
 
-    # Fields that never change a run's numbers: left out of the result key.
+    # Fields that never change a run's numbers (device and engine: to rounding, `STREAMS_REVISION`): left out
+    # of the result key.
     NON_RESULT_FIELDS: typing.ClassVar[frozenset[str]] = frozenset(
         {"checkpoint_every", "device", "engine", "data_dir", "download"}
     )
@@ -177,14 +184,21 @@ class RunConfig:
         )
 
     def key(self, code: Mapping[str, str] | None = None) -> str:
-        """Hash of every resolved field that affects the result, and of nothing else: settings only when
-        given (so keys made before settings existed stay valid), a plug-in's code hash
+        """Hash of every resolved field that affects the result, and of nothing else (`key_fields`): settings
+        only when given (keys made before settings existed hashed the same fields), a plug-in's code hash
         (`registry.plugin_hash`; ``code``: {spec: hash} to use instead, a record's ``plugins``, so that a
         record's key is checked without reading any plug-in file; a KeyError names a spec it lacks).
         Reads the disk: a plug-in's code is hashed (never imported), and when `data_source` is None
         `resolved` looks the source up on this machine (which CIFAR-10 copy, or a hash of the FEMNIST
         writers), so such a config's key can change with this machine's data; a config with `data_source` set
         (every task `run_grid` hands a worker, every stored record) hashes its fields alone."""
+        blob = json.dumps(self.key_fields(code), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def key_fields(self, code: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """What `key` hashes: the resolved fields that affect the result (``precision`` only when not fp32),
+        the plug-ins' code hashes (``code``, as in `key`) and the revisions (`STREAMS_REVISION`, and
+        `AUTHORS_REVISION` under ``authors``)."""
         from prodigy_core.registry import plugin_hash
 
         d = self.resolved().to_dict()
@@ -203,8 +217,8 @@ class RunConfig:
             d["authors_revision"] = AUTHORS_REVISION
         if d["precision"] == "fp32":  # the keys made before precision existed are fp32 runs'
             d.pop("precision")
-        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        d["streams_revision"] = STREAMS_REVISION
+        return d
 
     def plugin_specs(self) -> dict[str, str]:
         """{field: spec} of the plug-ins this run names (``{"defense": "my_rules.py:MyRule"}``, the rule

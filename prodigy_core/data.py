@@ -27,6 +27,7 @@ from prodigy_core import paths
 from prodigy_core.names import DATASETS, DISTRIBUTIONS, check_variant
 from prodigy_core.safe_io import atomic_write
 from prodigy_core.seeding import resolve_device
+from prodigy_core.streams import ClientStreams
 
 # Read-only data beside the repository clone (../shared/data): CIFAR-10's JPEG copy, LEAF FEMNIST folders.
 SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -409,7 +410,7 @@ class Federation:
         sizes = torch.tensor([len(ix) for ix in self.client_indices])
         if len(sizes) == 0 or sizes.min() == 0:
             raise ValueError(f"every client needs at least one sample; client sizes: {sizes.tolist()}")
-        self.client_sizes = sizes.to(self.device)
+        self.client_sizes, self._cpu_sizes = sizes.to(self.device), sizes
         # (N, largest client) table of client indices, each row padded with its own first index
         table = torch.stack(
             [torch.cat([ix, ix[:1].expand(int(sizes.max()) - len(ix))]) for ix in self.client_indices]
@@ -433,25 +434,24 @@ class Federation:
     def image_shape(self) -> tuple[int, int, int]:
         return tuple(self.train_images.shape[1:])
 
-    def generator(self, seed: int) -> torch.Generator:
-        """A generator on this federation's device, for `sample_batch` and `train_batch`."""
-        return torch.Generator(device=self.device).manual_seed(seed)
+    def generators(self, seed: int) -> list[torch.Generator]:
+        """One CPU generator per client, for `sample_batch` and `train_batch` (a run's: `streams`)."""
+        return ClientStreams(seed, self.n_clients).gens
 
-    def sample_batch(self, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    def sample_batch(self, batch_size: int, generators: Sequence[torch.Generator]) -> tuple[Tensor, Tensor]:
         """One local step's batches of all clients: (idx (N, B) int64, mask (N, B) bool).
 
         B = min(batch_size, largest client); client k's first b_k = min(batch_size, |client k|) entries are
-        distinct samples of its own, uniformly drawn (the b_k smallest of |client k| uniform random keys);
-        the rest repeat a valid index of the same client and have mask False.
+        distinct samples of its own, uniformly drawn (the first b_k of a random permutation of its samples
+        from its own CPU generator `generators[k]`, so the same on every device); the rest repeat a valid
+        index of the same client and have mask False.
         """
-        n_max = self._index_table.shape[1]
-        width = min(batch_size, n_max)
-        keys = torch.rand(self.n_clients, n_max, generator=generator, device=self.device)
-        keys.masked_fill_(torch.arange(n_max, device=self.device) >= self.client_sizes[:, None], 2.0)
-        pos = keys.topk(width, dim=1, largest=False, sorted=True).indices
-        mask = torch.arange(width, device=self.device) < self.client_sizes.clamp(max=batch_size)[:, None]
-        pos = torch.where(mask, pos, pos[:, :1])
-        return self._index_table.gather(1, pos), mask
+        width = min(batch_size, self._index_table.shape[1])
+        pos = torch.zeros(self.n_clients, width, dtype=torch.int64)
+        for k, (n, gen) in enumerate(zip(self._cpu_sizes.tolist(), generators, strict=True)):
+            pos[k, : min(width, n)] = torch.randperm(n, generator=gen)[:width]
+        mask = torch.arange(width) < self._cpu_sizes.clamp(max=batch_size)[:, None]
+        return self._index_table.gather(1, pos.to(self.device)), mask.to(self.device)
 
     def normalise(self, images: Tensor) -> Tensor:
         """Raw images stored like `train_images` (uint8, or float in [0, 1]) -> float32 (x - mean) / std."""
@@ -462,13 +462,14 @@ class Federation:
 
     eval_images = normalise
 
-    def train_batch(self, idx: Tensor, generator: torch.Generator) -> Tensor:
-        """Gather the training images at `idx` (any shape), augment them (cifar10) and normalise: idx.shape +
-        (C, H, W) float32."""
+    def train_batch(self, idx: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+        """Gather the training images at `idx` (N, B), augment them (cifar10: row k's crops and flips from
+        `generators[k]`) and normalise: (N, B, C, H, W) float32."""
         if self.augment:
             if self._padded is None:  # padded once, on first use (1.6x the store for CIFAR-10)
                 self._padded = pad_images(self.train_images, CIFAR_PAD)
-            images = random_crop_flip(self.train_images, CIFAR_PAD, generator, idx, self._padded)
+            draws = crop_flip_draws(generators, idx.shape[-1], CIFAR_PAD)
+            images = random_crop_flip(self.train_images, CIFAR_PAD, draws, idx, self._padded)
         else:
             images = self.train_images[idx.flatten()]
         return self.normalise(images).view(*idx.shape, *self.image_shape)
@@ -494,15 +495,31 @@ class Federation:
         self.flipped_clients = sorted(set(self.flipped_clients) ^ set(client_ids))
 
 
+def crop_flip_draws(
+    generators: Sequence[torch.Generator], width: int, pad: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`random_crop_flip`'s random numbers for `width` images of each generator's row, drawn on the CPU:
+    (dy, dx, flip), each of len(generators) * width entries, row after row; each row draws its dy, then its
+    dx (uniform in 0..2 pad), then its flips (probability 1/2)."""
+    k, rows = 2 * pad + 1, []
+    for gen in generators:
+        rows.append(torch.stack([torch.randint(0, k, (width,), generator=gen),
+                                 torch.randint(0, k, (width,), generator=gen),
+                                 (torch.rand(width, generator=gen) < 0.5).long()]))  # fmt: skip
+    dy, dx, flip = torch.cat(rows, dim=1)
+    return dy, dx, flip.bool()
+
+
 def random_crop_flip(
     images: Tensor,
     pad: int,
-    generator: torch.Generator,
+    draws: tuple[Tensor, Tensor, Tensor],
     idx: Tensor | None = None,
     padded: Tensor | None = None,
 ) -> Tensor:
     """torchvision's RandomCrop(H, padding=pad) + RandomHorizontalFlip, batched: images[idx] (all images when
-    idx is None), each cropped at its own random offset of its zero-padded self and mirrored with prob. 1/2.
+    idx is None), each cropped at its offset (dy, dx) of its zero-padded self and mirrored where flip is
+    True, `draws` = (dy, dx, flip) one entry per image (`crop_flip_draws`, on any device).
 
     The zero-padded store (`padded`, `pad_images(images, pad)`; made here when not given) is viewed, without a
     copy, as every image's (2 pad + 1)^2 crop windows; one indexed copy then takes each image's window, and
@@ -514,10 +531,7 @@ def random_crop_flip(
     hp, wp, k = h + 2 * pad, w + 2 * pad, 2 * pad + 1
     windows = padded.as_strided((m, k, k, c, h, w), (c * hp * wp, wp, 1, hp * wp, wp, 1))
     idx = torch.arange(m, device=dev) if idx is None else idx.flatten()
-    n = idx.numel()
-    dy = torch.randint(0, k, (n,), generator=generator, device=dev)
-    dx = torch.randint(0, k, (n,), generator=generator, device=dev)
-    flip = torch.rand(n, generator=generator, device=dev) < 0.5
+    dy, dx, flip = (t.to(dev) for t in draws)
     out = windows[idx, dy, dx]
     return torch.where(flip[:, None, None, None], out.flip(3), out)  # no boolean indexing: no GPU sync
 
@@ -941,6 +955,7 @@ __all__ = [
     "dirichlet_split",
     "iid_split",
     "random_crop_flip",
+    "crop_flip_draws",
     "default_femnist_dir",
     "femnist_dirs",
     "leaf_writer_counts",

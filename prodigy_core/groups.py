@@ -126,11 +126,11 @@ class _Member:
     @contextlib.contextmanager
     def own_rng(self) -> Iterator[None]:
         """Run this member's code with its own RNG state as the global one."""
-        training._set_rng_states(self.rng, self.st.data_gen)
+        training._set_rng_states(self.rng)
         try:
             yield
         finally:
-            self.rng = training._get_rng_states(self.st.data_gen)
+            self.rng = training._get_rng_states()
 
 
 Outcome = training.RunResult | Exception
@@ -150,8 +150,8 @@ def iter_group(
 
     - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at
       its own learning rate, on its own batches (an ``authors`` run's from its own
-      `training.AuthorsBatchStream`, whose epoch orders it draws from its own data generator) and dropout
-      masks;
+      `training.AuthorsBatchStream`) and dropout masks, all from its own clients' streams
+      (`streams.ClientStreams`);
     - the evaluation: the members due evaluate their server models in one vmapped forward pass per test
       batch (`training.evaluate_runs`; one pass per variant);
     - everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
@@ -159,10 +159,10 @@ def iter_group(
       state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
       `finish_run` (record).
 
-    Independence from the group. Each run owns a full RNG state (torch's CPU and CUDA generators, python's
-    and numpy's), seeded from the run alone exactly as `training.run` seeds it; whenever code of run i runs
-    (its batch and dropout-mask draws, its server side, its evaluation and checkpoint) its state is made the
-    global one and saved back afterwards. Run i thus consumes the same random numbers in the same order as
+    Independence from the group. Each run owns its clients' streams (batches, augmentation, dropout masks)
+    and a full global RNG state (torch's CPU and CUDA generators, python's and numpy's), seeded from the run
+    alone exactly as `training.run` seeds it; whenever its server side or checkpoint runs, its state is made
+    the global one and saved back afterwards. Run i thus consumes the same random numbers in the same order as
     alone, and its record (same key, same fields, same checkpoint file) does not depend on which runs share
     the group or on their order; in float64 the parameters agree with a run alone to rounding
     (tests/test_groups.py). Only `round_times` differ: a member's round time is its share of the group's
@@ -186,7 +186,7 @@ def iter_group(
         )
     first = configs[0].resolved()
     device = resolve_device(first.device)
-    outside = training._get_rng_states(torch.Generator())  # restored when the group is done
+    outside = training._get_rng_states()  # restored when the group is done
     members: list[_Member] = []
     try:
         fed = training._load_federation(first, device)
@@ -197,7 +197,7 @@ def iter_group(
                 yield i, e
                 continue
             st.result.environment["group_size"] = len(configs)
-            members.append(_Member(i, st, training._get_rng_states(st.data_gen), st.start + 1))
+            members.append(_Member(i, st, training._get_rng_states(), st.start + 1))
         if not members:
             return
         compiled = training.pick_engine(first.engine, device, first.dataset) == "compiled"  # one per group
@@ -213,8 +213,7 @@ def iter_group(
                 with precision_mode(first.precision, device):
                     outs = training.local_steps_stacked(
                         [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs,
-                        first, [m.st.data_gen for m in active], grad_fn, [m.own_rng for m in active],
-                        streams=[m.st.stream for m in active],
+                        first, [m.st.streams for m in active], grad_fn, streams=[m.st.stream for m in active],
                     )  # fmt: skip
                 shared = _elapsed(tic, device, sync_timing) / len(active)
                 served, still = [], []
@@ -251,21 +250,23 @@ def iter_group(
                 if not active or step == training._KILLED_AFTER:
                     break
     finally:
-        training._set_rng_states(outside, torch.Generator())
+        training._set_rng_states(outside)
 
 
-def _evaluate_due(members: list[_Member], net: training.FunctionalNet) -> dict[int, tuple[float, float]]:
-    """{member index: (accuracy, loss)} of the members whose round ends with an evaluation, evaluated
-    together (`training.evaluate_runs`): one pass per variant (`training.eval_settings`: the ``authors``
-    ones in training mode), each member drawing its dropout masks from its own RNG state."""
+def _evaluate_due(
+    members: list[_Member], net: training.FunctionalNet
+) -> dict[int, tuple[float, float, float]]:
+    """{member index: `training.evaluate_runs` triple} of the members whose round ends with an evaluation,
+    evaluated together: one pass per variant (`training.eval_settings`: the ``authors`` ones in training
+    mode), each member's dropout masks from its own key (`streams.ClientStreams.eval_key`)."""
     due = [m for m in members if training.eval_due(m.st.resolved, m.r)]
-    scores: dict[int, tuple[float, float]] = {}
+    scores: dict[int, tuple[float, float, float]] = {}
     for variant in sorted({m.st.resolved.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
         part = [m for m in due if m.st.resolved.variant == variant]
         train_mode, batch_size = training.eval_settings(part[0].st.resolved)
-        models, contexts = [m.st.model for m in part], [m.own_rng for m in part]
+        models, keys = [m.st.model for m in part], [m.st.streams.eval_key(m.r) for m in part]
         with precision_mode(part[0].st.resolved.precision, part[0].st.momentum.device):
-            found = training.evaluate_runs(models, part[0].st.fed, train_mode, contexts, batch_size, net)
+            found = training.evaluate_runs(models, part[0].st.fed, train_mode, keys, batch_size, net)
         scores.update({m.index: score for m, score in zip(part, found, strict=True)})
     return scores
 

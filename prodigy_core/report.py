@@ -1034,6 +1034,52 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
     return "\n".join([f"# {title}", "", *body])
 
 
+def detection_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """ProDiGy's detection per attacked run, beside the no-attack rate of the same split and seed: one row
+    per run with a detection precision and an attack, its setting columns that vary, precision, recall and
+    ``no-attack rate``, the precision of the run with the same config and attack none (the share of its
+    zeroed clients that are ids 0..f-1 although nobody attacks: what the split alone gives; NaN, shown
+    "n/a", when that run is not in ``df`` or zeroed nobody). Empty when no run has a precision."""
+    from prodigy_core.config import RunConfig, field_names
+
+    if "detection_precision" not in df.columns:
+        return pd.DataFrame()
+    setting = [c for c in field_names() if c in df.columns and c not in RunConfig.NON_RESULT_FIELDS
+               and c not in ("attack", "attack_params")]  # fmt: skip
+
+    def same_split(row: pd.Series) -> tuple[str, ...]:
+        return tuple(str(row[c]) for c in setting)
+
+    measured = df[df["detection_precision"].notna()]
+    attacked = measured[measured["attack"] != NO_ATTACK]
+    baseline = {same_split(row): row["detection_precision"] for _, row in
+                measured[measured["attack"] == NO_ATTACK].iterrows()}  # fmt: skip
+    if attacked.empty:
+        return pd.DataFrame()
+    varying = [c for c in setting if c not in ("defense", "seed") and df[c].astype(str).nunique() > 1]
+    frame = attacked[
+        [*varying, "defense", "attack", "seed", "detection_precision", "detection_recall"]
+    ].copy()
+    frame = frame.rename(columns={"detection_precision": "precision", "detection_recall": "recall"})
+    frame["no-attack rate"] = [baseline.get(same_split(row), math.nan) for _, row in attacked.iterrows()]
+    return frame.reset_index(drop=True)
+
+
+def detection_markdown(df: pd.DataFrame, heading: str = "ProDiGy detection") -> str:
+    """`detection_frame` as a Markdown section headed by what the columns mean ("" when no run has one)."""
+    frame = detection_frame(df)
+    if frame.empty:
+        return ""
+    rates = frame["no-attack rate"]
+    frame["no-attack rate"] = ["n/a" if math.isnan(v) else format(v, ".2f") for v in rates]
+    legend = (
+        "Precision: share of the zeroed clients that are Byzantine (ids 0..f-1), over all rounds; no-attack "
+        "rate: that share in the run with the same split and seed and no attack (the split's own outliers; "
+        "n/a: that run is not stored or zeroed nobody)."
+    )
+    return "\n".join([f"## {heading}", "", legend, "", frame_to_markdown(frame)])
+
+
 # Where no defense row has every attack of the paper's row run, there is no worst case to compare.
 NOT_ENOUGH_CELLS = "not enough cells (no defense row has all its attacks run)"
 PROVENANCE = re.compile(r"<!-- provenance: (.*?) -->")
@@ -1202,6 +1248,8 @@ def write_tables(page: Page, note: str, made_by: str) -> list[Path]:
     df, layout, title, order = page.df, page.layout, page.title, page.order
     paths = [page.folder / f"{page.name}.md", page.folder / f"{page.name}.tex"]
     markdown = to_markdown(df, layout, title, order, note=note)
+    detection = detection_markdown(df)
+    markdown += f"\n{detection}" if detection else ""
     paths[0].write_text(f"{markdown}\n<!-- provenance: {made_by} -->\n", encoding="utf-8")
     latex = to_latex(df, layout, title, order, label=f"tab:{page.name}")
     paths[1].write_text(f"% provenance: {made_by}\n{latex}", encoding="utf-8")
@@ -1267,12 +1315,14 @@ def write_paper_comparison(
     comparisons = {v: comparisons[v] for v in [*VARIANTS, *comparisons] if v in comparisons}
     base_title = getattr(experiment, "title", None) or experiment.name
     path = folder / f"{experiment.name}_vs_paper.md"
-    path.write_text(
-        paper_comparison_markdown(
-            comparisons, f"{base_title}: ours vs the paper (variant: {', '.join(comparisons)})"
-        ),
-        encoding="utf-8",
+    text = paper_comparison_markdown(
+        comparisons, f"{base_title}: ours vs the paper (variant: {', '.join(comparisons)})"
     )
+    for v, frame in frames.items():  # every detection precision beside the split's no-attack rate
+        mine = frame[frame["variant"].fillna("paper") == v] if "variant" in frame else frame
+        detection = detection_markdown(mine, f"ProDiGy detection ({v})")
+        text += f"\n{detection}" if detection else ""
+    path.write_text(text, encoding="utf-8")
     return path
 
 

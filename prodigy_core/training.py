@@ -41,6 +41,7 @@ from prodigy_core.models import make_model
 from prodigy_core.registry import label, loaded_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, precision_mode, resolve_device, seed_everything
+from prodigy_core.streams import ClientStreams, dropout_mask
 
 # engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
 # benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
@@ -74,6 +75,9 @@ class RunResult:
     environment: dict[str, Any] = field(default_factory=dict)
     stand_in: str | None = None  # set by callers that ran a stand-in for the paper's setting
     plugins: dict[str, str] = field(default_factory=dict)  # plug-in spec -> its file's hash (in the key too)
+    # ``authors``: the test loss their server prints at the last evaluation, sum of the test batches' mean
+    # cross-entropies / test-set size (server.py:63-67; about final_loss / b); None under ``paper``.
+    authors_test_loss: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(dataclasses.asdict(self))
@@ -184,7 +188,7 @@ def run(
             gamma = resolved.lr_at(r - 1)
             with precision_mode(resolved.precision, device):
                 pseudo_grads, client_buffers = local_steps(
-                    st.model, st.fed, resolved.local_steps, gamma, resolved, st.data_gen, stream=st.stream
+                    st.model, st.fed, resolved.local_steps, gamma, resolved, st.streams, stream=st.stream
                 )
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
@@ -212,7 +216,7 @@ class RunState:
     model: nn.Module  # the server model
     pipeline: Pipeline
     attack: Attack | None
-    data_gen: torch.Generator  # batches and augmentation
+    streams: ClientStreams  # every client's batches, augmentation and dropout masks
     momentum: Tensor  # (N, d) local momentum of every client
     result: RunResult
     ckpt: Path | None
@@ -231,13 +235,14 @@ def start_run(
     fed: Federation | None = None,
     resume: bool = True,
 ) -> RunState:
-    """A run's state before its first round to do: seeded model, pipeline, attack, generators, resumed from
+    """A run's state before its first round to do: seeded model, pipeline, attack, streams, resumed from
     its checkpoint in `checkpoint_dir` when one exists (not with `resume=False`; an unreadable one is moved
     aside with a warning and the state starts at round 0). `fed`: the run's federation when the caller
     already loaded it (it is not modified: label flipping works on a shallow copy).
 
     Checkpoints (every `checkpoint_every` rounds when `checkpoint_dir` is given, named `<config.key()>.pt`,
-    written by `end_round`) hold the model, the momentum, the pipeline state, every RNG state and
+    written by `end_round`) hold the model, the momentum, the pipeline state, every RNG state, the clients'
+    streams and
     (``authors``) the batch stream, so a resumed run reproduces the uninterrupted one; the checkpoint is
     deleted when the run completes. They hold tensors and plain Python values only and are read with
     `torch.load(weights_only=True)`, so a crafted file on a shared disk cannot run code; a checkpoint that
@@ -250,13 +255,14 @@ def start_run(
     seed_everything(resolved.seed)
     model = make_model(resolved.dataset).to(device).train()
     pipeline = make_aggregator(resolved.defense, f, n, resolved.variant, resolved.defense_params)
-    attack = None
+    attack, streams = None, ClientStreams(resolved.seed, n)
     if f > 0 and resolved.attack != "none":
         attack = make_attack(resolved.attack, variant=resolved.variant, params=resolved.attack_params)
+        if getattr(attack, "generator", False) is None:  # its draws (gaussian): the run's CPU stream
+            attack.generator = streams.attack
         if attack.flips_labels:
             fed = copy.copy(fed)  # flip_labels replaces the copy's label tensor, never the shared one
             fed.flip_labels(range(f))
-    data_gen = torch.Generator(device=device).manual_seed(resolved.seed)
     momentum = torch.zeros(n, sum(p.numel() for p in model.parameters()), device=device)
     # the record names the data source used (resolved: same key as `config`)
     recorded = config.replace(data_source=fed.source).to_dict()
@@ -266,7 +272,7 @@ def start_run(
     key = config.key(code=result.plugins)
     ckpt = Path(checkpoint_dir) / f"{key}.pt" if checkpoint_dir is not None else None
     st = RunState(
-        config, resolved, fed, model, pipeline, attack, data_gen, momentum, result, ckpt, stream=stream
+        config, resolved, fed, model, pipeline, attack, streams, momentum, result, ckpt, stream=stream
     )
     if resume and ckpt is not None and ckpt.exists():
         try:
@@ -281,7 +287,8 @@ def start_run(
             pipeline.load_state_dict(state["pipeline"])
             st.result = RunResult.from_dict(state["result"])
             st.hits = int(state["hits"])
-            _set_rng_states(state["rng"], data_gen)
+            _set_rng_states(state["rng"])
+            streams.load_state_dict(state["streams"])
             if stream is not None:
                 stream.load_state_dict(state["batch_stream"])
         except Exception as e:  # whatever is wrong with it, the run is still there to be done from scratch
@@ -353,18 +360,20 @@ def server_round(
     return True
 
 
-def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -> bool:
+def end_round(st: RunState, r: int, scores: tuple[float, float, float] | None = None) -> bool:
     """After round r's server step: evaluate when due (`eval_due`), save the checkpoint when due. Returns
     False when the run diverged (``authors``: a test loss that is not finite; recorded in `st.result`).
-    `scores`: the due evaluation's (accuracy, loss) when the caller made it (`groups`: all members in one
-    pass, `evaluate_runs`); None: evaluated here."""
+    `scores`: the due evaluation's `evaluate_runs` triple when the caller made it (`groups`: all members in
+    one pass); None: evaluated here."""
     resolved, result = st.resolved, st.result
     if eval_due(resolved, r):
         if scores is None:
             train_mode, batch_size = eval_settings(resolved)
             with precision_mode(resolved.precision, st.momentum.device):
-                scores = evaluate(st.model, st.fed, batch_size, train_mode)
-        result.final_accuracy, result.final_loss = scores
+                scores = evaluate(st.model, st.fed, batch_size, train_mode, st.streams.eval_key(r))
+        result.final_accuracy, result.final_loss = scores[:2]
+        if resolved.variant == "authors":
+            result.authors_test_loss = scores[2]
         result.accuracy_curve.append([r, result.final_accuracy])
         # The authors' code stops at a NaN test loss and repeats that evaluation's accuracy (what argmax gave
         # on that network); an infinite loss goes on.
@@ -374,7 +383,7 @@ def end_round(st: RunState, r: int, scores: tuple[float, float] | None = None) -
     if st.ckpt is not None and r % resolved.checkpoint_every == 0 and r < resolved.rounds:
         state = {"key": st.ckpt.stem, "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
-                 "rng": _get_rng_states(st.data_gen)}  # fmt: skip
+                 "rng": _get_rng_states(), "streams": st.streams.state_dict()}  # fmt: skip
         if st.stream is not None:  # authors: every client's epoch order and position
             state["batch_stream"] = st.stream.state_dict()
         try:
@@ -403,7 +412,7 @@ def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
     if result.diverged:
         if not st.stopped_at_nan_loss:
             result.final_accuracy = diverged_accuracy(st.fed, st.resolved.variant)
-        result.final_loss = None
+        result.final_loss = result.authors_test_loss = None
     if result.zeroed_clients and f > 0:
         flagged = sum(len(z) for z in result.zeroed_clients)
         result.detection_precision = st.hits / flagged if flagged else None
@@ -416,18 +425,19 @@ def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
 def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     """Resolve engine="auto": batched on CUDA, the measured faster one on CPU (`AUTO_CPU_ENGINE`).
 
-    Engines (same semantics, same batches drawn from the same generator):
+    Engines (same semantics; the same batches, augmentation and dropout masks, from the clients' streams,
+    `prodigy_core.streams`, on any device):
     - ``batched``: `torch.func.vmap` of `grad` of a `functional_call` over the clients' stacked parameters
-      and BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout mask is drawn
-      before the step from the global generator, as F.dropout draws it (the numbers of vmap's own dropout),
-      and passed in (`ClientGrad`); `prodigy_core.groups` stacks several runs' clients in the same step this
-      way. Clients smaller than batch_size (``paper`` only) are vmapped in groups of equal batch width, so
-      every client's loss and BatchNorm batch statistics use exactly its own b_k samples.
+      and BatchNorm buffers, elementwise SGD on the stacked tensors. Every client's dropout masks are made
+      before the step (`FunctionalNet.masks`) and passed in (`ClientGrad`); `prodigy_core.groups` stacks
+      several runs' clients in the same step this way. Clients smaller than batch_size (``paper`` only)
+      are vmapped in groups of equal batch width, so every client's loss and BatchNorm batch statistics use
+      exactly its own b_k samples.
     - ``sequential``: the reference, one model copy trained client after client on exactly its valid
-      entries.
+      entries, its dropout layers multiplying by the same masks.
     - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
       run (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
-      It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested without
+      It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
     - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
       (`AUTO_CPU_ENGINE`).
@@ -473,15 +483,15 @@ class AuthorsBatchStream:
     forever without yielding (the ``except StopIteration`` there never fires): `ClientTooSmallError` here.
 
     Here client k keeps its current epoch order (global row indices, the first |D_k| entries of row k of
-    `perms`) and the position `pos[k]` of its next batch. `next(gen)` gives one local step's (idx (N, b),
-    mask (N, b) all True): first, for k = 0, 1, ..., N-1 in that order, a client whose epoch cannot give a
-    full batch (pos[k] + b > |D_k|) starts a new one, ``client_indices[k][torch.randperm(|D_k|,
-    generator=gen)]``, at position 0; then row k is the epoch's entries pos[k] .. pos[k] + b - 1 and pos[k]
-    grows by b. Every client starts "exhausted" (pos[k] = |D_k|), so the first step draws every client's first
-    epoch. These randperm calls are the only draws from `gen` (the run's data generator, which augmentation
-    draws from after them in each step). The random numbers cannot be the authors' own (their RandomSampler
-    seeds a fresh generator from torch's global one, which their dropout and augmentation also draw from);
-    the structure of the batch sequence is theirs. `state_dict` (tensors) goes into the checkpoint."""
+    `perms`) and the position `pos[k]` of its next batch. `next(gens)` gives one local step's (idx (N, b),
+    mask (N, b) all True): first, a client whose epoch cannot give a full batch (pos[k] + b > |D_k|) starts
+    a new one, ``client_indices[k][torch.randperm(|D_k|, generator=gens[k])]`` (its own CPU generator,
+    `streams.ClientStreams`), at position 0; then row k is the epoch's entries pos[k] .. pos[k] + b - 1 and
+    pos[k] grows by b. Every client starts "exhausted" (pos[k] = |D_k|), so the first step draws every
+    client's first epoch. Client k's augmentation draws from gens[k] after its shuffle. The random numbers
+    cannot be the authors' own (their RandomSampler seeds a fresh generator from torch's global one, which
+    their dropout and augmentation also draw from); the structure of the batch sequence is theirs.
+    `state_dict` (tensors) goes into the checkpoint."""
 
     def __init__(self, fed: Federation, batch_size: int) -> None:
         sizes = [len(ix) for ix in fed.client_indices]
@@ -501,12 +511,13 @@ class AuthorsBatchStream:
         self._width = torch.arange(batch_size, device=fed.device)
         self._mask = torch.ones(fed.n_clients, batch_size, dtype=torch.bool, device=fed.device)
 
-    def next(self, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-        """One local step's (idx (N, b), mask (N, b) all True), drawing new epochs from `gen` (see above)."""
+    def next(self, gens: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+        """One local step's (idx (N, b), mask (N, b) all True), drawing client k's new epochs from its CPU
+        generator `gens[k]` (see above)."""
         b = self.batch_size
         for k, n in enumerate(self.sizes):
             if self.pos[k] + b > n:
-                order = torch.randperm(n, generator=gen, device=self.fed.device)
+                order = torch.randperm(n, generator=gens[k]).to(self.fed.device)
                 self.perms[k, :n] = self.fed.client_indices[k][order]
                 self.pos[k] = 0
         offsets = torch.tensor(self.pos, device=self.fed.device)
@@ -535,12 +546,18 @@ def make_batch_stream(resolved: RunConfig, fed: Federation) -> AuthorsBatchStrea
 
 
 def _draw_batch(
-    fed: Federation, batch_size: int, gen: torch.Generator, stream: AuthorsBatchStream | None = None
+    fed: Federation, batch_size: int, rng: ClientStreams, stream: AuthorsBatchStream | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One local step's data for all clients: images (N,B,C,H,W), labels (N,B), mask (N,B); the indices from
-    `stream` when given (``authors``), else `Federation.sample_batch` (``paper``)."""
-    idx, mask = fed.sample_batch(batch_size, gen) if stream is None else stream.next(gen)
-    return fed.train_batch(idx, gen), fed.train_labels[idx], mask
+    `stream` when given (``authors``), else `Federation.sample_batch` (``paper``), client k's indices and
+    augmentation from its own generator `rng.gens[k]`."""
+    idx, mask = fed.sample_batch(batch_size, rng.gens) if stream is None else stream.next(rng.gens)
+    return fed.train_batch(idx, rng.gens), fed.train_labels[idx], mask
+
+
+def _train_masks(net: FunctionalNet, rng: ClientStreams, clients: list[int], x: Tensor, step: int) -> dict:
+    """Dropout masks of `clients`' forward passes on x (len(clients), width, C, H, W) at local step `step`."""
+    return net.masks(x, lambda layer: rng.keys([rng.client_keys[k] for k in clients], step, layer, x.device))
 
 
 class _MaskedDropout(nn.Module):
@@ -559,11 +576,11 @@ class _MaskedDropout(nn.Module):
 class FunctionalNet:
     """`model`'s architecture as a function (params, buffers, dropout masks, x) -> scores for torch.func.
 
-    Dropout: its layers multiply by masks drawn beforehand by `masks`, as F.dropout draws them on a CPU
-    (bernoulli(1 - p) / (1 - p) from the device's global generator, layer after layer in forward order), one
-    (rows, width, ...) tensor per dropout layer. A run's masks then come from its own random stream even
-    when its clients or its model share one vmapped computation with other runs' (`prodigy_core.groups`
-    draws each run's masks under its own RNG state), and a compiled step uses the same masks as an eager one.
+    Dropout: its layers multiply by masks made beforehand by `masks`, the counter-based draws of
+    `prodigy_core.streams` (keep with probability 1 - p, scaled by 1 / (1 - p)), one (rows, width, ...)
+    tensor per dropout layer. Every client's masks then depend on its key alone, not on the device, the
+    engine, or the other runs sharing a vmapped computation (`prodigy_core.groups`), and a compiled step uses
+    the same masks as an eager one. `template` with its masks set is also the sequential engine's client.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -574,17 +591,17 @@ class FunctionalNet:
         self.dropouts = {f"{name}.mask": m for name, m in self.template.named_modules()
                          if isinstance(m, _MaskedDropout)}  # fmt: skip
 
-    def masks(self, x: Tensor) -> dict[str, Tensor]:
-        """Dropout masks for a forward pass of x (rows, width, C, H, W) row by row, drawn from the global
-        generator."""
+    def masks(self, x: Tensor, keys: Callable[[int], Tensor]) -> dict[str, Tensor]:
+        """Dropout masks for a forward pass of x (rows, width, C, H, W) row by row: layer l's (rows,) int64
+        keys are keys(l) (`streams.dropout_mask`)."""
         if any(m.shape is None for m in self.dropouts.values()):  # one forward to learn their input shapes
             training = self.template.training
             with torch.no_grad():
                 self.template.eval()(x[0, :1])
             self.template.train(training)
-        n, width = x.shape[:2]
-        return {name: torch.empty((n, width, *m.shape), device=x.device, dtype=x.dtype)
-                .bernoulli_(1 - m.p).div_(1 - m.p) for name, m in self.dropouts.items()}  # fmt: skip
+        width = x.shape[1]
+        return {name: dropout_mask(keys(layer), (width, *m.shape), m.p, x.dtype)
+                for layer, (name, m) in enumerate(self.dropouts.items())}  # fmt: skip
 
     def __call__(self, params: dict, buffers: dict, masks: dict, x: Tensor) -> Tensor:
         return functional_call(self.template, (params, buffers, masks), (x,))
@@ -595,21 +612,16 @@ def _client_loss(model: nn.Module, params: dict, buffers: dict, masks: dict, x: 
 
 
 class ClientGrad:
-    """(params, buffers, x, y), each stacked over clients -> every client's gradient of its loss; BatchNorm
-    buffers are updated in place. ``compiled``: the vmapped step under torch.compile. Dropout masks: drawn
-    by `masks` (`FunctionalNet`) before the step, from the global generator, or passed in."""
+    """(params, buffers, x, y, dropout masks), each stacked over clients -> every client's gradient of its
+    loss; BatchNorm buffers are updated in place. ``compiled``: the vmapped step under torch.compile. The
+    masks come from `FunctionalNet.masks` of `net`."""
 
     def __init__(self, model: nn.Module, compiled: bool = False) -> None:
         self.net = FunctionalNet(model)
         fn = vmap(grad(functools.partial(_client_loss, self.net.template)), randomness="error")
         self.fn, self.compiled = (torch.compile(fn) if compiled else fn), compiled
 
-    def masks(self, x: Tensor) -> dict[str, Tensor]:
-        """Dropout masks for a step on x (clients, width, C, H, W), drawn from the global generator."""
-        return self.net.masks(x)
-
-    def __call__(self, params: dict, buffers: dict, x: Tensor, y: Tensor, masks: dict | None = None) -> dict:
-        masks = self.masks(x) if masks is None else masks
+    def __call__(self, params: dict, buffers: dict, x: Tensor, y: Tensor, masks: dict) -> dict:
         if not self.compiled:
             return self.fn(params, buffers, masks, x, y)
         try:
@@ -641,7 +653,7 @@ def _local_steps_batched(
     steps: int,
     lr: float,
     resolved: RunConfig,
-    gen: torch.Generator,
+    rng: ClientStreams,
     grad_fn: ClientGrad | None = None,
     stream: AuthorsBatchStream | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -651,7 +663,7 @@ def _local_steps_batched(
     (``authors``), None: `Federation.sample_batch` (``paper``)."""
     step = grad_fn or per_client_grad(model)
     ((pseudo_grads, buffers),) = local_steps_stacked(
-        [model], [fed], steps, [lr], resolved, [gen], step, streams=[stream]
+        [model], [fed], steps, [lr], resolved, [rng], step, streams=[stream]
     )
     return pseudo_grads, buffers
 
@@ -662,24 +674,21 @@ def local_steps_stacked(
     steps: int,
     lrs: list[float],
     resolved: RunConfig,
-    gens: list[torch.Generator],
+    rngs: list[ClientStreams],
     grad_fn: ClientGrad,
-    own_rng: list[Callable[[], Any]] | None = None,
     streams: list[AuthorsBatchStream | None] | None = None,
 ) -> list[tuple[Tensor, dict[str, Tensor]]]:
     """The E local SGD steps of R runs' N clients each (R = len(models), same architecture, same client
     data sizes, same E, batch size and weight decay: `resolved`'s) as one vmapped computation over R x N
     clients; returns every run's (pseudo-gradients (N, d), BatchNorm buffers {name: (N, ...)}).
 
-    Run i draws its batches from `gens[i]` (through its `streams[i]` when it has one: ``authors``) and,
-    within `own_rng[i]()` (a context manager that makes run i's RNG state the global one; None: the global
-    state as it is), its dropout masks, in the order a run alone draws them, so its numbers do not depend on
-    the other runs. Clients with fewer than batch_size samples
+    Run i draws its batches, augmentation and dropout masks from its clients' streams `rngs[i]` (batches
+    through its `streams[i]` when it has one: ``authors``), so its numbers do not depend on the other runs,
+    the engine or the device (`prodigy_core.streams`). Clients with fewer than batch_size samples
     form one vmapped group per batch width, so that every client trains on exactly its b_k valid samples
     (padding would enter BatchNorm's batch statistics); with IID data or large clients there is a single
     group and no indexing."""
     runs, n = len(models), feds[0].n_clients
-    contexts = own_rng or [contextlib.nullcontext] * runs
     streams = streams or [None] * runs
 
     def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
@@ -690,16 +699,18 @@ def local_steps_stacked(
     named = [dict(m.named_buffers()) for m in models]
     buffers = {name: stack([b[name] for b in named]) for name in named[0]}
     solo = _width_groups(feds[0], resolved.batch_size)
+    members = [list(range(n)) if ids is None else ids.tolist() for _, ids in solo]
     stacked = [None if ids is None else torch.cat([ids + i * n for i in range(runs)]) for _, ids in solo]
     # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
     per_run = len(set(lrs)) > 1
     for _ in range(steps):
         parts = []  # per run, per width group: (images, labels, dropout masks)
         for i in range(runs):
-            with contexts[i]():
-                x, y, _ = _draw_batch(feds[i], resolved.batch_size, gens[i], streams[i])
-                sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
-                parts.append([(xg, yg, grad_fn.masks(xg)) for xg, yg in sub])
+            x, y, _ = _draw_batch(feds[i], resolved.batch_size, rngs[i], streams[i])
+            sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
+            parts.append([(xg, yg, _train_masks(grad_fn.net, rngs[i], clients, xg, rngs[i].step))
+                          for (xg, yg), clients in zip(sub, members, strict=True)])  # fmt: skip
+            rngs[i].step += 1
         for g, ids in enumerate(stacked):
             xs, ys, ms = _cat_runs([run[g] for run in parts])
             if ids is None:
@@ -743,23 +754,27 @@ def _local_steps_sequential(
     steps: int,
     lr: float,
     resolved: RunConfig,
-    gen: torch.Generator,
+    rng: ClientStreams,
     stream: AuthorsBatchStream | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Reference: the same E local steps on the same batches, one client after another on one model copy.
+    """Reference: the same E local steps on the same batches and dropout masks, one client after another on
+    one model copy.
 
     The copy runs in channels-last memory format (1.2-1.5x faster convolutions on a CPU, native for cuDNN);
     flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
-    batches = [_draw_batch(fed, resolved.batch_size, gen, stream) for _ in range(steps)]
+    batches = [_draw_batch(fed, resolved.batch_size, rng, stream) for _ in range(steps)]
     server_state = copy.deepcopy(model.state_dict())
-    client = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    net = FunctionalNet(model)  # its template, masks set before every forward pass, is the client
+    client = net.template.train().to(memory_format=torch.channels_last)
     weights = list(client.parameters())
     start = parameters_to_vector(model.parameters()).detach()
     rows, reports = [], []
     for k in range(fed.n_clients):
         client.load_state_dict(server_state)
-        for x, y, mask in batches:
+        for e, (x, y, mask) in enumerate(batches):
             xk = x[k][mask[k]].contiguous(memory_format=torch.channels_last)
+            for name, m in _train_masks(net, rng, [k], xk[None], rng.step + e).items():
+                net.dropouts[name].mask = m[0]
             loss = F.cross_entropy(client(xk), y[k][mask[k]])
             grads = list(torch.autograd.grad(loss, weights))
             with torch.no_grad():
@@ -769,6 +784,7 @@ def _local_steps_sequential(
         rows.append((start - torch.cat([w.detach().reshape(-1) for w in weights])) / lr)
         reports.append({name: b.detach().clone() for name, b in client.named_buffers()})
     buffers = {name: torch.stack([rep[name] for rep in reports]) for name in reports[0]} if reports[0] else {}
+    rng.step += steps
     return torch.stack(rows), buffers
 
 
@@ -800,34 +816,40 @@ def median_report(reports: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, fed: Federation, batch_size: int = EVAL_BATCH_SIZE, train_mode: bool = False
-) -> tuple[float, float]:
-    """Test accuracy (percent) and mean cross-entropy of one model: `evaluate_runs` of [model]."""
-    return evaluate_runs([model], fed, train_mode, batch_size=batch_size)[0]
+    model: nn.Module,
+    fed: Federation,
+    batch_size: int = EVAL_BATCH_SIZE,
+    train_mode: bool = False,
+    key: int = 0,
+) -> tuple[float, float, float]:
+    """`evaluate_runs` of [model]: (accuracy %, mean cross-entropy, the authors' test loss)."""
+    return evaluate_runs([model], fed, train_mode, [key], batch_size=batch_size)[0]
 
 
 def evaluate_runs(
     models: list[nn.Module],
     fed: Federation,
     train_mode: bool = False,
-    own_rng: list[Callable[[], Any]] | None = None,
+    keys: list[int] | None = None,
     batch_size: int = EVAL_BATCH_SIZE,
     net: FunctionalNet | None = None,
-) -> list[tuple[float, float]]:
-    """Test accuracy (percent) and mean cross-entropy over test batches of `batch_size` of R models of one
-    architecture, as one forward pass per test batch (vmapped over the models when R > 1); in train mode as
-    stacked passes over up to `EVAL_PASS_IMAGES` images' batches (`_train_mode_pass`: the authors' 157 test
-    batches of 64 in one pass instead of a loop of 157, with the loop's numbers).
+) -> list[tuple[float, float, float]]:
+    """Test accuracy (percent), mean cross-entropy (sum over the test samples / M) and the authors' test loss
+    (sum over the test batches of the batch's mean cross-entropy / M, what their server prints,
+    server.py:63-67) over test batches of `batch_size` of R models of one architecture (M test samples), as
+    one forward pass per test batch (vmapped over the models when R > 1); in train mode as stacked passes
+    over up to `EVAL_PASS_IMAGES` images' batches (`_train_mode_pass`: the authors' 157 test batches of 64 in
+    one pass instead of a loop of 157, with the loop's numbers).
 
     Eval mode (dropout off, each model's BatchNorm running statistics), or with ``train_mode`` as the authors'
     code evaluates: dropout on and BatchNorm normalising each test batch with that batch's own mean and
-    (biased) variance; the models' buffers are left as they were. Model i draws its dropout masks within
-    `own_rng[i]()` (None: the global RNG state as it is; see `local_steps_stacked`), batch after batch, so
-    its numbers do not depend on the other models. ``net``: `FunctionalNet(models[0])`, built once by a
-    caller that evaluates often."""
+    (biased) variance; the models' buffers are left as they were. Model i's dropout masks for test batch j
+    and layer l are the counter-based draws of key (keys[i], j, l) (`ClientStreams.eval_key`; None: 0 for
+    every model), so its numbers do not depend on the other models or the device. ``net``:
+    `FunctionalNet(models[0])`, built once by a caller that evaluates often."""
     net = net or FunctionalNet(models[0])
     runs = len(models)
-    contexts = own_rng or [contextlib.nullcontext] * runs
+    keys = [0] * runs if keys is None else keys
     params = [{k: v.detach() for k, v in m.named_parameters()} for m in models]
     buffers = [
         {k: v.detach().clone() for k, v in m.named_buffers()} for m in models
@@ -839,41 +861,40 @@ def evaluate_runs(
         params, buffers = ({k: torch.stack([d[k] for d in ds]) for k in ds[0]} for ds in (params, buffers))
     correct = torch.zeros(runs, device=fed.test_labels.device)
     loss = torch.zeros(runs, device=fed.test_labels.device)
+    batch_means = torch.zeros(runs, device=fed.test_labels.device)
     net.template.train(train_mode)
+    total = len(fed.test_labels)
     if train_mode:  # every test batch its own BatchNorm statistics: the full batches in stacked passes
-        batches = list(fed.test_batches(batch_size))
-        full = [b for b in batches if len(b[1]) == batch_size]
+        batches = list(enumerate(fed.test_batches(batch_size)))  # (j, (x, y)): j keys batch j's masks
+        full = [b for b in batches if len(b[1][1]) == batch_size]
         per_pass = max(1, EVAL_PASS_IMAGES // (runs * batch_size))
+        passes = [full[i : i + per_pass] for i in range(0, len(full), per_pass)]
+        passes += [[b] for b in batches if len(b[1][1]) != batch_size]  # the last, partial batch
         try:
-            for start in range(0, len(full), per_pass):
-                scores = _train_mode_pass(net, params, buffers, contexts, full[start : start + per_pass])
-                correct, loss = correct + scores[0], loss + scores[1]
-            rest = [(x, y) for x, y in batches if len(y) != batch_size]  # the last, partial batch
-            if rest:
-                scores = _train_mode_pass(net, params, buffers, contexts, rest)
-                correct, loss = correct + scores[0], loss + scores[1]
+            for part in passes:
+                scores = _train_mode_pass(net, params, buffers, keys, part)
+                correct, loss, batch_means = correct + scores[0], loss + scores[1], batch_means + scores[2]
         finally:
             net.template.train()
-        total = len(fed.test_labels)
-        return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
+        rows = zip(correct.tolist(), loss.tolist(), batch_means.tolist(), strict=True)
+        return [(100.0 * c / total, v / total, m / total) for c, v, m in rows]
     try:
         with torch.no_grad():
-            for x, y in fed.test_batches(batch_size):
+            for j, (x, y) in enumerate(fed.test_batches(batch_size)):
                 masks: dict[str, Tensor] = {}
-                if train_mode and net.dropouts:
-                    drawn = []
-                    for context in contexts:
-                        with context():
-                            drawn.append(net.masks(x[None]))
-                    masks = {k: torch.cat([d[k] for d in drawn]) for k in drawn[0]}  # (R, B, ...)
+                if train_mode and net.dropouts:  # (R, B, ...)
+                    row_keys = functools.partial(ClientStreams.keys, keys, j, device=x.device)
+                    masks = net.masks(x[None], row_keys)
                     masks = {k: v[0] for k, v in masks.items()} if runs == 1 else masks
                 out = forward(params, buffers, masks, x).reshape(runs, len(y), -1)
-                loss += F.cross_entropy(out.transpose(1, 2), y.expand(runs, -1), reduction="none").sum(dim=1)
+                summed = F.cross_entropy(out.transpose(1, 2), y.expand(runs, -1), reduction="none").sum(dim=1)
+                loss += summed
+                batch_means += summed / len(y)
                 correct += (out.argmax(dim=2) == y).sum(dim=1)
     finally:
         net.template.train()
-    total = len(fed.test_labels)
-    return [(100.0 * c / total, v / total) for c, v in zip(correct.tolist(), loss.tolist(), strict=True)]
+    rows = zip(correct.tolist(), loss.tolist(), batch_means.tolist(), strict=True)
+    return [(100.0 * c / total, v / total, m / total) for c, v, m in rows]
 
 
 @torch.no_grad()
@@ -881,23 +902,21 @@ def _train_mode_pass(
     net: FunctionalNet,
     params: dict[str, Tensor],
     buffers: dict[str, Tensor],
-    contexts: list[Callable[[], Any]],
-    batches: list[tuple[Tensor, Tensor]],
-) -> tuple[Tensor, Tensor]:
-    """(correct, summed loss) per model over P test batches of one size in training mode, as one forward
-    pass vmapped over the batches (each normalised by its own BatchNorm statistics, as a loop over them
-    would) and over the R models when R > 1 (`params`, `buffers` stacked then). Model i draws its dropout
-    masks within `contexts[i]()`, batch after batch, layer after layer: the draws of a loop."""
-    runs, n_batches = len(contexts), len(batches)
-    xs, ys = torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])  # (P, B, ...)
+    keys: list[int],
+    batches: list[tuple[int, tuple[Tensor, Tensor]]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(correct, summed loss, summed batch means) per model over P test batches (j, (x, y)) of one size in
+    training mode, as one forward pass vmapped over the batches (each normalised by its own BatchNorm
+    statistics, as a loop over them would) and over the R models when R > 1 (`params`, `buffers` stacked
+    then). Model i's masks for batch j are the draws of key (keys[i], j, layer), as in the loop."""
+    runs, n_batches = len(keys), len(batches)
+    xs = torch.stack([x for _, (x, _) in batches])  # (P, B, ...)
+    ys = torch.stack([y for _, (_, y) in batches])
     masks: dict[str, Tensor] = {}
     if net.dropouts:
-        drawn = []
-        for context in contexts:
-            with context():
-                per_batch = [net.masks(x[None]) for x, _ in batches]  # each (1, B, ...)
-            drawn.append({k: torch.cat([m[k] for m in per_batch]) for k in per_batch[0]})  # (P, B, ...)
-        masks = {k: torch.stack([d[k] for d in drawn]) for k in drawn[0]}  # (R, P, B, ...)
+        per_batch = [net.masks(x[None], functools.partial(ClientStreams.keys, keys, j, device=x.device))
+                     for j, (x, _) in batches]  # each (R, B, ...)  # fmt: skip
+        masks = {k: torch.stack([m[k] for m in per_batch], dim=1) for k in per_batch[0]}  # (R, P, B, ...)
     lead = (runs, n_batches) if runs > 1 else (n_batches,)
     # train mode writes the running statistics: every batch gets its own copy, thrown away after
     stacked = {k: (v if runs > 1 else v[None])[:, None].expand(runs, n_batches, *v.shape[runs > 1 :])
@@ -907,10 +926,11 @@ def _train_mode_pass(
         forward = vmap(forward, in_dims=(0, 0, 0, None), randomness="error")  # over the models
     else:
         masks = {k: v[0] for k, v in masks.items()}
-    out = forward(params, stacked, masks, xs).reshape(runs, n_batches * ys.shape[1], -1)
+    width = ys.shape[1]
+    out = forward(params, stacked, masks, xs).reshape(runs, n_batches * width, -1)
     y = ys.reshape(-1).expand(runs, -1)
-    loss = F.cross_entropy(out.transpose(1, 2), y, reduction="none").sum(dim=1)
-    return (out.argmax(dim=2) == y).sum(dim=1), loss
+    per_sample = F.cross_entropy(out.transpose(1, 2), y, reduction="none")  # (R, P B)
+    return (out.argmax(dim=2) == y).sum(dim=1), per_sample.sum(dim=1), per_sample.sum(dim=1) / width
 
 
 def eval_settings(resolved: RunConfig) -> tuple[bool, int]:
@@ -994,19 +1014,19 @@ def _environment(device: torch.device, engine: str, precision: str = "fp32") -> 
     return env
 
 
-def _get_rng_states(data_gen: torch.Generator) -> dict[str, Any]:
-    """Every RNG state as tensors and plain Python values (what `torch.load(weights_only=True)` reads)."""
+def _get_rng_states() -> dict[str, Any]:
+    """Every global RNG state as tensors and plain Python values (what `torch.load(weights_only=True)`
+    reads)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    states = {"torch": torch.get_rng_state(), "data": data_gen.get_state(), "python": random.getstate(),
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(),
               "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}  # fmt: skip
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
-def _set_rng_states(states: dict[str, Any], data_gen: torch.Generator) -> None:
+def _set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"].cpu())
-    data_gen.set_state(states["data"].cpu())
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = states["numpy"]

@@ -576,6 +576,28 @@ def test_alie_authors_comparison_ties_nan_and_the_initial_choice(damages, author
             assert [str(d) for d in seen] == [str(float(d)) for d in damages]
 
 
+@pytest.mark.parametrize(
+    "damages,authors,paper",
+    [
+        ([0.0] * 10, None, 0),  # nothing beats max_dist = 0: the authors keep eps itself, paper the first
+        ([math.nan, 2, 2], 1, 0),  # NaN never wins under authors; it is infinite damage under paper
+        ([1, 4, math.inf, math.nan, 9], 2, 2),  # an infinite damage wins in both
+    ],
+)
+def test_foe_authors_choice_starts_at_eps_with_max_dist_zero(damages, authors, paper):
+    """malicious.py:120-127: max_dist = 0, best_eps = epsilon, a candidate kept only when dist > max_dist."""
+    honest, own = make_updates(4)
+    honest, own = honest.double(), own.double()
+    mean = honest.mean(0)
+    damages = damages + [0.0] * (10 - len(damages))  # FOE's 10 candidates 0.1 eps .. eps
+    for variant, index in (("authors", authors), ("paper", paper)):
+        attack = make_attack("foe_100", variant=variant)
+        rows = attack.craft(honest, own, scripted_server(mean, damages))
+        chosen = 100.0 if index is None else 10.0 * (index + 1)
+        assert attack.last_param == pytest.approx(chosen, abs=1e-9), variant
+        torch.testing.assert_close(rows, (-chosen * mean).expand(F, D))
+
+
 def test_alie_authors_zero_z_sends_the_honest_update_and_a_given_z():
     honest, own = make_updates(5, n=10, f=1)
     attack = make_attack("alie", variant="authors")

@@ -14,6 +14,7 @@ from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import load_federation
 from prodigy_core.models import make_model
+from prodigy_core.streams import ClientStreams, dropout_mask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 CUDA = torch.device("cuda")
@@ -108,7 +109,7 @@ def test_batched_engine_matches_sequential_on_cuda(no_tf32):
                     batch_size=100, device="cuda").resolved()  # fmt: skip
     out = []
     for local_steps in (training._local_steps_batched, training._local_steps_sequential):
-        gen = fed.generator(1)  # the same batches for both engines
+        gen = ClientStreams(1, fed.n_clients)  # the same batches and dropout masks for both engines
         out.append(local_steps(model, fed, 3, 0.05, cfg, gen)[0])
     assert out[0].device.type == "cuda"
     assert (torch.linalg.vector_norm(out[0] - out[1]) / torch.linalg.vector_norm(out[1])).item() < 1e-4
@@ -149,3 +150,20 @@ def test_distances_stay_accurate_when_the_caller_turns_on_tf32():
         torch.set_float32_matmul_precision(previous)
     off_diagonal = ~torch.eye(len(G), dtype=torch.bool)
     assert ((D - exact).abs()[off_diagonal] / exact[off_diagonal]).max() < 1e-4
+
+
+def test_dropout_masks_and_client_batches_are_the_same_on_cuda():
+    """One key, one computation: the counter-based masks and CPU-drawn batches do not depend on the device."""
+    streams = ClientStreams(3, 5)
+    for device in ("cpu", CUDA):
+        keys = streams.keys(streams.client_keys, 7, 2, torch.device(device))
+        masks = dropout_mask(keys, (64, 128, 8, 8), 0.25, torch.float32).cpu()
+        if device == "cpu":
+            reference = masks
+    assert torch.equal(masks, reference)
+    fed_cpu, fed_cuda = (load_federation("digits", 5, seed=0, device=d) for d in ("cpu", CUDA))
+    idx_cpu, idx_cuda = (
+        fed_cpu.sample_batch(32, fed_cpu.generators(1)),
+        fed_cuda.sample_batch(32, fed_cuda.generators(1)),
+    )
+    assert torch.equal(idx_cpu[0], idx_cuda[0].cpu()) and torch.equal(idx_cpu[1], idx_cuda[1].cpu())

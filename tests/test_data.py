@@ -106,7 +106,7 @@ def test_cifar10_through_torchvision_reader(cifar_root):
 def test_cifar10_augmentation_is_a_random_crop_with_padding_and_a_flip(cifar_root):
     root, _ = cifar_root
     fed = load_federation("cifar10", 2, "dirichlet", 0.5, seed=1, data_dir=root)
-    gen = fed.generator(0)
+    gen = fed.generators(0)
     idx, mask = fed.sample_batch(16, gen)
     out = fed.train_batch(idx, gen)
     assert out.shape == (2, 16, 3, 32, 32) and out.dtype == torch.float32
@@ -421,7 +421,7 @@ def test_digits_split_and_normalisation_constants():
     assert len(a.train_labels) + len(a.test_labels) == 1797 and len(a.test_labels) == 359
     assert a.train_images.shape[1:] == (1, 8, 8) and a.train_images.max() <= 1
     assert torch.equal(a.test_images, b.test_images) and not torch.equal(a.test_images, c.test_images)
-    gen = a.generator(0)
+    gen = a.generators(0)
     idx, _ = a.sample_batch(8, gen)
     torch.testing.assert_close(
         a.train_batch(idx, gen), (a.train_images[idx] - DIGITS_MEAN[0]) / DIGITS_STD[0]
@@ -610,7 +610,7 @@ def test_sample_batch_draws_distinct_own_indices():
     fed = load_federation("digits", 10, "dirichlet", 0.1, seed=2)
     sizes = [len(ix) for ix in fed.client_indices]
     assert min(sizes) < 64 < max(sizes)  # exercises both short and full batches
-    gen = fed.generator(0)
+    gen = fed.generators(0)
     covered = [set() for _ in sizes]
     for _ in range(40):
         idx, mask = fed.sample_batch(64, gen)
@@ -623,8 +623,8 @@ def test_sample_batch_draws_distinct_own_indices():
             assert mask[k].tolist() == [True] * len(valid) + [False] * (64 - len(valid))
             covered[k].update(valid)
     assert all(len(c) == n for c, n in zip(covered, sizes, strict=True))  # every sample gets drawn
-    again = fed.sample_batch(64, fed.generator(0))[0]
-    assert torch.equal(again, fed.sample_batch(64, fed.generator(0))[0])
+    again = fed.sample_batch(64, fed.generators(0))[0]
+    assert torch.equal(again, fed.sample_batch(64, fed.generators(0))[0])
 
 
 def test_load_federation_rejects_bad_names():

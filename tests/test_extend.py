@@ -1,7 +1,8 @@
 """Extending the package without editing it: a rule and an attack from files outside the package, run through
 `grid` and `report` (real training on digits, 2 rounds); settings (defense_params, attack_params) from params
-files and --set; and every result key made before settings existed, unchanged."""
+files and --set; and every result key made before settings existed hashes the same fields."""
 
+import hashlib
 import json
 import tarfile
 from pathlib import Path
@@ -13,7 +14,7 @@ from prodigy_core import results
 from prodigy_core.aggregators import RULES, make_aggregator
 from prodigy_core.attacks import ATTACKS, make_attack
 from prodigy_core.cli import main, parse_fields
-from prodigy_core.config import ConfigError, RunConfig, parse_settings
+from prodigy_core.config import STREAMS_REVISION, ConfigError, RunConfig, parse_settings
 from prodigy_core.experiments import experiment_from_spec, load_experiment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,9 +35,19 @@ KEYS_BEFORE_SETTINGS = [
 ]  # fmt: skip
 
 
+def key_before_streams(config: RunConfig, authors_revision: int = 3) -> str:
+    """The key as the code before `STREAMS_REVISION` hashed the same fields (`authors`: at revision 3)."""
+    d = config.key_fields()
+    assert d.pop("streams_revision") == STREAMS_REVISION
+    if "authors_revision" in d:
+        d["authors_revision"] = authors_revision
+    return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
 @pytest.mark.parametrize("fields, key", KEYS_BEFORE_SETTINGS)
-def test_keys_recorded_before_settings_existed_are_unchanged(fields, key):
-    assert RunConfig(**fields).key() == key
+def test_keys_recorded_before_settings_existed_hash_the_same_fields(fields, key):
+    assert key_before_streams(RunConfig(**fields)) == key
+    assert RunConfig(**fields).key() != key  # the streams changed every run's numbers: a new key
 
 
 def test_foe_written_with_its_setting_is_the_preset_and_its_old_key():
@@ -49,7 +60,7 @@ def test_foe_written_with_its_setting_is_the_preset_and_its_old_key():
     assert make_attack("foe", params={"eps": 1}).eps == 1.0
 
 
-def test_the_committed_gpu_records_keep_their_keys():
+def test_the_committed_gpu_records_hash_the_fields_of_their_configs():
     with tarfile.open(REPO / "figures" / "gpu" / "results.tar.gz") as tar:
         records = [json.load(tar.extractfile(m)) for m in tar.getmembers() if m.name.endswith(".json")]
     records = [r for r in records if isinstance(r, dict) and "config" in r and "key" in r]
@@ -57,7 +68,8 @@ def test_the_committed_gpu_records_keep_their_keys():
     for r in records:
         if r["config"].get("variant") == "authors":  # older revisions are stored apart on purpose
             continue
-        assert RunConfig.from_dict(r["config"]).key() == r["key"]
+        config = RunConfig.from_dict(r["config"])
+        assert key_before_streams(config) == r["key"] != config.key()  # made before STREAMS_REVISION
 
 
 def test_settings_default_values_leave_the_key_alone_and_others_change_it():

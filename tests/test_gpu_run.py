@@ -72,6 +72,7 @@ def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run,
     assert tarball_keys(out) == finished_keys(work) and len(finished_keys(work)) == done
     env = (out / "env.txt").read_text()
     assert "tf32_matmul: False" in env and "deterministic: True" in env
+    assert "cross-device check vs the CPU reference: agrees to rounding" in (out / "summary.txt").read_text()
     with tarfile.open(out / "results.tar.gz") as tar:
         record = json.load(
             tar.extractfile(next(m for m in tar.getmembers() if m.name.startswith("results/")))

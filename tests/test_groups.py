@@ -203,32 +203,14 @@ def test_grid_records_are_the_same_batched_or_one_at_a_time(tmp_path):
     assert list(one["final_loss"]) == pytest.approx(list(batched["final_loss"]), abs=1e-10)
 
 
-def _own_rng(seed: int):
-    """A context manager factory that makes a private RNG state (seeded with `seed`) the global one while it
-    is entered, as a group member's `own_rng`."""
-    import contextlib
-
-    state = {"rng": torch.Generator().manual_seed(seed).get_state()}
-
-    @contextlib.contextmanager
-    def context():
-        outside = torch.get_rng_state()
-        torch.set_rng_state(state["rng"])
-        try:
-            yield
-        finally:
-            state["rng"] = torch.get_rng_state()
-            torch.set_rng_state(outside)
-
-    return context
-
-
 @pytest.mark.parametrize("train_mode", [False, True])
 def test_evaluate_runs_gives_each_model_what_its_own_forward_pass_gives(train_mode):
-    # The reference is each model's own nn.Module forward (nn.Dropout drawing from the global generator,
-    # nn.BatchNorm in the mode asked), batch after batch, not the functional path under test.
+    # The reference is each model's own nn.Module forward (its nn.Dropout replaced by a multiplication with
+    # the key's mask for that test batch, nn.BatchNorm in the mode asked), batch after batch, not the
+    # functional path under test.
     from prodigy_core.data import load_federation
     from prodigy_core.models import make_model
+    from prodigy_core.streams import ClientStreams, dropout_mask
 
     fed = load_federation("digits", 4, seed=0)
     models = []
@@ -239,22 +221,25 @@ def test_evaluate_runs_gives_each_model_what_its_own_forward_pass_gives(train_mo
             model.train()(fed.normalise(fed.train_images[seed * 50 : seed * 50 + 40]))
         models.append(model)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
-    batched = training.evaluate_runs(models, fed, train_mode, [_own_rng(100 + i) for i in range(3)],
-                                     batch_size=128)  # fmt: skip
+    keys = [100 + i for i in range(3)]
+    batched = training.evaluate_runs(models, fed, train_mode, keys, batch_size=128)
     for i, model in enumerate(models):
         for k, v in model.state_dict().items():  # the models' buffers are left as they were
             torch.testing.assert_close(v, before[i][k], rtol=0, atol=0)
-        torch.manual_seed(100 + i)
+        (dropout,) = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
         correct, loss = 0, 0.0
         with torch.no_grad():
-            for x, y in fed.test_batches(128):
+            for j, (x, y) in enumerate(fed.test_batches(128)):
+                row = ClientStreams.keys([keys[i]], j, 0, x.device)  # layer 0: the model's one dropout
+                mask = dropout_mask(row, (len(y), 96), 0.25, x.dtype)[0] if train_mode else 1.0
+                hook = dropout.register_forward_hook(lambda _m, inputs, _out, mask=mask: inputs[0] * mask)
                 out = model.train(train_mode)(x)
+                hook.remove()
                 correct += int((out.argmax(dim=1) == y).sum())
                 loss += float(torch.nn.functional.cross_entropy(out, y, reduction="sum"))
         model.load_state_dict(before[i])  # train mode moved the reference's running statistics
         total = len(fed.test_labels)
         assert batched[i][0] == pytest.approx(100.0 * correct / total, abs=1e-12)
         assert batched[i][1] == pytest.approx(loss / total, abs=1e-10)
-        if not train_mode:  # one model alone: the same numbers (train mode would need its RNG state again)
-            assert training.evaluate(model, fed, 128) == pytest.approx(batched[i], abs=1e-10)
+        assert training.evaluate(model, fed, 128, train_mode, keys[i]) == pytest.approx(batched[i], abs=1e-10)
     assert len({round(s[1], 6) for s in batched}) == 3  # three different models, three different losses

@@ -534,3 +534,52 @@ def test_stand_in_is_in_the_title_and_accuracy_colours_are_0_to_100_or_flagged_l
     local = report.heatmap(df, LAYOUT, title, limits=None)
     colourbar = local.axes[-1].get_ylabel()
     assert "LOCAL scale" in colourbar and "not 0-100" in colourbar
+
+
+def detection_frame_fixture() -> pd.DataFrame:
+    """ProDiGy runs of two seeds and two alphas: an attacked run's no-attack twin differs in the attack;
+    seed 1 at alpha 0.5 has none, and its none run at alpha 0.1 zeroed nobody (precision NaN)."""
+    nan = np.nan
+    rows = [  # alpha, defense, attack, seed, precision, recall
+        (0.1, "prodigy", "none", 0, 0.575, 0.4),
+        (0.1, "prodigy", "sf", 0, 0.76, 0.9),
+        (0.1, "prodigy", "alie", 0, 1.0, 1.0),
+        (0.1, "prodigy", "none", 1, nan, 0.0),
+        (0.1, "prodigy", "sf", 1, 0.5, 0.5),
+        (0.5, "prodigy", "sf", 1, 0.25, 0.1),
+        (0.5, "prodigy", "none", 0, 0.125, 0.1),  # another split: not seed 0's twin at alpha 0.1
+        (0.1, "nnm+median", "sf", 0, nan, nan),  # no detection without ProDiGy
+    ]
+    return pd.DataFrame([dict(distribution="dirichlet", dirichlet_alpha=a, defense=d, attack=k, seed=s,
+                              n_byzantine=3, detection_precision=p, detection_recall=r, final_accuracy=50.0,
+                              engine="batched" if s else "sequential")  # engine: not part of the split
+                         for a, d, k, s, p, r in rows])  # fmt: skip
+
+
+def test_detection_precision_sits_beside_the_no_attack_rate_of_the_same_split_and_seed():
+    frame = report.detection_frame(detection_frame_fixture())
+    assert list(frame.columns) == ["dirichlet_alpha", "defense", "attack", "seed", "precision", "recall",
+                                   "no-attack rate"]  # fmt: skip
+    columns = ["dirichlet_alpha", "attack", "seed", "precision", "no-attack rate"]
+    got = {(a, k, s): (p, rate) for a, k, s, p, rate in frame[columns].itertuples(index=False)}
+    assert set(got) == {(0.1, "sf", 0), (0.1, "alie", 0), (0.1, "sf", 1), (0.5, "sf", 1)}
+    assert got[(0.1, "sf", 0)] == (0.76, 0.575) and got[(0.1, "alie", 0)] == (1.0, 0.575)
+    assert np.isnan(got[(0.1, "sf", 1)][1]) and np.isnan(got[(0.5, "sf", 1)][1])  # zeroed nobody; not stored
+    text = report.detection_markdown(detection_frame_fixture())
+    assert "| 0.10 | prodigy | sf | 0 | 0.76 | 0.90 | 0.57 |" in text  # 0.575 printed with 2 digits
+    assert "| 0.50 | prodigy | sf | 1 | 0.25 | 0.10 | n/a |" in text
+    assert report.detection_markdown(fabricated()) == ""  # no precision in the frame: no section
+
+
+def test_report_and_vs_paper_quote_the_no_attack_rate(tmp_path, monkeypatch):
+    comparison = pd.DataFrame({"defense": ["prodigy"], "attack": ["sf"], "ours": [50.0], "paper": [52.0],
+                               "delta": [-2.0], "worst_case_match": [pd.NA]})  # fmt: skip
+    monkeypatch.setattr("prodigy_core.results.compare_with_paper", lambda df, t, **kw: comparison)
+    exp = experiment(
+        paper_table="table1", layout={"rows": "defense", "columns": "attack", "figures": ["heatmap"]}
+    )
+    df = detection_frame_fixture()
+    report.write_report(exp, df[df["dirichlet_alpha"] == 0.1], tmp_path)
+    for name in ("fab.md", "fab_vs_paper.md"):
+        text = (tmp_path / name).read_text()
+        assert "no-attack rate" in text and "| prodigy | sf | 0 | 0.76 | 0.90 | 0.57 |" in text, name

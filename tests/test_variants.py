@@ -19,6 +19,7 @@ from prodigy_core.attacks import make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.experiments import load_experiment
+from prodigy_core.streams import ClientStreams
 from prodigy_core.training import diverged_accuracy, evaluate, local_momentum, run, server_input
 
 TINY = dict(dataset="digits", n_clients=6, n_byzantine=0, defense="average", attack="none", rounds=8,
@@ -229,16 +230,18 @@ def test_train_mode_evaluation_uses_each_test_batchs_statistics():
     x, y = torch.randn(10, 4, generator=gen), torch.randint(0, 3, (10,), generator=gen)
     model, fed = _bn_model(), _fake_federation(x, y)
     lin, bn = model[0], model[1]
-    correct = loss = 0.0
+    correct = loss = batch_means = 0.0
     for start in (0, 4, 8):  # batches of 4, 4, 2
         z = x[start : start + 4] @ lin.weight.detach().T + lin.bias.detach()
         mu, var = z.mean(dim=0), z.var(dim=0, unbiased=False)
         out = (z - mu) / torch.sqrt(var + bn.eps) * bn.weight.detach() + bn.bias.detach()
         loss += F.cross_entropy(out, y[start : start + 4], reduction="sum").item()
+        batch_means += F.cross_entropy(out, y[start : start + 4]).item()  # server.py:63-66: the batch's mean
         correct += (out.argmax(dim=1) == y[start : start + 4]).sum().item()
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
-    acc, mean_loss = evaluate(model, fed, batch_size=4, train_mode=True)
+    acc, mean_loss, authors_loss = evaluate(model, fed, batch_size=4, train_mode=True)
     assert acc == pytest.approx(100 * correct / 10) and mean_loss == pytest.approx(loss / 10, rel=1e-5)
+    assert authors_loss == pytest.approx(batch_means / 10, rel=1e-5)  # server.py:67: / len(dataset)
     for k, v in model.state_dict().items():  # the server's BatchNorm statistics are left as they were
         torch.testing.assert_close(v, buffers[k])
     assert evaluate(model, fed, batch_size=4)[1] != pytest.approx(mean_loss, rel=1e-3)  # eval mode differs
@@ -271,11 +274,13 @@ def test_nan_and_overflowing_logits_give_argmax_accuracy_and_a_nan_loss():
                            [1.0, 2.0, 3.0]])  # fmt: skip
     labels = torch.tensor([0, 1, 1, 2])
     fed = _fake_federation(torch.arange(4.0)[:, None], labels)
-    acc, loss = evaluate(_FixedLogits(logits), fed, batch_size=2)
+    acc, loss, _ = evaluate(_FixedLogits(logits), fed, batch_size=2)
     assert acc == 75.0  # samples 0, 2 and 3 by hand; not the class-0 share (25%)
     assert math.isnan(loss)
     assert evaluate(_FixedLogits(logits[3:]), _fake_federation(torch.zeros(1, 1), labels[3:]))[1] < inf
-    acc_inf, loss_inf = evaluate(_FixedLogits(logits[1:2]), _fake_federation(torch.zeros(1, 1), labels[1:2]))
+    acc_inf, loss_inf, _ = evaluate(
+        _FixedLogits(logits[1:2]), _fake_federation(torch.zeros(1, 1), labels[1:2])
+    )
     assert acc_inf == 0.0 and loss_inf == inf  # an infinite, not-NaN loss
 
 
@@ -283,9 +288,9 @@ def test_nan_and_overflowing_logits_give_argmax_accuracy_and_a_nan_loss():
 def test_authors_run_stops_at_a_nan_test_loss_and_keeps_that_evaluations_accuracy(monkeypatch, loss, stops):
     calls = []
 
-    def fake_evaluate(model, fed, batch_size, train_mode):
+    def fake_evaluate(model, fed, batch_size, train_mode, key):
         calls.append((batch_size, train_mode))
-        return (37.5, loss) if len(calls) == 2 else (50.0, 1.0)
+        return (37.5, loss, loss / 32) if len(calls) == 2 else (50.0, 1.0, 0.5)
 
     monkeypatch.setattr(training, "evaluate", fake_evaluate)
     result = run(tiny(variant="authors", rounds=12), progress=False)  # evaluations at rounds 4, 8, 12
@@ -296,6 +301,7 @@ def test_authors_run_stops_at_a_nan_test_loss_and_keeps_that_evaluations_accurac
         assert [r for r, _ in result.accuracy_curve] == [4, 8]
     else:
         assert not result.diverged and result.rounds_completed == 12 and len(calls) == 3
+        assert result.authors_test_loss == 0.5  # their printed number, recorded beside ours
     paper = run(tiny(rounds=12), progress=False)  # paper: never stopped by the test loss
     assert not paper.diverged and set(calls[-3:]) == {(1000, False)}
 
@@ -322,20 +328,20 @@ def _two_client_federation() -> Federation:
 def test_authors_stream_takes_consecutive_slices_of_each_clients_epoch_shuffles_tail_dropped():
     fed, b, steps = _two_client_federation(), 2, 7
     stream = training.AuthorsBatchStream(fed, b)
-    gen = torch.Generator().manual_seed(4)
+    gens = [torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)]
     got = []
     for _ in range(steps):
-        idx, mask = stream.next(gen)
+        idx, mask = stream.next(gens)
         assert idx.shape == (2, b) and mask.shape == (2, b) and bool(mask.all())
         got.append(idx.tolist())
     # By hand: client 0 (5 samples) gives 2 batches an epoch, its 5th sample dropped; client 1 (7) gives 3.
-    # New epochs start at steps 0, 2, 4, 6 (client 0) and 0, 3, 6 (client 1), drawn client by client within
-    # a step, each as the client's rows in the order of one torch.randperm from the generator.
-    ref = torch.Generator().manual_seed(4)
+    # New epochs start at steps 0, 2, 4, 6 (client 0) and 0, 3, 6 (client 1), each as the client's rows in
+    # the order of one torch.randperm from its own generator.
+    refs = [torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)]
     own = [ix.tolist() for ix in fed.client_indices]
     epochs: dict[int, list[list[int]]] = {0: [], 1: []}
     for _step, k in [(0, 0), (0, 1), (2, 0), (3, 1), (4, 0), (6, 0), (6, 1)]:
-        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=ref).tolist()])
+        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=refs[k]).tolist()])
     for t in range(steps):
         (e0, p0), (e1, p1) = divmod(t, 2), divmod(t, 3)
         assert got[t] == [epochs[0][e0][b * p0 : b * p0 + b], epochs[1][e1][b * p1 : b * p1 + b]], t
@@ -346,12 +352,13 @@ def test_authors_stream_takes_consecutive_slices_of_each_clients_epoch_shuffles_
             assert len(set(seen)) == len(seen) == len(own[k]) - len(own[k]) % b and set(seen) <= set(own[k])
         assert len({tuple(ep) for ep in epochs[k]}) > 1  # a new shuffle each epoch
     # the state round-trips: a stream restored from it (with the generator's state) goes on identically
-    saved, gen_state = stream.state_dict(), gen.get_state()
-    after = [stream.next(gen)[0].tolist() for _ in range(4)]
+    saved, gen_states = stream.state_dict(), [g.get_state() for g in gens]
+    after = [stream.next(gens)[0].tolist() for _ in range(4)]
     restored = training.AuthorsBatchStream(fed, b)
     restored.load_state_dict(saved)
-    gen.set_state(gen_state)
-    assert [restored.next(gen)[0].tolist() for _ in range(4)] == after
+    for g, state in zip(gens, gen_states, strict=True):
+        g.set_state(state)
+    assert [restored.next(gens)[0].tolist() for _ in range(4)] == after
 
 
 def _recorded_batches(monkeypatch, config):
@@ -378,18 +385,18 @@ def test_authors_runs_draw_every_clients_epochs_across_rounds(monkeypatch, engin
     seen = _recorded_batches(monkeypatch, cfg)
     assert len(seen) == 9
     # expected, written from the rule: client k's epoch e covers steps e q_k .. (e + 1) q_k - 1 with
-    # q_k = |D_k| // b; epochs are drawn from the run's data generator (seeded with the seed; digits draws
-    # nothing else from it) in the order of their first step, clients in id order within a step
+    # q_k = |D_k| // b; client k's epochs are drawn from its own generator (`ClientStreams`; digits draws
+    # nothing else from it) one after another
     own = [
         ix.tolist()
         for ix in load_federation("digits", 6, "dirichlet", seed=0, variant="authors").client_indices
     ]
     b, q = cfg.batch_size, [len(ix) // cfg.batch_size for ix in own]
     assert min(q) < 9 and max(q) > 3  # epochs end inside a round and the position crosses rounds
-    starts = sorted((e * q[k], k) for k in range(6) for e in range(-(-9 // q[k])))
-    gen, epochs = torch.Generator().manual_seed(cfg.seed), {k: [] for k in range(6)}
-    for _, k in starts:
-        epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=gen).tolist()])
+    gens, epochs = ClientStreams(cfg.seed, 6).gens, {k: [] for k in range(6)}
+    for k in range(6):
+        for _ in range(-(-9 // q[k])):
+            epochs[k].append([own[k][i] for i in torch.randperm(len(own[k]), generator=gens[k]).tolist()])
     for t, idx in enumerate(seen):
         expected = [epochs[k][t // q[k]][b * (t % q[k]) : b * (t % q[k]) + b] for k in range(6)]
         assert idx.tolist() == expected, t
@@ -399,10 +406,10 @@ def test_paper_runs_still_draw_sample_batch_anew_every_step(monkeypatch):
     cfg = tiny(rounds=3, local_steps=3, eval_every=3)  # paper
     seen = _recorded_batches(monkeypatch, cfg)
     fed = load_federation("digits", 6, "dirichlet", seed=0)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gens = fed.generators(cfg.seed)
     assert len(seen) == 9
     for idx in seen:
-        assert torch.equal(idx, fed.sample_batch(cfg.batch_size, gen)[0])
+        assert torch.equal(idx, fed.sample_batch(cfg.batch_size, gens)[0])
     assert training.make_batch_stream(cfg.resolved(), fed) is None
 
 
