@@ -117,7 +117,7 @@ def trajectory(
         gamma = st.resolved.lr_at(r - 1)
         with precision_mode(precision, device):
             ((grads, buffers),) = training.local_steps_stacked(
-                [st.model], [st.fed], st.resolved.local_steps, [gamma], st.resolved, [st.data_gen], grad_fn,
+                [st.model], [st.fed], st.resolved.local_steps, [gamma], st.resolved, [st.streams], grad_fn,
                 streams=[st.stream],
             )  # fmt: skip
         sync(device)

@@ -19,12 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prodigy_core.names import DATASETS, DISTRIBUTIONS, VARIANTS, did_you_mean
+from prodigy_core.names import DATASETS, DISTRIBUTIONS, PRECISIONS, TYPE_WORDS, VARIANTS, did_you_mean
 
 ENGINES = ("auto", "batched", "sequential", "compiled")  # compiled: batched under torch.compile
 # fp32: full float32 (on CUDA TF32 off, deterministic kernels); tf32: TF32 convolutions and matmuls (CUDA
 # only); bf16: bfloat16 autocast of the model's forward and backward (`seeding.precision_mode`).
-PRECISIONS = ("fp32", "tf32", "bf16")
 # RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.
 DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jpeg"),
                 "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
@@ -392,13 +391,6 @@ def parse_settings(name: str, text: str) -> dict[str, Any]:
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-TYPE_WORDS = {
-    int: "an integer",
-    float: "a number",
-    bool: "true or false",
-    str: "a string",
-    type(None): "null",
-}
 
 
 @functools.cache  # evaluating the annotations costs ~1 ms, and every RunConfig needs them

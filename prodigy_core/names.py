@@ -15,6 +15,16 @@ DATASETS = ("digits", "femnist", "cifar10")
 DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
 # paper: the paper's text; authors: the authors' public code (docs/semantics.md).
 VARIANTS = ("paper", "authors")
+# A run's arithmetic (`RunConfig.precision`; `seeding.precision_mode` sets it).
+PRECISIONS = ("fp32", "tf32", "bf16")
+# How an error names a setting's type (`registry.check_settings`, `config` field checks).
+TYPE_WORDS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    type(None): "null",
+}
 # What a params file's `report.figures` list may name (`report.write_report` draws them; checked at load).
 FIGURES = ("heatmap", "curves", "distances")
 
@@ -24,7 +34,16 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(candidates)}"
 
 
-__all__ = ["DATASETS", "DISTRIBUTIONS", "FIGURES", "VARIANTS", "check_variant", "did_you_mean"]
+__all__ = [
+    "DATASETS",
+    "DISTRIBUTIONS",
+    "FIGURES",
+    "PRECISIONS",
+    "TYPE_WORDS",
+    "VARIANTS",
+    "check_variant",
+    "did_you_mean",
+]
 
 
 def check_variant(owner: str, variant: str) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from prodigy_core.names import did_you_mean
+from prodigy_core.names import TYPE_WORDS, did_you_mean
 
 # Keywords a rule or an attack receives from the run itself, never from a params file.
 RUN_KEYWORDS = ("self", "f", "variant", "generator")
@@ -205,8 +205,6 @@ def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> No
     """A ValueError unless ``value`` fits the setting's annotation (or its default's type, without one) when
     that is made of int, float, bool, str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true,
     a number no true."""
-    from prodigy_core.config import TYPE_WORDS
-
     try:
         hint = typing.get_type_hints(cls.__init__).get(key)
     except Exception:  # a plug-in's annotation that does not resolve: its default's type

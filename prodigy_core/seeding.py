@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from prodigy_core.names import PRECISIONS
+
 
 def seed_everything(seed: int) -> torch.Generator:
     """Seed python's `random`, numpy and torch (CPU and every CUDA device); return a torch Generator
@@ -64,13 +66,11 @@ def precision_mode(precision: str, device: torch.device) -> Iterator[None]:
       float32; on CUDA TF32 off and kernels chosen for speed as for tf32.
 
     The aggregation rules do not run inside it (and force their own float32/float64 Gram passes anyway).
-    Raises ConfigError for tf32 on a device other than CUDA."""
-    from prodigy_core.config import PRECISIONS, ConfigError
-
+    Raises ValueError for tf32 on a device other than CUDA (`training.start_run` raises it as ConfigError)."""
     if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is unknown; valid: {', '.join(PRECISIONS)}")
+        raise ValueError(f"precision={precision!r} is unknown; valid: {', '.join(PRECISIONS)}")
     if precision == "tf32" and device.type != "cuda":
-        raise ConfigError(
+        raise ValueError(
             f"precision=tf32 exists only on CUDA and this run is on {device.type}: use precision=fp32 or bf16"
         )
     with contextlib.ExitStack() as stack:

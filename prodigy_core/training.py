@@ -267,7 +267,10 @@ def start_run(
     # the record names the data source used (resolved: same key as `config`)
     recorded = config.replace(data_source=fed.source).to_dict()
     result = RunResult(config=recorded, final_accuracy=float("nan"), final_loss=None)
-    result.environment = _environment(device, engine, resolved.precision)  # tf32 on a CPU: refused here
+    try:
+        result.environment = _environment(device, engine, resolved.precision)
+    except ValueError as e:  # seeding.precision_mode: tf32 on a CPU
+        raise ConfigError(str(e)) from None
     result.plugins = plugin_hashes(resolved)  # the code built above: the record's key names it
     key = config.key(code=result.plugins)
     ckpt = Path(checkpoint_dir) / f"{key}.pt" if checkpoint_dir is not None else None
@@ -876,7 +879,7 @@ def evaluate_runs(
                 correct, loss, batch_means = correct + scores[0], loss + scores[1], batch_means + scores[2]
         finally:
             net.template.train()
-        rows = zip(correct.tolist(), loss.tolist(), batch_means.tolist(), strict=True)
+        rows = zip(*torch.stack([correct, loss, batch_means]).tolist(), strict=True)  # one wait
         return [(100.0 * c / total, v / total, m / total) for c, v, m in rows]
     try:
         with torch.no_grad():
@@ -893,7 +896,7 @@ def evaluate_runs(
                 correct += (out.argmax(dim=2) == y).sum(dim=1)
     finally:
         net.template.train()
-    rows = zip(correct.tolist(), loss.tolist(), batch_means.tolist(), strict=True)
+    rows = zip(*torch.stack([correct, loss, batch_means]).tolist(), strict=True)  # one wait for the three
     return [(100.0 * c / total, v / total, m / total) for c, v, m in rows]
 
 

@@ -44,6 +44,20 @@ def key_before_streams(config: RunConfig, authors_revision: int = 3) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
+def test_fp32_keeps_every_key_made_before_precision_existed():
+    # the default config's fields hash as the code before this field hashed them (before STREAMS_REVISION too)
+    assert "precision" not in RunConfig(data_source="digits").key_fields()
+    assert key_before_streams(RunConfig(data_source="digits")) == "c93c76b619b3e9ca"
+    assert key_before_streams(RunConfig(data_source="digits", precision="fp32")) == "c93c76b619b3e9ca"
+    # the committed GPU records (made before the field): each file is named by its key, the same fields
+    with tarfile.open(REPO / "figures" / "gpu" / "results.tar.gz") as tar:
+        records = [(Path(m.name).stem, json.load(tar.extractfile(m))) for m in tar.getmembers()
+                   if m.isfile() and m.name.startswith("results/") and ".failed" not in m.name]  # fmt: skip
+    paper = [(name, r) for name, r in records if r["config"]["variant"] == "paper"]
+    assert paper and all("precision" not in r["config"] for _, r in paper)
+    assert all(key_before_streams(RunConfig.from_dict(r["config"])) == name for name, r in paper)
+
+
 @pytest.mark.parametrize("fields, key", KEYS_BEFORE_SETTINGS)
 def test_keys_recorded_before_settings_existed_hash_the_same_fields(fields, key):
     assert key_before_streams(RunConfig(**fields)) == key

@@ -23,9 +23,10 @@ INIT = "__init__"  # the package itself (`import prodigy_core`)
 
 # The ground floor and, per module, the ground-floor modules it is designed to import.
 GROUND: dict[str, set[str]] = {
-    m: set() for m in (INIT, "paths", "names", "registry", "safe_io", "seeding", "progress", "lab")
+    m: set() for m in (INIT, "paths", "names", "registry", "safe_io", "seeding", "progress", "lab", "streams")
 }
-GROUND["registry"] = {"names"}  # did-you-mean hints
+GROUND["registry"] = {"names"}  # did-you-mean hints, type words
+GROUND["seeding"] = {"names"}  # the precisions
 GROUND[INIT] = {"progress"}  # settles tqdm.auto before any module imports it
 RULES = ("aggregators", "attacks")
 ABOVE_RULES = {"config", "experiments", "results", "training"}
