@@ -26,6 +26,7 @@ from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.models import make_model
 from prodigy_core.seeding import precision_mode, resolve_device
+from prodigy_core.streams import ClientStreams
 
 # What is tried, per device type: engines cheapest first (compiled pays its compilation, so it goes last and
 # only while the budget lasts); tf32 exists only on CUDA.
@@ -79,12 +80,12 @@ def time_step(
     torch.manual_seed(0)
     models = [make_model(resolved.dataset).to(device).train() for _ in range(size)]
     grad_fn = training.per_client_grad(models[0], compiled=engine == "compiled")
-    gens = [torch.Generator(device=device).manual_seed(i) for i in range(size)]
+    streams = [ClientStreams(i, resolved.n_clients) for i in range(size)]
 
     def step() -> None:
         with precision_mode(precision, device):
             training.local_steps_stacked(
-                models, [fed] * size, 1, [resolved.lr] * size, resolved, gens, grad_fn
+                models, [fed] * size, 1, [resolved.lr] * size, resolved, streams, grad_fn
             )
 
     step()
@@ -140,7 +141,7 @@ def trajectory(
     test.test_images, test.test_labels = fed.test_images[:TEST_IMAGES], fed.test_labels[:TEST_IMAGES]
     train_mode, batch_size = training.eval_settings(st.resolved)
     with precision_mode(precision, device):
-        accuracy, _ = training.evaluate(model, test, batch_size, train_mode)
+        accuracy = training.evaluate(model, test, batch_size, train_mode)[0]
     return {"theta0": theta0, "theta": parameters_to_vector(model.parameters()).detach(), "losses": losses,
             "attack_params": st.result.attack_params, "zeroed": st.result.zeroed_clients,
             "accuracy": accuracy, "server_s": server / rounds, "diverged": st.result.diverged}  # fmt: skip

@@ -43,6 +43,7 @@ from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.models import make_model
 from prodigy_core.seeding import seed_everything
+from prodigy_core.streams import ClientStreams
 from prodigy_core.training import (
     RunResult,
     _load_federation,
@@ -266,11 +267,8 @@ def client_app(configs: Sequence[RunConfig], byzantine: Sequence[Sequence[int]])
         fed = _client_data(config, k, flips[run] and k in byzantine[run])
         model = make_model(config.dataset)
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        seed = _stream_seed(config.seed, k, server_round)
-        torch.manual_seed(seed)  # dropout masks
-        grads, buffers = _local_steps_sequential(
-            model, fed, config.local_steps, lr, config, torch.Generator().manual_seed(seed)
-        )
+        streams = ClientStreams(_stream_seed(config.seed, k, server_round), 1)  # batches and dropout masks
+        grads, buffers = _local_steps_sequential(model, fed, config.local_steps, lr, config, streams)
         key = f"momentum-{run}"  # m_{t-1}, kept by the node between rounds; m_{-1} = 0
         before = context.state[key]["m"].numpy() if key in context.state else np.zeros(grads.shape[1], "f4")
         m = local_momentum(torch.from_numpy(before.copy()), grads[0], config.local_momentum)
@@ -372,7 +370,7 @@ def _serve(grid: Grid, run: int, config: RunConfig, strategy: RobustStrategy) ->
         if server_round == 0 or not eval_due(resolved, server_round) or strategy.diverged_at is not None:
             return None
         model.load_state_dict(arrays.to_torch_state_dict())
-        accuracy, loss = evaluate(model, fed)
+        accuracy, loss = evaluate(model, fed)[:2]
         result.final_accuracy, result.final_loss = accuracy, loss
         result.accuracy_curve.append([server_round, accuracy])
         return MetricRecord({"accuracy": accuracy, "loss": loss})

@@ -172,3 +172,13 @@ def gpu_run():
     sys.modules["gpu_run"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Every test leaves os.environ as it found it: the GPU driver (benchmarks/gpu_run.py, called by
+    test_gpu_run.py and test_autotune.py in pytest's process) sets PRODIGY_* variables for its own process."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

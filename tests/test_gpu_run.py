@@ -2,7 +2,6 @@
 holds exactly the finished runs; the deadline, missing data and a failing step behave as the issue asks."""
 
 import json
-import os
 import tarfile
 from pathlib import Path
 
@@ -10,15 +9,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2**20  # the device tool's limits on $OUT
-
-
-@pytest.fixture(autouse=True)
-def _restore_environment():
-    """The driver sets PRODIGY_* variables for its own process; a test calls it in pytest's."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture
