@@ -455,13 +455,13 @@ def preflight(args: argparse.Namespace) -> str | None:
     """The one-line reason the run cannot start, or None."""
     import torch
 
+    # the data first: a GPU window is started only with its data; --simulate trains on the embedded digits
+    missing = [str(args.data / p) for p in (CIFAR10_ARCHIVE, FEMNIST_FOLDER) if not (args.data / p).exists()]
+    if missing and not args.simulate:
+        return (f"data missing: {', '.join(missing)}; copy ../shared/data/cifar10-jpeg and femnist-leaf-24 "
+                f"into {args.data} (benchmarks/README.md)")  # fmt: skip
     if not args.simulate and not torch.cuda.is_available():
         return "no CUDA device here (use --simulate for the CPU rehearsal)"
-    missing = [str(args.data / p) for p in (CIFAR10_ARCHIVE, FEMNIST_FOLDER) if not (args.data / p).exists()]
-    if missing:
-        return (f"data missing: {', '.join(missing)}; copy ../shared/data/cifar10-jpeg and femnist-leaf-24 "
-                f"into "
-                f"{args.data} (benchmarks/README.md)")  # fmt: skip
     if args.resume is not None and not args.resume.is_file():
         return f"--resume {args.resume}: no such file (an earlier command's results.tar.gz)"
     if args.resume is not None and not tarfile.is_tarfile(args.resume):

@@ -13,12 +13,9 @@ MAX_FILES, MAX_DEPTH, MAX_BYTES = 8, 2, 16 * 2**20  # the device tool's limits o
 
 @pytest.fixture
 def data(tmp_path):
-    """The two data sets' paths as the preflight checks them (the simulation trains on digits)."""
-    root = tmp_path / "data"
-    (root / "cifar10-jpeg").mkdir(parents=True)
-    (root / "cifar10-jpeg" / "cifar10-jpeg.tar.gz").write_bytes(b"")
-    (root / "femnist-leaf-24").mkdir()
-    return root
+    """A --data folder that does not exist: the simulation trains on the embedded digits and needs neither
+    real data set (issue 35, finding 19)."""
+    return tmp_path / "no-data-here"
 
 
 def simulate(gpu_run, tmp_path, data, *extra):
@@ -103,7 +100,8 @@ def gpu_run_args(gpu_run, data):
 
 
 def test_missing_data_exits_2_before_any_training(gpu_run, tmp_path, capsys):
-    code, out, work = simulate(gpu_run, tmp_path, tmp_path / "nowhere")
+    out, work = tmp_path / "out", tmp_path / "work"  # a real window (no --simulate): data first
+    code = gpu_run.main(["--data", str(tmp_path / "nowhere"), "--out", str(out), "--work", str(work)])
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "data missing" in err and "cifar10-jpeg.tar.gz" in err

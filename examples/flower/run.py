@@ -3,7 +3,7 @@
 simulation engine, without an attack and under ALIE, printed as `prodigy-fl report` prints a table.
 
     pip install -e ".[flower]"
-    python examples/flower/run.py              # the quickstart's 90 rounds
+    python examples/flower/run.py              # the quickstart's 100 rounds
     python examples/flower/run.py --rounds 30  # shorter
 
 The ALIE runs are experiments: the strategy itself plays the Byzantine clients (`prodigy_core.flower`).
