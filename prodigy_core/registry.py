@@ -178,7 +178,6 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
             raise ValueError(f"{owner} has no setting {key!r}{hint}")
     for key, value in check_values(owner, params).items():
         default = valid[key]
-        _check_number(owner, key, value, default)
         _check_type(owner, cls, key, value, default)
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -192,19 +191,11 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
     return Settings(sorted(out.items()))
 
 
-def _check_number(owner: str, key: str, value: Any, default: Any) -> None:
-    """A setting whose default is a number takes a number: ``tau=abc`` is an error that says so, not the
-    comparison error the class would raise."""
-    number = isinstance(default, int | float) and not isinstance(default, bool)
-    items = value if isinstance(value, list) else [value]
-    if number and any(isinstance(v, str | bool) for v in items):
-        raise ValueError(f"{owner}: {key}={value!r} must be a number, like its default {key}={default!r}")
-
-
 def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> None:
     """A ValueError unless ``value`` fits the setting's annotation (or its default's type, without one) when
     that is made of int, float, bool, str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true,
-    a number no true."""
+    a number no true, no text and no list. The message names the default, when there is one, as an example:
+    ``tau='abc' must be a number, like its default tau=10``, not the class's own comparison error."""
     try:
         hint = typing.get_type_hints(cls.__init__).get(key)
     except Exception:  # a plug-in's annotation that does not resolve: its default's type
@@ -221,7 +212,9 @@ def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> No
     if not any(fits[o] for o in options):
         fix = f" (write {int(value)})" if int in options and number and float(value).is_integer() else ""
         what = " or ".join(TYPE_WORDS[o] for o in options)
-        raise ValueError(f"{owner}: {key}={value!r} must be {what}{fix}")
+        no_default = default is inspect.Parameter.empty or default is None
+        example = "" if no_default else f", like its default {key}={default!r}"
+        raise ValueError(f"{owner}: {key}={value!r} must be {what}{fix}{example}")
 
 
 def check_values(owner: str, params: Mapping[str, Any]) -> dict[str, Any]:

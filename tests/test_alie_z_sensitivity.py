@@ -5,6 +5,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,11 @@ def test_the_runs_are_the_quickstart_split_under_the_authors_typed_z(script):
     assert {(c.defense, c.attack_params["z"]) for c in configs} == {
         (d, z) for d in ("prodigy", "nnm+trimmed_mean") for z in (0.41, 0.52, 0.67)
     }
-    assert all(c.variant == "authors" and c.batch_size == 32 and c.rounds == 90 for c in configs)
+    quickstart = yaml.safe_load((ROOT / "params" / "quickstart_digits.yaml").read_text(encoding="utf-8"))
+    quickstart_rounds = quickstart["base"]["rounds"]
+    assert all(
+        c.variant == "authors" and c.batch_size == 32 and c.rounds == quickstart_rounds for c in configs
+    )
     setting = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "n_byzantine", "local_steps",
                "local_momentum")  # fmt: skip
     expected = ("digits", "dirichlet", 0.1, 10, 3, 10, 0.9)

@@ -26,6 +26,7 @@ QUICKSTART = dict(
     dataset="digits", n_clients=10, n_byzantine=3, local_steps=10, local_momentum=0.9, eval_every=10
 )
 ROUNDS = 30
+ALIE_ROUNDS = 10  # (b) checks each round's zeroed clients: 10 rounds tell it as 30 do, at a third of the cost
 # (a)'s margin, in accuracy points. The two loops run the same model, split, initial weights, local SGD
 # and server step, but draw different random numbers: our engine draws all clients' batches from one
 # generator and the dropout masks from the global one, the Flower clients (one Ray worker each call) from a
@@ -91,7 +92,7 @@ def test_strategy_aggregates_bit_for_bit_as_make_aggregator(monkeypatch, defense
 
 
 def _config(**changes) -> RunConfig:
-    return RunConfig(**QUICKSTART, rounds=ROUNDS, defense="prodigy", **changes)
+    return RunConfig(**{**QUICKSTART, "rounds": ROUNDS, "defense": "prodigy", **changes})
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def flower_runs():
     """ProDiGy without an attack and under ALIE, in one Flower simulation (one Ray start)."""
     from prodigy_core.flower import simulate
 
-    return simulate([_config(), _config(attack="alie")], num_cpus=2)
+    return simulate([_config(), _config(attack="alie", rounds=ALIE_ROUNDS)], num_cpus=2)
 
 
 @needs_flower
@@ -118,10 +119,11 @@ def test_flower_accuracy_matches_our_engine_without_attack(flower_runs):
 def test_prodigy_zeroes_exactly_the_byzantine_clients_under_alie(flower_runs):
     """(b) under ALIE ProDiGy zeroes exactly the Byzantine clients in every round, in Flower's history too,
     as our engine does on this split (where the Byzantine clients are 0..f-1)."""
-    ours = run(_config(attack="alie"), progress=False)
-    assert ours.zeroed_clients == [[0, 1, 2]] * ROUNDS
+    ours = run(_config(attack="alie", rounds=ALIE_ROUNDS), progress=False)
+    assert ours.zeroed_clients == [[0, 1, 2]] * ALIE_ROUNDS
     theirs = flower_runs[1]
     assert len(theirs.byzantine) == 3 and theirs.byzantine != [0, 1, 2]  # drawn from the seed
-    assert theirs.result.zeroed_clients == [theirs.byzantine] * ROUNDS
+    assert theirs.result.zeroed_clients == [theirs.byzantine] * ALIE_ROUNDS
     history = theirs.history.train_metrics_clientapp
-    assert [history[r]["zeroed-byzantine"] for r in range(1, ROUNDS + 1)] == [theirs.byzantine] * ROUNDS
+    zeroed = [history[r]["zeroed-byzantine"] for r in range(1, ALIE_ROUNDS + 1)]
+    assert zeroed == [theirs.byzantine] * ALIE_ROUNDS

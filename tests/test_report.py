@@ -425,23 +425,25 @@ def test_titles_name_the_data_source_and_sources_never_mix(tmp_path):
 
 @pytest.mark.slow
 def test_committed_quickstart_cells_are_what_the_code_trains_now(tmp_path):
-    # The regenerating half of the committed-outputs check, on a sample CI can afford: the quickstart's
-    # ProDiGy row (6 runs) is trained anew as `prodigy-fl quickstart` trains it (jobs="auto": one thread per
-    # run, so the numbers do not depend on the machine's core count) and each run's accuracy must be the
-    # committed cell, to the digit.
+    # The regenerating half of the committed-outputs check, on a sample CI can afford: two cells of the
+    # quickstart's ProDiGy row (ALIE, whose line search is the most code, and label flip, the data-side
+    # attack) are trained anew as `prodigy-fl quickstart` trains them (jobs="auto": one thread per run, so
+    # the numbers do not depend on the machine's core count) and each run's accuracy must be the committed
+    # cell, to the digit. Any change to the engine moves every cell; the whole table is checked by
+    # `python scripts/check_committed_quickstart.py` (about 20 minutes on a 2-core CPU).
     import dataclasses
     import re
 
     from prodigy_core.experiments import load_experiment, run_grid
 
     experiment = load_experiment("quickstart_digits")
-    row = [c for c in experiment.configs if c.defense == "prodigy"]
+    row = [c for c in experiment.configs if c.defense == "prodigy" and c.attack in ("alie", "lf")]
     sample = dataclasses.replace(experiment, configs=row)
     df = run_grid(sample, jobs="auto", results_dir=tmp_path, progress=False)
     committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
     text = committed.read_text(encoding="utf-8")
     table = {cell: re.sub(r"[*†]", "", value) for cell, value in report.markdown_cells(text).items()}
-    assert len(df) == len(row) == 6
+    assert len(df) == len(row) == 2
     for row in df.itertuples():
         cell = (report.display_value("defense", row.defense), report.display_value("attack", row.attack))
         assert f"{row.final_accuracy:.2f}" == table[cell], cell
