@@ -21,6 +21,11 @@ os.environ["PRODIGY_RESULTS_DIR"] = str(_SESSION_DIR / "results")
 os.environ["PRODIGY_FIGURES_DIR"] = str(_SESSION_DIR / "figures")
 os.environ["PRODIGY_DATA_DIR"] = str(_SESSION_DIR / "data")
 os.environ["PRODIGY_SCALE"] = "smoke"  # the notebooks' default when opened in Lab is "interactive" (minutes)
+# Under pytest-xdist (pyproject's `-n auto`: one worker per core) every worker, and what it starts (notebook
+# kernels, CLI subprocesses), computes on one thread: two workers of two OpenMP threads each on two cores spin
+# against each other and take longer than one process alone. Set before any test module imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_report_header(config):
