@@ -53,3 +53,17 @@ def test_extend_its_params_file_is_the_quickstarts_setting_with_a_title():
     quickstart = yaml.safe_load((REPO / "params" / "quickstart_digits.yaml").read_text(encoding="utf-8"))
     assert spec["base"] == quickstart["base"] and spec["title"]
     assert set(spec["grid"]["attack"]) <= set(quickstart["grid"]["attack"])
+
+
+def test_the_readme_quickstart_table_is_the_committed_3_seed_table():
+    """The table under "What the quickstart shows" is figures/quickstart_digits_3seeds.md's, row for row (a
+    regenerated table moves the README's in the same commit)."""
+
+    def table(text: str) -> list[str]:
+        start = text.index("| Defense |")
+        return [line for line in text[start:].splitlines() if line.startswith("|")][:9]
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    shown = table(readme[readme.index("## What the quickstart shows") :])
+    committed = table((REPO / "figures" / "quickstart_digits_3seeds.md").read_text(encoding="utf-8"))
+    assert len(shown) == 9 and shown == committed

@@ -335,16 +335,7 @@ def test_damage_plot_has_no_offset_notation_and_formats_the_chosen_parameter():
     assert report.format_parameter((1.23456, 0.5)) == "(1.23, 0.5)"
 
 
-# Declared stale, not hidden: the 3-seed table (126 runs) was not regenerated after the streams revision and
-# the quickstart's move to 100 rounds (about 60 minutes on the 2-core AVX2 CPU of that session). strict: once
-# `python scripts/check_committed_quickstart.py --update --seeds 3` has run, this fails until the mark goes.
-STALE_3_SEEDS = pytest.mark.xfail(
-    strict=True,
-    reason="figures/quickstart_digits_3seeds.* predate STREAMS_REVISION 1 and the 100 rounds (README)",
-)
-
-
-@pytest.mark.parametrize("seeds", [1, pytest.param(3, marks=STALE_3_SEEDS)])
+@pytest.mark.parametrize("seeds", [1, 3])
 def test_committed_quickstart_table_was_made_by_the_current_params_and_code(seeds):
     # The cheap half of the check that committed outputs are what the committed code produces; the full
     # half (retrain everything, compare every cell) is scripts/check_committed_quickstart.py.
