@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from prodigy_core.experiments import run_grid
 
-    df = run_grid(experiment(args.rounds, args.seeds), results_dir=args.results_dir, progress=False)
+    # jobs="auto": one single-threaded process per core, as the quickstart's tables are made
+    experiment_ = experiment(args.rounds, args.seeds)
+    df = run_grid(experiment_, jobs="auto", results_dir=args.results_dir, progress=False)
     text = table(df)
     args.out.write_text(text + "\n", encoding="utf-8")
     print(text)
