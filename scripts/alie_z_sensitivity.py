@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from prodigy_core.experiments import run_grid
 
     # jobs="auto": one single-threaded process per core, as the quickstart's tables are made
-    experiment_ = experiment(args.rounds, args.seeds)
-    df = run_grid(experiment_, jobs="auto", results_dir=args.results_dir, progress=False)
+    runs = experiment(args.rounds, args.seeds)
+    df = run_grid(runs, jobs="auto", results_dir=args.results_dir, progress=False)
     text = table(df)
     args.out.write_text(text + "\n", encoding="utf-8")
     print(text)

@@ -421,7 +421,7 @@ def test_committed_quickstart_cells_are_what_the_code_trains_now(tmp_path):
     # attack) are trained anew as `prodigy-fl quickstart` trains them (jobs="auto": one thread per run, so
     # the numbers do not depend on the machine's core count) and each run's accuracy must be the committed
     # cell, to the digit. Any change to the engine moves every cell; the whole table is checked by
-    # `python scripts/check_committed_quickstart.py` (about 20 minutes on a 2-core CPU).
+    # `python scripts/check_committed_quickstart.py` (126 runs: about an hour on a 2-core AVX2 CPU).
     import dataclasses
     import re
 
