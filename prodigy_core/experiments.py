@@ -866,6 +866,7 @@ def execute_grid(
     lines = line_stream()
     tasks, batches, jobs = plan.tasks, plan.batches, plan.jobs
     claims = store.Claims(plan.folder, skip_done=not plan.force)
+    claims.clear_finished(c.key() for c in plan.experiment.configs if c.key() not in tasks)
     finished = failed = 0
     total = len(plan.experiment.configs)
     bar = tqdm(total=total, initial=total - len(plan.todo), unit="run", desc=plan.experiment.results_name,

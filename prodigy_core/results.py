@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Protocol
@@ -254,6 +255,7 @@ class Claims:
     taken over when its process is dead (same host), when its heartbeat is older than LOCK_STALE_S (a
     killed process on another host, a reused pid, a hand-made file), or when it is not a lock record and
     more than a few seconds old. With skip_done, a key whose record appeared meanwhile is not claimed.
+    A finished run's stale lock is removed by `clear_finished` (the grid calls it for its done runs).
     """
 
     def __init__(self, folder: Path, skip_done: bool = True) -> None:
@@ -326,6 +328,14 @@ class Claims:
             return True
         grave.unlink()
         return True
+
+    def clear_finished(self, keys: Iterable[str]) -> None:
+        """Remove the stale locks (`_take_over_if_stale`) of these finished runs: a process killed between
+        a record's write and its lock's release leaves one, and no later claim comes to take it over."""
+        for key in keys:
+            path = self.lock_path(key)
+            if os.path.lexists(path) and key not in self.held:
+                self._take_over_if_stale(path)
 
     def release(self, key: str) -> None:
         if key in self.held:

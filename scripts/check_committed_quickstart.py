@@ -3,15 +3,16 @@ seed, what `prodigy-fl quickstart` writes) and figures/quickstart_digits_3seeds.
 
     python scripts/check_committed_quickstart.py               # exit 1 and list the cells that differ
     python scripts/check_committed_quickstart.py --update      # then copy the new files into figures/
+    python scripts/check_committed_quickstart.py --keep DIR    # and keep the runs in DIR (a new folder)
 
-Every run is trained anew (a temporary results folder: nothing is loaded from results/), with the code of
-this checkout, so the table it writes is what the committed code produces. Run it before committing a change
-to prodigy_core/ or params/quickstart_digits.yaml (about 12 minutes on a 2-core CPU). Each table's cells and
-its provenance line (the runs hash and the code hash) must be the committed ones. The cheap half of the
-check runs in CI: tests/test_report.py compares the provenance line of both committed tables (a hash of the
-grid's run keys and of prodigy_core's files, both) with the current ones. `prodigy-fl quickstart` itself
-writes into the git-ignored outputs/; only this script's --update (run by scripts/regenerate.py) writes
-figures/.
+Every run is trained anew (a temporary results folder, or --keep's new one: nothing is loaded from
+results/), with the code of this checkout, so the table it writes is what the committed code produces. Run
+it before committing a change to prodigy_core/ or params/quickstart_digits.yaml (126 runs: about an hour on
+a 2-core AVX2 CPU). Each table's cells and its provenance line (the runs hash and the code hash) must be
+the committed ones. The cheap half of the check runs in CI: tests/test_report.py compares the provenance
+line of both committed tables (a hash of the grid's run keys and of prodigy_core's files, both) with the
+current ones. `prodigy-fl quickstart` itself writes into the git-ignored outputs/; only this script's
+--update (run by scripts/regenerate.py) writes figures/.
 """
 
 from __future__ import annotations
@@ -52,10 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update", action="store_true", help="copy the regenerated files into figures/")
     parser.add_argument("--seeds", type=int, nargs="+", choices=SEEDS, default=list(SEEDS),
                         help="which tables (default both: 3 1; 1 alone: 42 runs instead of 168)")  # fmt: skip
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep the runs in DIR, a new or empty folder (scripts/precision_check.py "
+                        "--results-dir DIR then finds its fp32 half there)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.keep is not None and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
+        parser.error(f"--keep {args.keep}: not an empty folder (every run is trained anew: name a new one)")
     tic = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="quickstart-check-") as tmp:
         out = Path(tmp) / "figures"
+        runs = args.keep or Path(tmp) / "results"
         ok = True
         for seeds in args.seeds:  # 3 seeds first; the one-seed table then reuses seed 0's records
             argv = [
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--seeds",
                 str(seeds),
                 "--results-dir",
-                f"{tmp}/results",
+                str(runs),
                 "--out-dir",
                 str(out),
             ]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
+from prodigy_core import data
 from prodigy_core.config import RunConfig
 from prodigy_core.data import (
     CIFAR10_CLASSES,
@@ -393,6 +394,27 @@ def test_femnist_synthetic_leaf_takes_first_writers_in_sorted_order(tmp_path):
     assert fed.test_labels.tolist() == [8, 7]
     # row-major 28x28: pixel (r, c) is x[28 r + c]
     torch.testing.assert_close(fed.train_images[0, 0, 1, 2], torch.tensor(30 / 783))
+
+
+def test_femnist_json_is_parsed_once_per_version_and_a_label_flip_never_reaches_the_next_run(
+    tmp_path, monkeypatch
+):
+    leaf = write_leaf(tmp_path, {"w_a": [1, 2], "w_b": [3]}, {"w_a": [4], "w_b": [5]})
+    parsed = []
+    read_split = data._read_leaf_split
+    monkeypatch.setattr(data, "_read_leaf_split", lambda d: parsed.append(d.name) or read_split(d))
+    first = load_federation("femnist", 2, "natural", data_dir=leaf)
+    first.flip_labels([0])  # an LF run: y' = 61 - y on client 0
+    assert first.train_labels.tolist() == [60, 59, 3]
+    second = load_federation("femnist", 2, "natural", data_dir=leaf)
+    assert parsed == ["train", "test"]  # the second run of the setting parsed nothing
+    assert second.train_labels.tolist() == [1, 2, 3] and second.test_labels.tolist() == [4, 5]
+    # An edited file (another size) is a new version: parsed again, its new labels read.
+    content = json.loads((leaf / "train" / "part_1.json").read_text())
+    content["user_data"]["w_b"]["y"] = [13]
+    (leaf / "train" / "part_1.json").write_text(json.dumps(content) + " ")
+    third = load_federation("femnist", 2, "natural", data_dir=leaf)
+    assert parsed == ["train", "test"] * 2 and third.train_labels.tolist() == [1, 2, 13]
 
 
 def test_femnist_malformed_leaf_directories(tmp_path):

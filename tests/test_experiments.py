@@ -4,6 +4,11 @@ where the behaviour under test is the store, the real one where it is the execut
 import csv
 import dataclasses
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -541,6 +546,25 @@ def test_a_run_claimed_by_another_live_process_is_left_alone(tmp_path, fake_trai
     other.release(busy.key())
     run_grid(experiment, results_dir=tmp_path / "res", progress=False)
     assert calls.count(busy.key()) == 1
+
+
+def test_a_grid_removes_a_finished_runs_dead_lock_and_leaves_a_live_ones(tmp_path, fake_training):
+    # A kill between a record's write and its lock's release leaves the finished run's lock: no claim comes
+    # to take it over, so the next grid removes it (the claimant is dead); a live claimant's lock stays.
+    experiment = small_grid(tmp_path)
+    run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    folder = tmp_path / "res" / "small-smoke"
+    done = [c.key() for c in experiment.configs if c.attack != "lf"]  # the fake fails the LF runs
+    assert not list(folder.glob("*.lock"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    for key, pid in ((done[0], dead.pid), (done[1], os.getppid())):
+        (folder / f"{key}.lock").write_text(json.dumps({"pid": pid, "host": host, "started": time.time()}))
+    calls.clear()
+    run_grid(experiment, results_dir=tmp_path / "res", progress=False)
+    assert {p.stem for p in folder.glob("*.lock")} == {done[1]}
+    assert not set(calls) & set(done)  # nothing finished is redone
 
 
 def test_batch_runs_auto_trains_one_run_at_a_time_on_a_cpu(tmp_path, fake_training):
