@@ -61,14 +61,44 @@ def compare(fp32: pd.DataFrame, bf16: pd.DataFrame) -> tuple[pd.DataFrame, pd.Da
     return cells, pd.DataFrame(rows)
 
 
-def markdown(cells: pd.DataFrame, rows: pd.DataFrame, seeds: int) -> str:
+def within_share(seeds: int) -> float:
+    """The share of cells with |diff| <= 2 SE if both precisions drew from one distribution: the paired t
+    statistic of `seeds` normal differences has seeds - 1 degrees of freedom (0.82 for 3 seeds, not 0.95)."""
+    from scipy.stats import t
+
+    return float(2 * t.cdf(2, seeds - 1) - 1)
+
+
+def machine(fp32: pd.DataFrame, bf16: pd.DataFrame) -> str:
+    """Where the runs trained (the records' environment) and what bf16 cost: the ratio of the summed round
+    times."""
+
+    def values(column: str) -> str:
+        both = pd.concat([fp32[column], bf16[column]])
+        return "/".join(str(v) for v in dict.fromkeys(both.astype(str)))
+
+    seconds = {
+        name: float(frame["round_times"].map(sum).sum()) for name, frame in (("fp32", fp32), ("bf16", bf16))
+    }
+    return (
+        f"Trained on {values('env_device')} ({values('env_cpu_capability')}), torch {values('env_torch')}, "
+        f"{values('env_threads')} thread(s) a run, engine {values('env_engine')}; training time (the runs' "
+        f"summed round times) bf16 / fp32 = {seconds['bf16'] / seconds['fp32']:.2f}x."
+    )
+
+
+def markdown(cells: pd.DataFrame, rows: pd.DataFrame, seeds: int, about: str = "") -> str:
     within, total = int(cells["within"].sum()), int(cells["two_se"].notna().sum())
+    equal = int(((cells["sd"] == 0) & (cells["diff"] == 0)).sum())
     lines = [
         f"# bf16 vs fp32 on the quickstart grid ({seeds} seeds)\n",
         "Test accuracy (%), mean over seeds; diff: the mean of the paired differences bf16 - fp32 (same "
         "seed: same split, initial model, batches and dropout masks), 2 SE: twice its standard error. "
-        f"{within} of {total} cells have |diff| <= 2 SE (about 95% would for one distribution); "
+        f"{within} of {total} cells have |diff| <= 2 SE ({equal} of them equal seed for seed); "
+        f"{within_share(seeds):.0%} would if both precisions drew from one distribution (the paired t "
+        f"statistic over {seeds} seeds has {seeds - 1} degrees of freedom). "
         f"{int(rows['same'].sum())} of {len(rows)} rows keep their worst-case attack.\n",
+        *([about + "\n"] if about else []),
         "| defense | attack | fp32 | bf16 | diff | 2 SE | within |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -83,6 +113,7 @@ def markdown(cells: pd.DataFrame, rows: pd.DataFrame, seeds: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from prodigy_core import report
     from prodigy_core import results as store
     from prodigy_core.experiments import run_grid
 
@@ -95,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # tests: fewer rounds
     args = p.parse_args(argv)
     jobs = args.jobs if args.jobs == "auto" else int(args.jobs)
-    frames = []
-    for exp in experiments(args.seeds, args.smoke, args.rounds):
+    frames, grids = [], experiments(args.seeds, args.smoke, args.rounds)
+    for exp in grids:
         run_grid(exp, jobs=jobs, results_dir=args.results_dir, progress=False)
         frames.append(store.load(exp, args.results_dir))
     cells, rows = compare(*frames)
     args.out.mkdir(parents=True, exist_ok=True)
     cells.merge(rows, on="defense", how="left").to_csv(args.out / "precision_check.csv", index=False)
-    text = markdown(cells, rows, args.seeds)
+    provenance = "; ".join(
+        f"{p} {report.provenance(e)}" for p, e in zip(("fp32", "bf16"), grids, strict=True)
+    )
+    text = markdown(cells, rows, args.seeds, machine(*frames)) + f"\n<!-- provenance: {provenance} -->\n"
     (args.out / "precision_check.md").write_text(text, encoding="utf-8")
     print(text)
     return 0

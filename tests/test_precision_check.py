@@ -43,3 +43,12 @@ def test_precision_check_table_at_smoke_scale(tmp_path):
             assert means[row[f"worst_{precision}"]] == min(means.values())
     text = (out / "precision_check.md").read_text()
     assert "| defense | attack | fp32 | bf16 | diff | 2 SE | within |" in text
+    # With 2 seeds the paired t statistic has 1 degree of freedom (a Cauchy variable): P(|t| <= 2) is
+    # 2/pi atan(2) = 70%, the share of cells within 2 SE expected of one distribution (not 95%).
+    assert f"{2 / math.pi * math.atan(2):.0%} would if both precisions drew from one distribution" in text
+    seconds = {"fp32": 0.0, "bf16": 0.0}
+    for path in results.rglob("*.json"):
+        record = json.loads(path.read_text())
+        seconds[record["config"].get("precision", "fp32")] += sum(record["round_times"])
+    assert f"bf16 / fp32 = {seconds['bf16'] / seconds['fp32']:.2f}x" in text
+    assert "<!-- provenance: fp32 runs " in text and "; bf16 runs " in text
