@@ -1179,6 +1179,37 @@ def read_provenance(text: str) -> str | None:
     return m[1] if m else None
 
 
+# What a table's last digits depend on besides its runs and code: the records' `environment` fields that
+# pick the kernels and their order (training._environment). A table names them under its provenance, and a
+# digit-for-digit check is meaningful only where they match (scripts/check_committed_quickstart.py).
+MACHINE_FIELDS = ("device", "cpu_capability", "torch", "threads")
+MACHINE = re.compile(r"<!-- trained on: (.*?) -->")
+
+
+def machine(df: pd.DataFrame) -> dict[str, str]:
+    """{field: value} of MACHINE_FIELDS over a results frame's runs (its ``env_*`` columns); several values of
+    one field are joined by "/", a field no record has is "unknown"."""
+    found = {}
+    for name in MACHINE_FIELDS:
+        column = df[f"env_{name}"].dropna() if f"env_{name}" in df.columns else pd.Series(dtype=object)
+        values = sorted({str(v) for v in column})
+        found[name] = "/".join(values) if values else "unknown"
+    return found
+
+
+def machine_line(found: Mapping[str, str]) -> str:
+    """``device=cpu, cpu_capability=AVX2, torch=2.14.1, threads=1``: :func:`machine` as one line."""
+    return ", ".join(f"{k}={v}" for k, v in found.items())
+
+
+def read_machine(text: str) -> dict[str, str] | None:
+    """The machine a Markdown table names under its provenance (:func:`machine`), None when it names none."""
+    m = MACHINE.search(text)
+    if m is None:
+        return None
+    return dict(part.split("=", 1) for part in m[1].split(", ") if "=" in part)
+
+
 # What a layout's `figures` list may name (`names.FIGURES`, checked at load); heatmap and curves by default.
 # "distances": one distance heatmap per run and recorded round (`record_distances_at`), named <name> when
 # there is just one.
@@ -1210,7 +1241,8 @@ def write_report(
     layout = getattr(experiment, "report", None) or {}
     coverage = grid_coverage(experiment, df, layout)
     page = Page(experiment.name, df, folder, layout, report_title(experiment, df), grid_order(experiment))
-    paths = write_tables(page, table_note(df, coverage, smoke=smoke, mini=mini), provenance(experiment))
+    note = table_note(df, coverage, smoke=smoke, mini=mini)
+    paths = write_tables(page, note, provenance(experiment), machine_line(machine(df)))
     paths += write_figures(page, coverage)
     if getattr(experiment, "paper_table", None) and not smoke:
         paths.append(write_paper_comparison(experiment, df, folder, results_dir, mini=mini))
@@ -1243,16 +1275,18 @@ class Page(NamedTuple):
     order: Mapping[str, Sequence[Any]]
 
 
-def write_tables(page: Page, note: str, made_by: str) -> list[Path]:
-    """The table as ``<folder>/<name>.md`` (with `note`) and ``.tex``, each with the provenance `made_by`."""
+def write_tables(page: Page, note: str, made_by: str, trained_on: str) -> list[Path]:
+    """The table as ``<folder>/<name>.md`` (with `note`) and ``.tex``, each with the provenance `made_by`
+    and the machine `trained_on` (:func:`machine_line`) under it."""
     df, layout, title, order = page.df, page.layout, page.title, page.order
     paths = [page.folder / f"{page.name}.md", page.folder / f"{page.name}.tex"]
     markdown = to_markdown(df, layout, title, order, note=note)
     detection = detection_markdown(df)
     markdown += f"\n{detection}" if detection else ""
-    paths[0].write_text(f"{markdown}\n<!-- provenance: {made_by} -->\n", encoding="utf-8")
+    comments = f"<!-- provenance: {made_by} -->\n<!-- trained on: {trained_on} -->\n"
+    paths[0].write_text(f"{markdown}\n{comments}", encoding="utf-8")
     latex = to_latex(df, layout, title, order, label=f"tab:{page.name}")
-    paths[1].write_text(f"% provenance: {made_by}\n{latex}", encoding="utf-8")
+    paths[1].write_text(f"% provenance: {made_by}\n% trained on: {trained_on}\n{latex}", encoding="utf-8")
     return paths
 
 

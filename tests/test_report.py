@@ -399,6 +399,19 @@ def test_provenance_names_the_runs_and_the_code(tmp_path):
     assert other != report.provenance(exp) and other.endswith(f"code {report.code_hash()}")
 
 
+def test_a_table_names_the_machine_its_runs_trained_on(tmp_path):
+    # Issue 45: a table says which CPU kernels, torch and threads made its digits, read back as written.
+    df = fabricated(seeds=(0,), momenta=(0.0,)).assign(env_device="cpu", env_torch="2.14.1", env_threads=1)
+    df["env_cpu_capability"] = ["AVX2"] * (len(df) - 1) + ["AVX512"]  # one run elsewhere: both named
+    report.write_report(experiment(layout=HEATMAP_ONLY), df, tmp_path)
+    md = tmp_path / "fab.md"
+    expected = {"device": "cpu", "cpu_capability": "AVX2/AVX512", "torch": "2.14.1", "threads": "1"}
+    assert report.read_machine(md.read_text()) == expected
+    assert "% trained on: device=cpu, cpu_capability=AVX2/AVX512" in (tmp_path / "fab.tex").read_text()
+    unknown = report.machine(df.drop(columns=["env_torch"]))["torch"]
+    assert unknown == "unknown" and report.read_machine("| a |") is None
+
+
 def test_titles_name_the_data_source_and_sources_never_mix(tmp_path):
     df = fabricated(seeds=(0,), momenta=(0.0,)).assign(data_source="cifar10-jpeg")
     paths = report.write_report(experiment(layout=HEATMAP_ONLY), df, tmp_path)
@@ -414,30 +427,65 @@ def test_titles_name_the_data_source_and_sources_never_mix(tmp_path):
         compare_with_paper(mixed.assign(dataset="cifar10"), "bigtable")
 
 
-@pytest.mark.slow
-def test_committed_quickstart_cells_are_what_the_code_trains_now(tmp_path):
+COMMITTED = Path(report.__file__).resolve().parents[1] / "figures"
+
+
+@pytest.fixture(scope="module")
+def quickstart_sample(tmp_path_factory):
     # The regenerating half of the committed-outputs check, on a sample CI can afford: two cells of the
     # quickstart's ProDiGy row (ALIE, whose line search is the most code, and label flip, the data-side
-    # attack) are trained anew as `prodigy-fl quickstart` trains them (jobs="auto": one thread per run, so
-    # the numbers do not depend on the machine's core count) and each run's accuracy must be the committed
-    # cell, to the digit. Any change to the engine moves every cell; the whole table is checked by
-    # `python scripts/check_committed_quickstart.py` (126 runs: about an hour on a 2-core AVX2 CPU).
+    # attack) trained anew as `prodigy-fl quickstart` trains them (jobs="auto": one thread per run, so the
+    # numbers do not depend on the machine's core count). The whole table is checked by
+    # `python scripts/check_committed_quickstart.py` (126 runs: about half an hour to an hour on 2 cores).
     import dataclasses
-    import re
 
     from prodigy_core.experiments import load_experiment, run_grid
 
     experiment = load_experiment("quickstart_digits")
     row = [c for c in experiment.configs if c.defense == "prodigy" and c.attack in ("alie", "lf")]
     sample = dataclasses.replace(experiment, configs=row)
-    df = run_grid(sample, jobs="auto", results_dir=tmp_path, progress=False)
-    committed = Path(report.__file__).resolve().parents[1] / "figures" / "quickstart_digits.md"
-    text = committed.read_text(encoding="utf-8")
-    table = {cell: re.sub(r"[*†]", "", value) for cell, value in report.markdown_cells(text).items()}
+    df = run_grid(sample, jobs="auto", results_dir=tmp_path_factory.mktemp("sample"), progress=False)
     assert len(df) == len(row) == 2
+    text = (COMMITTED / "quickstart_digits.md").read_text(encoding="utf-8")
+    return df, text, report.read_machine(text), report.machine(df)
+
+
+def sample_cells(df, table: str) -> list[tuple[tuple[str, str], float, str]]:
+    """(cell, this run's accuracy, the committed cell's text) for each run of the sample."""
+    cells = report.markdown_cells(table)
+    found = []
     for row in df.itertuples():
         cell = (report.display_value("defense", row.defense), report.display_value("attack", row.attack))
-        assert f"{row.final_accuracy:.2f}" == table[cell], cell
+        found.append((cell, row.final_accuracy, cells[cell]))
+    return found
+
+
+@pytest.mark.slow
+def test_committed_quickstart_cells_are_what_the_code_trains_now_digit_for_digit(quickstart_sample):
+    # Digit for digit only where the committed table's machine (its "trained on" line: CPU kernels, torch,
+    # threads per run) is this one's: another CPU type's kernels round differently, and a last-bit
+    # difference can move a cell by a seed's spread (report.SEED_NOTE). Elsewhere the next test checks.
+    df, text, made_on, here = quickstart_sample
+    if made_on != here:
+        pytest.skip(
+            f"digit-for-digit check not made: figures/quickstart_digits.md was trained on "
+            f"{report.machine_line(made_on) if made_on else 'an unnamed machine'}, this one is "
+            f"{report.machine_line(here)}; checked within {report.WITHIN_STD} std of the 3-seed table instead"
+        )
+    for cell, accuracy, committed in sample_cells(df, text):
+        assert f"{accuracy:.2f}" == re.sub(r"[*†]", "", committed), cell
+
+
+@pytest.mark.slow
+def test_committed_quickstart_cells_are_within_2_std_of_3_seeds_on_another_machine(quickstart_sample):
+    df, text, made_on, here = quickstart_sample
+    if made_on == here:
+        same = report.machine_line(here)
+        pytest.skip(f"2-std check not made: the committed table was trained here ({same}); digits checked")
+    three_seeds = (COMMITTED / "quickstart_digits_3seeds.md").read_text(encoding="utf-8")
+    for cell, accuracy, committed in sample_cells(df, three_seeds):
+        mean, std = report.parse_cell(committed)
+        assert abs(accuracy - mean) <= report.WITHIN_STD * std + 0.005, (cell, accuracy, committed)
 
 
 def test_mini_provenance_lists_every_mini_record_with_its_machine_and_time(tmp_path):
