@@ -1,0 +1,249 @@
+"""Hostile round 4 (issue 42): the Flower strategy under hostile replies, config validation, groups and the
+CLI. Each test is named after the finding it pins (report, GPU driver: test_hostile4_report.py)."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from prodigy_core.aggregators import make_aggregator
+
+needs_flower = pytest.mark.skipif(
+    importlib.util.find_spec("flwr") is None,
+    reason="needs the flower extra (pip install -e '.[flower]'); CI installs it",
+)
+
+# ------------------------------------------------------------------------ the Flower strategy's aggregation
+N, F, GAMMA = 10, 3, 0.05
+# a small server model: two parameters and two BatchNorm statistics (its buffers)
+SHAPES = {"w": (2, 3), "bn.running_mean": (4,), "b": (2,), "bn.num_batches_tracked": ()}
+PARAMS = ("w", "b")  # the parameters, in the server model's order
+D = 8
+
+
+@pytest.fixture
+def flower(monkeypatch):
+    """Flower's records and message classes, with the identity a ServerApp sets before it makes messages."""
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
+    import flwr.app
+
+    return flwr.app
+
+
+def _theta() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    theta = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items() if k != "bn.num_batches_tracked"}
+    return {**theta, "bn.num_batches_tracked": torch.tensor(5)}
+
+
+def _honest_rows(n: int = N) -> torch.Tensor:
+    return torch.randn(n, D, generator=torch.Generator().manual_seed(2)) * 0.1 + 1.0
+
+
+def _reply(flower, k, update=None, buffers=None, row=None, cid=None):
+    """Client k's reply: `update` (default: `row` cut into w and b), `buffers` (default: none sent)."""
+    if update is None:
+        update = {"w": row[:6].reshape(2, 3), "b": row[6:]}
+    content = {
+        "arrays": flower.ArrayRecord(update),
+        "metrics": flower.MetricRecord({"partition-id": k if cid is None else cid, "num-examples": 10}),
+    }
+    if buffers is not None:
+        content["buffers"] = flower.ArrayRecord(buffers)
+    return flower.Message(flower.RecordDict(content), dst_node_id=0, message_type=flower.MessageType.TRAIN)
+
+
+def _strategy(flower, defense="prodigy", n=N, f=F, theta=None, **kwargs):
+    import types
+
+    from prodigy_core.flower import RobustStrategy
+
+    strategy = RobustStrategy(defense, f, n, lambda t: GAMMA, **kwargs)
+    grid = types.SimpleNamespace(get_node_ids=lambda: list(range(100, 100 + n)))
+    theta = _theta() if theta is None else theta
+    list(strategy.configure_train(1, flower.ArrayRecord(theta), flower.ConfigRecord(), grid))
+    return strategy, grid
+
+
+def _expected(theta, G, defense="prodigy", n=N, f=F) -> torch.Tensor:
+    """theta's parameters after the server step with make_aggregator's rule on the rows G (independent of
+    the strategy)."""
+    start = torch.cat([theta[k].reshape(-1) for k in PARAMS])
+    return start - GAMMA * make_aggregator(defense, f, n)(G)
+
+
+def _params(arrays) -> torch.Tensor:
+    out = arrays.to_torch_state_dict()
+    return torch.cat([out[k].reshape(-1) for k in PARAMS])
+
+
+@needs_flower
+@pytest.mark.parametrize("defense", ["prodigy", "median", "nnm+trimmed_mean"])
+def test_42_1_a_nan_reply_is_a_byzantine_row_and_the_model_moves(flower, defense):
+    """Attack none (a deployed server): replies with a NaN, an Inf and a float64 1e300 (inf once cast) are
+    Byzantine rows; the model moves as the rule moves it on those rows, in round 1 and again in round 2."""
+    theta = _theta()
+    strategy, grid = _strategy(flower, defense, theta=theta)
+    for server_round in (1, 2):
+        if server_round == 2:
+            list(strategy.configure_train(2, flower.ArrayRecord(theta), flower.ConfigRecord(), grid))
+        G = _honest_rows()
+        replies = [_reply(flower, k, row=G[k]) for k in range(3, N)]
+        nan, inf = G[0].clone(), G[1].clone()
+        nan[2], inf[5] = math.nan, math.inf
+        replies += [_reply(flower, 0, row=nan), _reply(flower, 1, row=inf)]
+        huge = torch.full((2,), 1e300, dtype=torch.float64)  # beyond float32's range
+        replies.append(_reply(flower, 2, {"w": G[2, :6].reshape(2, 3).double(), "b": huge}))
+        arrays, metrics = strategy.aggregate_train(server_round, replies)
+        G_seen = G.clone()
+        G_seen[0, 2], G_seen[1, 5], G_seen[2, 6:] = math.nan, math.inf, math.inf
+        expected = _expected(theta, G_seen, defense)
+        assert torch.isfinite(expected).all()
+        assert torch.equal(_params(arrays), expected)
+        assert metrics["non-finite"] == [0, 1, 2]
+        assert strategy.diverged_at is None
+        theta = arrays.to_torch_state_dict()
+
+
+@needs_flower
+def test_42_2_buffer_reports_are_robustly_aggregated_and_bad_ones_dropped(flower):
+    """A NaN report, a wrong-shape report and a missing one are left out of the buffer's median (counted);
+    an extra buffer name in the lowest-id reply is ignored; too few reports keep the server's buffer."""
+    theta = _theta()
+    strategy, _ = _strategy(flower, theta=theta)
+    G = _honest_rows()
+    reports = torch.randn(N, 4, generator=torch.Generator().manual_seed(3))
+    replies = []
+    for k in range(N):
+        buffers = {"bn.running_mean": reports[k].clone(), "bn.num_batches_tracked": torch.tensor(6)}
+        if k == 0:
+            buffers["bn.extra"] = torch.zeros(3)  # a name the server's model does not have
+        if k == 1:
+            buffers["bn.running_mean"][0] = math.nan
+        if k == 2:
+            buffers["bn.running_mean"] = torch.zeros(5)
+        replies.append(_reply(flower, k, row=G[k], buffers=None if k == 3 else buffers))
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    out = arrays.to_torch_state_dict()
+    assert set(out) == set(theta)
+    assert torch.equal(out["bn.running_mean"], torch.quantile(reports[[0, *range(4, N)]], 0.5, dim=0))
+    assert int(out["bn.num_batches_tracked"]) == 6
+    assert metrics["dropped-buffers"] == 4  # k=1, 2 and 3 for running_mean, k=3 for num_batches_tracked
+
+    # only a minority reports: the server keeps its buffers
+    strategy, _ = _strategy(flower, theta=theta)
+    replies = [
+        _reply(flower, k, row=G[k], buffers={"bn.running_mean": torch.full((4,), 1e6)} if k < F else None)
+        for k in range(N)
+    ]
+    out = strategy.aggregate_train(1, replies)[0].to_torch_state_dict()
+    assert torch.equal(out["bn.running_mean"], theta["bn.running_mean"])
+
+
+@needs_flower
+def test_42_3_the_parameter_set_comes_from_the_servers_model(flower):
+    """The lowest-id reply sends one of the two parameters and another an empty record: both are dropped,
+    and every parameter of the server's model moves by the rule on the other rows."""
+    theta = _theta()
+    strategy, _ = _strategy(flower, theta=theta)
+    G = _honest_rows()
+    replies = [_reply(flower, 0, {"w": G[0, :6].reshape(2, 3)}), _reply(flower, 1, {})]
+    replies += [_reply(flower, k, row=G[k]) for k in range(2, N)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert torch.equal(_params(arrays), _expected(theta, G[2:]))
+    assert metrics["dropped"] == 2 and metrics["clients"] == N - 2
+
+
+@needs_flower
+def test_42_6_flower_clients_train_in_the_runs_precision(flower, monkeypatch):
+    """A bf16 run's Flower client takes its local steps under bfloat16 autocast (as `training.run`)."""
+    from prodigy_core import flower as fl
+    from prodigy_core.config import RunConfig
+    from prodigy_core.models import make_model
+
+    seen = []
+    real = fl._local_steps_sequential
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_autocast_cpu_enabled() and torch.get_autocast_cpu_dtype() == torch.bfloat16)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fl, "_local_steps_sequential", spy)
+    config = RunConfig(
+        dataset="digits", n_clients=4, n_byzantine=1, rounds=2, defense="median", precision="bf16"
+    )
+    app = fl.client_app([config], [[]])
+    model = make_model("digits")
+    content = flower.RecordDict({
+        "arrays": flower.ArrayRecord(model.state_dict()),
+        "config": flower.ConfigRecord({"run": 0, "lr": 0.05, "server-round": 1}),
+    })  # fmt: skip
+    msg = flower.Message(content, dst_node_id=0, message_type=flower.MessageType.TRAIN)
+    context = flower.Context(1, 1, {"partition-id": 0}, flower.RecordDict(), {})
+    reply = app(msg, context)
+    assert seen == [True]
+    assert set(reply.content["arrays"]) == {n for n, _ in model.named_parameters()}
+
+
+@needs_flower
+def test_42_11_a_reply_of_the_wrong_size_or_missing_a_tensor_is_dropped_and_counted(flower):
+    """A reply whose w has another shape, and one without b: dropped, counted; the round goes on."""
+    theta = _theta()
+    strategy, _ = _strategy(flower, theta=theta)
+    G = _honest_rows()
+    replies = [_reply(flower, 0, {"w": torch.zeros(7), "b": G[0, 6:]}), _reply(flower, 1, {"w": G[1, :6]})]
+    replies += [_reply(flower, k, row=G[k]) for k in range(2, N)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert torch.equal(_params(arrays), _expected(theta, G[2:]))
+    assert metrics["dropped"] == 2
+
+
+@needs_flower
+def test_42_12_fewer_replies_than_the_rule_needs_skip_the_round_and_keep_the_model(flower):
+    """N=5, f=2 and 3 replies: the round is skipped (no arrays: Flower keeps the model; ``skipped`` in its
+    metrics), nothing raises, and the next round with 5 replies moves the model."""
+    theta = _theta()
+    strategy, grid = _strategy(flower, n=5, f=2, theta=theta)
+    G = _honest_rows(5)
+    arrays, metrics = strategy.aggregate_train(1, [_reply(flower, k, row=G[k]) for k in range(3)])
+    assert arrays is None and metrics["skipped"] == 1
+    arrays, metrics = strategy.aggregate_train(1, [])
+    assert arrays is None and metrics["skipped"] == 1
+    list(strategy.configure_train(2, flower.ArrayRecord(theta), flower.ConfigRecord(), grid))
+    arrays, metrics = strategy.aggregate_train(2, [_reply(flower, k, row=G[k]) for k in range(5)])
+    assert torch.equal(_params(arrays), _expected(theta, G, n=5, f=2)) and "skipped" not in metrics
+
+
+@needs_flower
+def test_42_13_a_repeated_or_non_integer_client_id_is_a_dropped_reply(flower):
+    """A second reply claiming id 4 and one whose id is a list are dropped (counted); nothing raises and
+    the first claim of id 4 keeps its row."""
+    theta = _theta()
+    strategy, _ = _strategy(flower, theta=theta)
+    G = _honest_rows()
+    replies = [_reply(flower, k, row=G[k]) for k in range(2, N)]
+    replies += [_reply(flower, 4, row=G[0] * 1e3), _reply(flower, 1, row=G[1], cid=[1, 2])]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert torch.equal(_params(arrays), _expected(theta, G[2:]))
+    assert metrics["dropped"] == 2 and metrics["clients"] == N - 2
+
+
+@needs_flower
+def test_42_14_simulate_of_no_configs_is_no_runs():
+    from prodigy_core.flower import simulate
+
+    assert simulate([]) == []
+
+
+@needs_flower
+def test_42_29_a_strategy_with_an_attack_and_no_byzantine_client_is_refused():
+    """As RunConfig refuses attack != none with n_byzantine=0."""
+    from prodigy_core.flower import RobustStrategy
+
+    with pytest.raises(ValueError, match="attack='alie' with n_byzantine=0"):
+        RobustStrategy("median", 0, N, lambda t: GAMMA, attack="alie")
