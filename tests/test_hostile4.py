@@ -247,3 +247,105 @@ def test_42_29_a_strategy_with_an_attack_and_no_byzantine_client_is_refused():
 
     with pytest.raises(ValueError, match="attack='alie' with n_byzantine=0"):
         RobustStrategy("median", 0, N, lambda t: GAMMA, attack="alie")
+
+
+# --------------------------------------------------------------------------- config, groups and the CLI
+def test_42_7_a_bf16_run_is_never_grouped_and_fp32_runs_still_are():
+    """Stacked, bf16 kernels round differently from a run alone: bf16 (and tf32) runs train alone, so the
+    record equal to the one alone holds; fp32 runs group as before, with a warning only for the others."""
+    from prodigy_core import groups
+    from prodigy_core.config import RunConfig
+
+    base = dict(dataset="digits", rounds=2, device="cpu", engine="batched")
+    fp32 = [RunConfig(**base, defense=d) for d in ("prodigy", "nnm+median", "median")]
+    bf16 = [c.replace(precision="bf16") for c in fp32]
+    assert groups.make_groups(fp32, size=4) == [fp32]
+    with pytest.warns(RuntimeWarning, match="precision=bf16 runs train one at a time"):
+        assert groups.make_groups(bf16, size=4) == [[c] for c in bf16]
+    assert groups.group_key(bf16[0]) is None and groups.batch_size_for(bf16[0]) == 1
+
+
+@pytest.mark.parametrize("device", ["meta", "mps", "xla", "ipu", "cuda:x"])
+def test_42_22_a_device_these_runs_cannot_train_on_is_refused_in_one_line(device):
+    from prodigy_core.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=f"device='{device}' cannot train these runs; valid: auto, cpu"):
+        RunConfig(device=device)
+    assert RunConfig(device="cuda:1").device == "cuda:1"  # refused only where it runs, without CUDA
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [({"lr": 1e39}, "lr"), ({"weight_decay": 1e39}, "weight_decay"),
+     ({"lr": 1e30, "lr_decay_factor": 1e10}, "lr \\* lr_decay_factor")],
+)  # fmt: skip
+def test_42_23_a_step_size_beyond_float32_is_refused(fields, name):
+    from prodigy_core.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=f"{name}=1e\\+(39|40) is beyond float32's range"):
+        RunConfig(**fields)
+    RunConfig(lr=1e38)  # within float32's range: a run that may diverge, recorded as diverged
+
+
+def test_42_24_prodigy_fl_run_respects_a_grids_lock(tmp_path, capsys):
+    """A live process holds the run's lock: `prodigy-fl run` refuses in one line naming the lock and trains
+    nothing; once the lock is gone it trains, holding the lock meanwhile and leaving none behind."""
+    import json
+    import os
+    import socket
+    import time
+
+    from prodigy_core import results
+    from prodigy_core.cli import main
+    from prodigy_core.config import RunConfig
+
+    folder = results.experiment_dir("runs", tmp_path)
+    folder.mkdir(parents=True)
+    key = RunConfig(rounds=2).key()
+    lock = folder / f"{key}.lock"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+    assert main(["run", "--set", "rounds=2", "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(lock) in err and "rerun when it is done" in err
+    assert not results.record_path(folder, key).exists()
+    lock.unlink()
+    assert main(["run", "--set", "rounds=2", "--results-dir", str(tmp_path)]) == 0
+    assert results.record_path(folder, key).exists() and not lock.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tf32 trains on CUDA")
+def test_42_25_a_tf32_grid_on_a_cpu_is_refused_up_front_in_one_line(tmp_path, capsys):
+    """No failure records, exit 2 and one line; the dry run says so under its count."""
+    from prodigy_core.cli import main
+
+    grid = tmp_path / "g.yaml"
+    grid.write_text(
+        "experiment: g\ntitle: g\nbase: {dataset: digits, rounds: 2, precision: tf32}\n"
+        "grid: {defense: [prodigy, median], attack: [none, sf]}\nseeds: [0]\n"
+    )
+    assert main(["grid", str(grid), "--dry-run", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 runs (0 stored, 4 to run)" in out and "4 of the 4 runs cannot train here" in out
+    assert main(["grid", str(grid), "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "precision=tf32 exists only on CUDA" in err
+    assert not list(tmp_path.rglob("*.json"))
+
+
+@pytest.mark.parametrize(("seed", "data_seed"), [(-1, None), (5_000_000_000, None), (0, -1)])
+def test_42_28_an_authors_split_seed_outside_numpys_range_is_refused(seed, data_seed):
+    from prodigy_core.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="under variant='authors': its split seeds numpy's RandomState"):
+        RunConfig(variant="authors", seed=seed, data_seed=data_seed)
+    RunConfig(seed=-1)  # the paper variant's split is torch's, which takes it
+    RunConfig(variant="authors", seed=-1, data_seed=3)  # the split's seed is data_seed
+
+
+def test_42_36_a_huge_defense_name_is_not_echoed_in_full():
+    from prodigy_core.config import ConfigError, RunConfig
+
+    for field in ("defense", "attack"):
+        with pytest.raises(ConfigError) as e:
+            RunConfig(**{field: "x" * 10_000})
+        assert len(str(e.value)) < 1000 and "(10000 characters)" in str(e.value)
