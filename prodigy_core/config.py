@@ -42,7 +42,6 @@ STREAMS_REVISION = 1
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 NUMPY_SEED_RANGE = (0, 2**32 - 1)  # what numpy's RandomState accepts (the ``authors`` split)
-FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: the model and its steps are float32
 # The devices a run may name: torch's others (meta, mps, xla, ...) cannot train these models here.
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The fields that name a class (a rule, an attack) and, beside each, the field of that class's own settings.
@@ -299,13 +298,17 @@ class RunConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
+        import torch
+
+        dtype = torch.get_default_dtype()  # the models' (float32; float64 in the tests that set it)
         steps = {"lr": self.lr, "weight_decay": self.weight_decay or 0.0,
                  "lr * lr_decay_factor": self.lr * self.lr_decay_factor}  # fmt: skip
-        for name, value in steps.items():  # a step size beyond float32 overflows in the local step
-            if value > FLOAT32_MAX:
+        for name, value in steps.items():  # a step size beyond the dtype's range overflows in the local step
+            if value > torch.finfo(dtype).max:
                 raise ConfigError(
-                    f"{name}={value:g} is beyond float32's range ({FLOAT32_MAX:.1e}), in which the model "
-                    "trains (the paper: lr 0.05, weight_decay 0.01 on CIFAR-10)"
+                    f"{name}={value:g} is beyond {str(dtype).removeprefix('torch.')}'s range "
+                    f"({torch.finfo(dtype).max:.1e}), in which the model trains (the paper: lr 0.05, "
+                    "weight_decay 0.01 on CIFAR-10)"
                 )
         data_seed = self.seed if self.data_seed is None else self.data_seed
         if (

@@ -193,6 +193,12 @@ def iter_group(
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
         return
+    alone = sorted({c.precision for c in configs if c.precision != "fp32"})
+    if len(configs) > 1 and alone:
+        raise ValueError(
+            f"run_group: precision={', '.join(alone)} runs never share a group (stacked, their kernels round "
+            "differently from a run alone); train them one at a time"
+        )
     keys = {group_key(c) for c in configs}
     if None in keys or len(keys) > 1:
         raise ValueError(

@@ -263,6 +263,8 @@ def test_42_7_a_bf16_run_is_never_grouped_and_fp32_runs_still_are():
     with pytest.warns(RuntimeWarning, match="precision=bf16 runs train one at a time"):
         assert groups.make_groups(bf16, size=4) == [[c] for c in bf16]
     assert groups.group_key(bf16[0]) is None and groups.batch_size_for(bf16[0]) == 1
+    with pytest.raises(ValueError, match="precision=bf16 runs never share a group"):
+        list(groups.iter_group(bf16[:2]))
 
 
 @pytest.mark.parametrize("device", ["meta", "mps", "xla", "ipu", "cuda:x"])
