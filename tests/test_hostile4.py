@@ -170,7 +170,7 @@ def test_42_6_flower_clients_train_in_the_runs_precision(flower, monkeypatch):
     real = fl._local_steps_sequential
 
     def spy(*args, **kwargs):
-        seen.append(torch.is_autocast_cpu_enabled() and torch.get_autocast_cpu_dtype() == torch.bfloat16)
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fl, "_local_steps_sequential", spy)
