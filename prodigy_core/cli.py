@@ -271,15 +271,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     key = config.key()  # once, before training: an edit of a plug-in during the run never renames its record
     path = results.record_path(folder, key)
     stored = None if args.force else results.stored_record(folder, key)
+    if stored is None:
+        results.check_writable(folder)  # before training, not after
+        claims = results.Claims(folder, skip_done=not args.force)  # a grid's lock is respected, and held
+        try:
+            if claims.claim(key):
+                result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder),
+                                      resume=not args.force, keep_checkpoint=True)  # fmt: skip
+                result.stand_in = experiment.stand_in_for(config)
+                results.save_record(folder, key, result.to_dict(), experiment.results_name)
+            elif (stored := results.stored_record(folder, key)) is None:  # not finished meanwhile
+                raise ValueError(f"run {key} not started: {results.lock_state(claims.lock_path(key))}")
+        finally:
+            claims.release_all()
     if stored is not None:
         record = stored
         print(f"stored result {path} (use --force to rerun)", file=sys.stderr)
     else:
-        results.check_writable(folder)  # before training, not after
-        result = training.run(config, progress=True, checkpoint_dir=results.checkpoint_dir(folder),
-                              resume=not args.force, keep_checkpoint=True)  # fmt: skip
-        result.stand_in = experiment.stand_in_for(config)
-        results.save_record(folder, key, result.to_dict(), experiment.results_name)
         record = json.loads(path.read_text())
     stand_in = f" [stand-in: {record['stand_in']}]" if record.get("stand_in") else ""
     accuracy = record["final_accuracy"]
@@ -323,12 +331,38 @@ def cmd_grid(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
     if args.only:
         experiment = select(experiment, parse_only(args.only))
+    if args.executor == "local":  # a Ray cluster's devices are its own
+        problem = device_problem(experiment.configs if args.force else undone(experiment, args.results_dir))
+        if problem:
+            raise ConfigError(problem)
     df = run_grid(
         experiment, executor=args.executor, jobs=args.jobs, force=args.force, results_dir=args.results_dir,
         address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus, batch_runs=args.batch_runs,
     )  # fmt: skip
     del df
     return 1 if undone(experiment, args.results_dir) else 0  # failed, or left to another process
+
+
+def device_problem(configs: list[RunConfig]) -> str | None:
+    """Why some runs cannot train on this machine (a device it lacks, tf32 off CUDA), in one line naming
+    how many and the fix; None when all can."""
+    from prodigy_core.seeding import resolve_device
+
+    problems: dict[str, int] = {}
+    for config in configs:
+        try:
+            device = resolve_device(config.device)
+        except ValueError as e:
+            problems[str(e)] = problems.get(str(e), 0) + 1
+            continue
+        if config.precision == "tf32" and device.type != "cuda":
+            why = (f"precision=tf32 exists only on CUDA and this machine trains on {device.type}: use "
+                   "--set precision=fp32 or bf16, or --executor ray on a cluster with GPUs")  # fmt: skip
+            problems[why] = problems.get(why, 0) + 1
+    if not problems:
+        return None
+    why, count = next(iter(problems.items()))
+    return f"{count} of the {len(configs)} runs cannot train here: {why}"
 
 
 # What a dry run prints of each run (with its key and whether it is stored).
@@ -342,15 +376,19 @@ def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
 
     folder = results.experiment_dir(experiment.results_name, results_dir)
     lines = [f"{experiment.title} ({experiment.scale} scale)"]
-    stored = 0
+    stored, todo = 0, []
     for config in experiment.configs:
         record, why = results.judge_record(folder, config.key())  # as the grid and the report judge it
         stored += record is not None
+        todo += [config] if record is None else []
         what = " ".join(f"{n}={getattr(config, n)}" for n in DRY_RUN_FIELDS)
         flag = " [stored]" if record is not None else f" [invalid record, redone: {why}]" if why else ""
         lines.append(f"{config.key()} {what}{flag}")
     total = len(experiment.configs)
     lines.append(f"{total} runs ({stored} stored, {total - stored} to run) -> {folder}")
+    problem = device_problem(todo)
+    if problem:
+        lines.append(f"but {problem} (`prodigy-fl grid` refuses them with --executor local)")
     return lines
 
 

@@ -41,13 +41,34 @@ STREAMS_REVISION = 1
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
+NUMPY_SEED_RANGE = (0, 2**32 - 1)  # what numpy's RandomState accepts (the ``authors`` split)
+# The devices a run may name: torch's others (meta, mps, xla, ...) cannot train these models here.
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The fields that name a class (a rule, an attack) and, beside each, the field of that class's own settings.
 NAMED_FIELDS = ("defense", "attack")
 SETTINGS_FIELDS = tuple(f"{name}_params" for name in NAMED_FIELDS)
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field, the value and the fix."""
+    """A configuration that cannot run; the message names the field, the value and the fix. A quoted value
+    longer than `QUOTED_LIMIT` characters is shortened (`shorten_quoted`): the line stays readable."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(shorten_quoted(str(message)))
+
+
+QUOTED_LIMIT = 200  # paths stay whole; a 10,000-character name does not
+
+
+def shorten_quoted(text: str) -> str:
+    """Every quoted string in `text` longer than QUOTED_LIMIT characters cut to its start, its length said:
+    'xxxx...' (10000 characters)."""
+
+    def cut(m: re.Match[str]) -> str:
+        q, body = m[1], m[2]
+        return f"{q}{body[:40]}...{q} ({len(body)} characters)"
+
+    return re.sub(rf"(['\"])([^'\"]{{{QUOTED_LIMIT + 1},}})\1", cut, text)
 
 
 class SettingsUpdate(dict):
@@ -258,6 +279,10 @@ class RunConfig:
             raise ConfigError(f"engine={self.engine!r} is unknown; valid: {', '.join(ENGINES)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(
+                f"device={self.device!r} cannot train these runs; valid: auto, cpu, cuda, cuda:N"
+            )
         positive = {"n_clients": self.n_clients, "rounds": self.rounds, "local_steps": self.local_steps,
                     "batch_size": self.batch_size, "eval_every": self.eval_every,
                     "checkpoint_every": self.checkpoint_every, "lr": self.lr}  # fmt: skip
@@ -273,6 +298,29 @@ class RunConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name}={value} must be positive")
+        import torch
+
+        dtype = torch.get_default_dtype()  # the models' (float32; float64 in the tests that set it)
+        steps = {"lr": self.lr, "weight_decay": self.weight_decay or 0.0,
+                 "lr * lr_decay_factor": self.lr * self.lr_decay_factor}  # fmt: skip
+        for name, value in steps.items():  # a step size beyond the dtype's range overflows in the local step
+            if value > torch.finfo(dtype).max:
+                raise ConfigError(
+                    f"{name}={value:g} is beyond {str(dtype).removeprefix('torch.')}'s range "
+                    f"({torch.finfo(dtype).max:.1e}), in which the model trains (the paper: lr 0.05, "
+                    "weight_decay 0.01 on CIFAR-10)"
+                )
+        data_seed = self.seed if self.data_seed is None else self.data_seed
+        if (
+            self.variant == "authors"
+            and self.distribution != "natural"
+            and not NUMPY_SEED_RANGE[0] <= data_seed <= NUMPY_SEED_RANGE[1]
+        ):
+            name = "seed" if self.data_seed is None else "data_seed"
+            raise ConfigError(
+                f"{name}={data_seed} under variant='authors': its split seeds numpy's RandomState, which "
+                f"takes 0..2**32 - 1; use a seed in that range (or set data_seed)"
+            )
         if not self.dirichlet_alpha > 0:
             raise ConfigError(f"dirichlet_alpha={self.dirichlet_alpha} must be > 0 (0.1 is the paper's)")
         if not self.lr_decay_factor > 0:

@@ -20,6 +20,7 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from logging import WARNING
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ except ImportError as e:
     ) from e
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Result
 from torch import Tensor
@@ -42,7 +44,7 @@ from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.models import make_model
-from prodigy_core.seeding import seed_everything
+from prodigy_core.seeding import precision_mode, seed_everything
 from prodigy_core.streams import ClientStreams
 from prodigy_core.training import (
     RunResult,
@@ -59,6 +61,8 @@ from prodigy_core.training import (
 UPDATE_KEY, BUFFERS_KEY = "arrays", "buffers"
 # The reply metric naming the client (the simulation's partition id); the node id where it is absent.
 CLIENT_ID = "partition-id"
+# The state-dict entries that are BatchNorm statistics, not parameters (`RobustStrategy`'s default split).
+BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def byzantine_ids(n_clients: int, n_byzantine: int, seed: int) -> list[int]:
@@ -72,13 +76,27 @@ class RobustStrategy(FedAvg):
     """Flower's FedAvg with its averaging replaced by a robust rule, and the paper's server step.
 
     Round t (Flower's server_round r = t + 1): every sampled client gets theta_t and, in its train config,
-    ``lr`` = gamma_t = `lr_at(t)`; it replies with its update (record ``arrays``: the trainable parameters'
-    entries, e.g. the local momentum of (theta_t - theta^(E)) / gamma_t, as `client_app` sends) and may
-    report its BatchNorm buffers (record ``buffers``). The strategy stacks the N updates in the order of
-    the clients' ids (reply metric ``partition-id``, else the node id), aggregates them with
-    ``make_aggregator(defense, n_byzantine, variant=variant, params=defense_params)`` and sets
-    theta_{t+1} = theta_t - gamma_t Agg(g^1..g^N) and each reported buffer to the clients' coordinate-wise
-    median, as `prodigy_core.training.server_round` does.
+    ``lr`` = gamma_t = `lr_at(t)`; it replies with its update (record ``arrays``: the server model's
+    trainable parameters, ``parameters``, e.g. the local momentum of (theta_t - theta^(E)) / gamma_t, as
+    `client_app` sends) and may report its BatchNorm buffers (record ``buffers``). The strategy stacks the
+    updates in the order of the clients' ids (reply metric ``partition-id``, else the node id), aggregates
+    them with ``make_aggregator(defense, n_byzantine, variant=variant, params=defense_params)`` and sets
+    theta_{t+1} = theta_t - gamma_t Agg(g^1..g^N) and each buffer to the coordinate-wise median of the
+    clients' reports, as `prodigy_core.training.server_round` does.
+
+    Hostile replies (docs/semantics.md, "Flower strategy"): the parameters and buffers are the server
+    model's, never a reply's. A reply is dropped (counted in ``dropped``, logged) when its id is not an
+    integer or repeats an id already seen (replies taken in node-id order), or its update lacks a parameter
+    or has one of another shape or a complex dtype. A reply with a NaN, an Inf or an entry beyond float32's
+    range is a Byzantine row (ids in ``non-finite``): the rule gives it no say. A buffer report that is
+    missing, of another shape or not finite is left out of that buffer's median (counted in
+    ``dropped-buffers``); a buffer changes only when more than half the round's rows report it. A round
+    with fewer rows than the rule needs, or whose step is not finite, is skipped with a warning (``skipped``
+    = 1): the model stays theta_t and the next round goes on.
+
+    ``parameters``: the server model's trainable parameters (``[n for n, _ in model.named_parameters()]``,
+    as `from_config` passes); None: every entry of theta_t but the BatchNorm statistics
+    (`BATCHNORM_STATISTICS`), which are its buffers.
 
     Unweighted: a robust rule sees one update per client, whatever its number of examples (Flower's FedAvg
     weights by ``num-examples``; weighting by a self-reported count would hand a Byzantine client the vote).
@@ -88,10 +106,12 @@ class RobustStrategy(FedAvg):
     attacked ids), ``zeroed-byzantine`` (the zeroed ones among them) and ``attack-param`` (the searched
     parameter, e.g. ALIE's z).
 
-    EXPERIMENTS ONLY: ``attack`` other than ``"none"`` makes the clients `byzantine` (default
+    EXPERIMENTS ONLY: ``attack`` other than ``"none"`` (with f > 0) makes the clients `byzantine` (default
     `byzantine_ids(N, f, seed)`) send what `make_attack(attack, variant, attack_params)` crafts from every
     honest reply, through the same line search against this pipeline; label flipping (``lf``) is done by
-    the clients (`client_app`), so the strategy leaves their replies as they are.
+    the clients (`client_app`), so the strategy leaves their replies as they are. Only then does the
+    strategy know which rows are honest: when one of them is not finite, or the step is not, the run has
+    diverged (``diverged_at``) and the model stays frozen, as in `training.run`.
     """
 
     def __init__(
@@ -106,6 +126,7 @@ class RobustStrategy(FedAvg):
         attack_params: dict[str, Any] | None = None,
         byzantine: Sequence[int] | None = None,
         seed: int = 0,
+        parameters: Sequence[str] | None = None,
         **fedavg: Any,
     ) -> None:
         fedavg = {"min_train_nodes": n_clients, "min_available_nodes": n_clients, **fedavg}
@@ -113,7 +134,9 @@ class RobustStrategy(FedAvg):
         self.pipeline = make_aggregator(defense, n_byzantine, n_clients, variant, defense_params)
         self.lr_at = lr_at
         self.attack = None
-        if attack != "none" and n_byzantine > 0:
+        if attack != "none" and n_byzantine == 0:  # RunConfig's rule
+            raise ValueError(f"attack={attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'")
+        if attack != "none":
             self.attack = make_attack(attack, variant=variant, params=attack_params)
             if self.attack.sent_is_momentum:
                 raise ValueError(
@@ -124,8 +147,9 @@ class RobustStrategy(FedAvg):
         if len(set(ids)) != n_byzantine or any(not 0 <= k < n_clients for k in ids):
             raise ValueError(f"byzantine={list(ids)}: need {n_byzantine} distinct ids in 0..{n_clients - 1}")
         self.byzantine: list[int] = ids
+        self.parameters = None if parameters is None else list(parameters)
         self.zeroed: list[list[int]] = []  # ProDiGy: the weight-0 clients of every round
-        self.diverged_at: int | None = None
+        self.diverged_at: int | None = None  # the first round whose step was not finite
         self._arrays: ArrayRecord | None = None
 
     @classmethod
@@ -133,14 +157,18 @@ class RobustStrategy(FedAvg):
         cls, config: RunConfig, byzantine: Sequence[int] | None = None, **fedavg: Any
     ) -> RobustStrategy:
         """The strategy of a `RunConfig`: its defense, attack, settings, variant, N, f and lr schedule
-        (`RunConfig.lr_at`); Byzantine ids drawn from its seed unless given."""
+        (`RunConfig.lr_at`), its model's parameters; Byzantine ids drawn from its seed unless given."""
         c = config.resolved()
+        parameters = [name for name, _ in make_model(c.dataset).named_parameters()]
         return cls(c.defense, c.n_byzantine, c.n_clients, c.lr_at, c.variant, c.defense_params, c.attack,
-                   c.attack_params, byzantine, c.seed, **fedavg)  # fmt: skip
+                   c.attack_params, byzantine, c.seed, parameters, **fedavg)  # fmt: skip
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        missing = [k for k in self.parameters or [] if k not in arrays]
+        if missing:
+            raise ValueError(f"RobustStrategy: parameters {missing} are not in the server model's arrays")
         self._arrays = arrays  # theta_t, for the server step
         config["lr"] = float(self.lr_at(server_round - 1))
         return super().configure_train(server_round, arrays, config, grid)
@@ -149,24 +177,31 @@ class RobustStrategy(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _ = self._check_and_log_replies(replies, is_train=True, validate=False)
-        if not valid or self._arrays is None:
+        if self._arrays is None:
             return None, None
-        valid.sort(key=_client_id)
-        ids = [_client_id(m) for m in valid]
         theta = self._arrays.to_torch_state_dict()
-        names = [k for k in theta if k in valid[0].content[UPDATE_KEY]]
-        G = torch.stack([_flat(m.content[UPDATE_KEY].to_torch_state_dict(), names) for m in valid])
+        names = [k for k in theta if _is_parameter(k, self.parameters)]
+        rows, kept, dropped = _read_updates(valid, {k: theta[k] for k in names})
         gamma = float(self.lr_at(server_round - 1))
-        metrics = MetricRecord({"lr": gamma, "clients": len(valid)})
-        honest = (
-            torch.tensor([k not in self.byzantine for k in ids])
-            if self.attack
-            else torch.ones(len(ids), dtype=torch.bool)
-        )
-        if self.diverged_at is not None or not bool(torch.isfinite(G[honest]).all()):
-            self.diverged_at = (
-                self.diverged_at or server_round
-            )  # the model stays frozen, as in `training.run`
+        metrics = MetricRecord({"lr": gamma, "clients": len(rows)})
+        if dropped:
+            metrics["dropped"] = dropped
+        if self.attack is not None and self.diverged_at is not None:
+            return self._arrays, metrics  # an experiment's diverged run stays frozen, as in `training.run`
+        try:
+            if not rows:
+                raise ValueError("no reply to aggregate")
+            self.pipeline.check_n(len(rows))
+        except ValueError as e:
+            return self._skip(server_round, metrics, f"{len(rows)} usable replies: {e}")
+        ids = sorted(rows)
+        G = torch.stack([rows[k] for k in ids])
+        finite = torch.isfinite(G).all(dim=1)
+        if not bool(finite.all()):
+            metrics["non-finite"] = [k for k, ok in zip(ids, finite.tolist(), strict=True) if not ok]
+        honest = torch.tensor([k not in self.byzantine for k in ids]) if self.attack else finite
+        if not bool(finite[honest].all()):  # experiments only: an honest row blew up
+            self.diverged_at = server_round
             return self._arrays, metrics
         start = _flat(theta, names)
         self.pipeline.new_round(start)  # CClip (authors) starts from theta_t, in the attack's search too
@@ -174,14 +209,23 @@ class RobustStrategy(FedAvg):
         self._diagnostics(ids, metrics)
         new = start - gamma * aggregate
         if not bool(torch.isfinite(new).all()):
-            self.diverged_at = server_round
-            return self._arrays, metrics
+            self.diverged_at = self.diverged_at or server_round
+            if self.attack is not None:
+                return self._arrays, metrics
+            return self._skip(server_round, metrics, "the step is not finite")
         out = dict(theta)
         out.update(_unflat(new, {k: theta[k] for k in names}))
-        if all(BUFFERS_KEY in m.content for m in valid):
-            reports = [m.content[BUFFERS_KEY].to_torch_state_dict() for m in valid]
-            out.update({k: median_report(torch.stack([r[k] for r in reports])) for k in reports[0]})
+        buffers = {k: t for k, t in theta.items() if k not in names}
+        medians, bad_reports = _median_buffers([kept[k] for k in ids], buffers)
+        out.update(medians)
+        if bad_reports:
+            metrics["dropped-buffers"] = bad_reports
         return ArrayRecord(out), metrics
+
+    def _skip(self, server_round: int, metrics: MetricRecord, why: str) -> tuple[None, MetricRecord]:
+        log(WARNING, "RobustStrategy: round %s skipped, the model stays as it was (%s)", server_round, why)
+        metrics["skipped"] = 1
+        return None, metrics
 
     def server_input(self, G: Tensor, ids: list[int], metrics: MetricRecord) -> Tensor:
         """G (N, d) with the Byzantine clients' rows replaced by what the attack crafts from the others
@@ -212,9 +256,77 @@ class RobustStrategy(FedAvg):
                 metrics["zeroed-byzantine"] = [k for k in zeroed if k in self.byzantine]
 
 
-def _client_id(message: Message) -> int:
-    metrics = message.content.metric_records.get("metrics", {})
-    return int(metrics[CLIENT_ID]) if CLIENT_ID in metrics else int(message.metadata.src_node_id)
+def _is_parameter(name: str, parameters: list[str] | None) -> bool:
+    if parameters is not None:
+        return name in parameters
+    return name.rsplit(".", 1)[-1] not in BATCHNORM_STATISTICS
+
+
+def _client_id(message: Message) -> int | None:
+    """The reply's ``partition-id`` (an int; None for anything else), else its node id."""
+    metrics = message.content.metric_records.get("metrics")
+    if metrics is None or CLIENT_ID not in metrics:
+        return int(message.metadata.src_node_id)
+    value = metrics[CLIENT_ID]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _tensor(record: Any, name: str, like: Tensor) -> Tensor | None:
+    """``record[name]`` as a tensor of `like`'s shape, or None when the record is not an ArrayRecord, lacks
+    the entry, or holds one that cannot be read, of another shape or a complex dtype."""
+    if not isinstance(record, ArrayRecord) or name not in record:
+        return None
+    try:
+        t = torch.from_numpy(record[name].numpy())
+    except (ValueError, TypeError, RuntimeError):  # bytes that are no array of a dtype torch knows
+        return None
+    return t if t.shape == like.shape and not t.is_complex() else None
+
+
+def _read_updates(
+    replies: list[Message], params: dict[str, Tensor]
+) -> tuple[dict[int, Tensor], dict[int, Message], int]:
+    """Each usable reply's update as a float32 row of the server's `params` (in their order), by client
+    id; the replies kept, by id; and the number dropped (a non-integer or repeated id, a parameter missing
+    or of another shape). Replies are read in node-id order, so the first claim of an id keeps it."""
+    rows: dict[int, Tensor] = {}
+    kept: dict[int, Message] = {}
+    dropped = 0
+    for m in sorted(replies, key=lambda m: m.metadata.src_node_id):
+        k = _client_id(m)
+        record = m.content.array_records.get(UPDATE_KEY)
+        parts = [_tensor(record, name, p) for name, p in params.items()]
+        if k is None or k in rows or any(t is None for t in parts):
+            log(WARNING, "RobustStrategy: reply of node %s dropped (client id %r, update unusable: %s)",
+                m.metadata.src_node_id, k, any(t is None for t in parts))  # fmt: skip
+            dropped += 1
+            continue
+        rows[k] = torch.cat([t.reshape(-1).to(torch.float32) for t in parts])  # type: ignore[union-attr]
+        kept[k] = m
+    return rows, kept, dropped
+
+
+def _median_buffers(replies: list[Message], buffers: dict[str, Tensor]) -> tuple[dict[str, Tensor], int]:
+    """Each server buffer set to the `median_report` of the replies' reports of it that have its shape
+    and are finite in its dtype, when more than half the replies give one (else it keeps its value); with
+    the number of reports missing or left out."""
+    out, bad = {}, 0
+    for name, like in buffers.items():
+        reports = []
+        for m in replies:
+            t = _tensor(m.content.array_records.get(BUFFERS_KEY), name, like)
+            if t is not None and like.is_floating_point():
+                t = t.to(like.dtype)
+                t = t if bool(torch.isfinite(t).all()) else None
+            elif t is not None:
+                t = None if t.is_floating_point() else t.to(like.dtype)
+            if t is None:
+                bad += 1
+            else:
+                reports.append(t)
+        if 2 * len(reports) > len(replies):
+            out[name] = median_report(torch.stack(reports))
+    return out, bad
 
 
 def _flat(state: dict[str, Tensor], names: list[str]) -> Tensor:
@@ -268,7 +380,8 @@ def client_app(configs: Sequence[RunConfig], byzantine: Sequence[Sequence[int]])
         model = make_model(config.dataset)
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         streams = ClientStreams(_stream_seed(config.seed, k, server_round), 1)  # batches and dropout masks
-        grads, buffers = _local_steps_sequential(model, fed, config.local_steps, lr, config, streams)
+        with precision_mode(config.precision, torch.device("cpu")):  # as `training.run`'s local steps
+            grads, buffers = _local_steps_sequential(model, fed, config.local_steps, lr, config, streams)
         key = f"momentum-{run}"  # m_{t-1}, kept by the node between rounds; m_{-1} = 0
         before = context.state[key]["m"].numpy() if key in context.state else np.zeros(grads.shape[1], "f4")
         m = local_momentum(torch.from_numpy(before.copy()), grads[0], config.local_momentum)
@@ -310,8 +423,13 @@ def simulate(
     CPU (default: all of them)."""
     from flwr.simulation import run_simulation
 
+    if not configs:
+        return []
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     resolved = [c.resolved() for c in configs]
+    if any(c.precision == "tf32" for c in resolved):
+        raise ValueError("simulate: precision=tf32 exists only on CUDA and the Flower clients train on the "
+                         "CPU; use precision=fp32 or bf16")  # fmt: skip
     n = resolved[0].n_clients
     if any(
         (c.n_clients, c.dataset, c.data_seed) != (n, resolved[0].dataset, resolved[0].data_seed)
@@ -363,14 +481,16 @@ def _serve(grid: Grid, run: int, config: RunConfig, strategy: RobustStrategy) ->
     seed_everything(resolved.seed)
     model = make_model(resolved.dataset).train()
     fed = _load_federation(resolved, torch.device("cpu"))
+    environment = {"engine": "flower", "precision": resolved.precision}
     result = RunResult(config=config.replace(data_source=fed.source).to_dict(), final_accuracy=float("nan"),
-                       final_loss=None, environment={"engine": "flower"})  # fmt: skip
+                       final_loss=None, environment=environment)  # fmt: skip
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round == 0 or not eval_due(resolved, server_round) or strategy.diverged_at is not None:
             return None
         model.load_state_dict(arrays.to_torch_state_dict())
-        accuracy, loss = evaluate(model, fed)[:2]
+        with precision_mode(resolved.precision, torch.device("cpu")):  # as `training.end_round`'s
+            accuracy, loss = evaluate(model, fed)[:2]
         result.final_accuracy, result.final_loss = accuracy, loss
         result.accuracy_curve.append([server_round, accuracy])
         return MetricRecord({"accuracy": accuracy, "loss": loss})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,14 @@ def group_key(config: RunConfig) -> tuple | None:
     otherwise it changes the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`),
     the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode)
     and the diverged accuracy, all of which run per member. Runs with different splits are not stacked (it
-    would need per-run index tables and width groups); they go to other groups."""
+    would need per-run index tables and width groups); they go to other groups.
+
+    Only fp32 runs are grouped: under bf16 or tf32 the stacked step's kernels round differently than one
+    run's (a bf16 run grouped ended 0.56 points from the same run alone after 3 rounds), so each such run
+    trains alone and its record is the one it gets alone (docs/usage.md)."""
     resolved = config.resolved()
+    if resolved.precision != "fp32":
+        return None
     try:
         device = resolve_device(resolved.device)
     except ValueError:  # the run alone reports it
@@ -75,6 +82,14 @@ def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[
             if key is not None:
                 open_groups[key] = group
         group.append(config)
+    alone = sorted({c.precision for c in configs if c.precision != "fp32"})
+    if size not in ("auto", 1) and alone:
+        warnings.warn(
+            f"precision={', '.join(alone)} runs train one at a time, never in a group: stacked, their "
+            "kernels round differently from a run alone (docs/usage.md, --batch-runs)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return groups
 
 
@@ -178,6 +193,12 @@ def iter_group(
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
         return
+    alone = sorted({c.precision for c in configs if c.precision != "fp32"})
+    if len(configs) > 1 and alone:
+        raise ValueError(
+            f"run_group: precision={', '.join(alone)} runs never share a group (stacked, their kernels round "
+            "differently from a run alone); train them one at a time"
+        )
     keys = {group_key(c) for c in configs}
     if None in keys or len(keys) > 1:
         raise ValueError(

@@ -65,7 +65,11 @@ def test_strategy_aggregates_bit_for_bit_as_make_aggregator(monkeypatch, defense
     gen = torch.Generator().manual_seed(7)
     G = torch.randn(n, 8, generator=gen)
     G[:f] = G[f:].mean(0) - 1.5 * G[f:].std(0)  # ALIE-like rows
-    theta = {"w": torch.randn(2, 3, generator=gen), "bn": torch.randn(4, generator=gen), "b": torch.randn(2)}
+    theta = {
+        "w": torch.randn(2, 3, generator=gen),
+        "bn.running_mean": torch.randn(4, generator=gen),
+        "b": torch.randn(2),
+    }
     buffers = torch.randn(n, 4, generator=gen)
     strategy = RobustStrategy(defense, f, n, lambda t: gamma, defense_params=params)
     grid = types.SimpleNamespace(get_node_ids=lambda: list(range(100, 100 + n)))
@@ -76,7 +80,7 @@ def test_strategy_aggregates_bit_for_bit_as_make_aggregator(monkeypatch, defense
     for k in order:
         content = RecordDict({
             "arrays": ArrayRecord({"w": G[k, :6].reshape(2, 3), "b": G[k, 6:]}),
-            "buffers": ArrayRecord({"bn": buffers[k]}),
+            "buffers": ArrayRecord({"bn.running_mean": buffers[k]}),
             "metrics": MetricRecord({"partition-id": k, "num-examples": 10 + k}),
         })  # fmt: skip
         replies.append(Message(content, dst_node_id=0, message_type=MessageType.TRAIN))
@@ -86,7 +90,7 @@ def test_strategy_aggregates_bit_for_bit_as_make_aggregator(monkeypatch, defense
     expected = torch.cat([theta["w"].reshape(-1), theta["b"]]) - gamma * pipeline(G)
     out = arrays.to_torch_state_dict()
     assert torch.equal(out["w"].reshape(-1), expected[:6]) and torch.equal(out["b"], expected[6:])
-    assert torch.equal(out["bn"], torch.quantile(buffers, 0.5, dim=0))
+    assert torch.equal(out["bn.running_mean"], torch.quantile(buffers, 0.5, dim=0))
     if isinstance(pipeline.rule, ProDiGy):
         assert metrics["zeroed"] == torch.nonzero(pipeline.rule.last_scores.weight == 0).flatten().tolist()
 
