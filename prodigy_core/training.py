@@ -594,14 +594,18 @@ class FunctionalNet:
         self.dropouts = {f"{name}.mask": m for name, m in self.template.named_modules()
                          if isinstance(m, _MaskedDropout)}  # fmt: skip
 
-    def masks(self, x: Tensor, keys: Callable[[int], Tensor]) -> dict[str, Tensor]:
-        """Dropout masks for a forward pass of x (rows, width, C, H, W) row by row: layer l's (rows,) int64
-        keys are keys(l) (`streams.dropout_mask`)."""
-        if any(m.shape is None for m in self.dropouts.values()):  # one forward to learn their input shapes
+    def probe(self, x: Tensor) -> None:
+        """Learn the dropout layers' input shapes from a forward pass of x[0, :1] (x: rows, width, ...)."""
+        if any(m.shape is None for m in self.dropouts.values()):
             training = self.template.training
             with torch.no_grad():
                 self.template.eval()(x[0, :1])
             self.template.train(training)
+
+    def masks(self, x: Tensor, keys: Callable[[int], Tensor]) -> dict[str, Tensor]:
+        """Dropout masks for a forward pass of x (rows, width, C, H, W) row by row: layer l's (rows,) int64
+        keys are keys(l) (`streams.dropout_mask`)."""
+        self.probe(x)
         width = x.shape[1]
         return {name: dropout_mask(keys(layer), (width, *m.shape), m.p, x.dtype)
                 for layer, (name, m) in enumerate(self.dropouts.items())}  # fmt: skip
@@ -751,6 +755,24 @@ def _cat_runs(parts: list[tuple[Tensor, Tensor, dict[str, Tensor]]]) -> tuple[Te
     return torch.cat(xs), torch.cat(ys), {k: torch.cat([m[k] for m in ms]) for k in ms[0]}
 
 
+def _round_masks(net: FunctionalNet, rng: ClientStreams, batches: list, n_clients: int) -> list[dict]:
+    """Every client's dropout masks for the round's local steps, row e * N + k for client k at local step
+    e (each cut to that client's batch width), in one counter-based draw per layer instead of one per step
+    and client: entry i of a row depends on its key and i alone (`streams.uniforms`), so the widest row's
+    draw cut to a client's width is, bit for bit, `_train_masks` of that client and step."""
+    x = batches[0][0]
+    net.probe(x[:1])
+    widths = [[int(mask[k].sum()) for k in range(n_clients)] for _, _, mask in batches]
+    widest = max(max(w) for w in widths)
+    drawn = {}
+    for layer, (name, m) in enumerate(net.dropouts.items()):
+        keys = torch.cat([ClientStreams.keys(rng.client_keys, rng.step + e, layer, x.device)
+                          for e in range(len(batches))])  # fmt: skip
+        drawn[name] = dropout_mask(keys, (widest, *m.shape), m.p, x.dtype)
+    return [{name: masks[e * n_clients + k, : widths[e][k]] for name, masks in drawn.items()}
+            for e in range(len(batches)) for k in range(n_clients)]  # fmt: skip
+
+
 def _local_steps_sequential(
     model: nn.Module,
     fed: Federation,
@@ -771,13 +793,14 @@ def _local_steps_sequential(
     client = net.template.train().to(memory_format=torch.channels_last)
     weights = list(client.parameters())
     start = parameters_to_vector(model.parameters()).detach()
+    masks = _round_masks(net, rng, batches, fed.n_clients)
     rows, reports = [], []
     for k in range(fed.n_clients):
         client.load_state_dict(server_state)
         for e, (x, y, mask) in enumerate(batches):
             xk = x[k][mask[k]].contiguous(memory_format=torch.channels_last)
-            for name, m in _train_masks(net, rng, [k], xk[None], rng.step + e).items():
-                net.dropouts[name].mask = m[0]
+            for name, m in masks[e * fed.n_clients + k].items():
+                net.dropouts[name].mask = m
             loss = F.cross_entropy(client(xk), y[k][mask[k]])
             grads = list(torch.autograd.grad(loss, weights))
             with torch.no_grad():
