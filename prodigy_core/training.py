@@ -175,7 +175,7 @@ def run(
     st = start_run(config, device, engine, checkpoint_dir, resume=resume)
     if engine == "sequential":
         local_steps = _local_steps_sequential
-    else:  # one gradient function for the whole run, so that a compiled one compiles once
+    else:  # one gradient function for the whole run (a compiled one: for every run of this process)
         grad_fn = per_client_grad(st.model, compiled=engine == "compiled")
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
 
@@ -439,7 +439,8 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     - ``sequential``: the reference, one model copy trained client after client on exactly its valid
       entries, its dropout layers multiplying by the same masks.
     - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
-      run (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
+      process and architecture (`per_client_grad`: the first run pays the compilation, later runs of the
+      same shapes reuse it; a new batch width, e.g. a small client's, may recompile).
       It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
     - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
@@ -641,9 +642,25 @@ class ClientGrad:
             ) from e
 
 
+# One compiled step per process and architecture, reused by every run of it (`per_client_grad`).
+_COMPILED_STEPS: dict[tuple, ClientGrad] = {}
+
+
 def per_client_grad(model: nn.Module, compiled: bool = False) -> ClientGrad:
-    """The batched engine's gradient function for `model` (see `ClientGrad`)."""
-    return ClientGrad(model, compiled)
+    """The batched engine's gradient function for `model` (see `ClientGrad`).
+
+    A compiled one is built once per process for each architecture (the module tree, the parameters' and
+    buffers' names, shapes, dtypes and device, the training mode) and reused by every later run of it: a
+    worker compiles once, not once per run, and runs of the same shapes reuse the compiled code. Its
+    template's weights are never read (every call passes the run's own parameters and buffers)."""
+    if not compiled:
+        return ClientGrad(model)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    shapes = tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in tensors)
+    key = (repr(model), model.training, shapes)
+    if key not in _COMPILED_STEPS:
+        _COMPILED_STEPS[key] = ClientGrad(model, compiled=True)
+    return _COMPILED_STEPS[key]
 
 
 def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:

@@ -303,3 +303,17 @@ def test_one_dropout_mask_draw_per_round_gives_the_bits_of_one_draw_per_client_s
             assert got.keys() == expected.keys() == net.dropouts.keys() and len(got) == 1
             assert all(torch.equal(got[n], expected[n][0]) for n in got), (e, k)
     assert len(widths) > 1 and max(widths) == resolved.batch_size  # narrow clients were cut, not padded
+
+
+def test_a_compiled_step_is_built_once_per_process_and_architecture():
+    # Issue 43: the compiled engine compiled its step for every run (about 100 s each on a 2-core CPU); one
+    # per worker process and architecture is reused by every run of it (torch.compile is lazy: nothing
+    # compiles here).
+    first = training.per_client_grad(make_model("digits").train(), compiled=True)
+    assert training.per_client_grad(make_model("digits").train(), compiled=True) is first  # other weights
+    no_dropout = _disable_dropout(make_model("digits")).train()
+    assert training.per_client_grad(no_dropout, compiled=True) is not first
+    assert training.per_client_grad(make_model("femnist").train(), compiled=True) is not first
+    assert training.per_client_grad(make_model("digits").eval(), compiled=True) is not first
+    eager = training.per_client_grad(make_model("digits").train())
+    assert eager is not training.per_client_grad(make_model("digits").train()) and not eager.compiled
