@@ -779,7 +779,7 @@ def _round_masks(net: FunctionalNet, rng: ClientStreams, batches: list, n_client
     draw cut to a client's width is, bit for bit, `_train_masks` of that client and step."""
     x = batches[0][0]
     net.probe(x[:1])
-    widths = [[int(mask[k].sum()) for k in range(n_clients)] for _, _, mask in batches]
+    widths = [mask.sum(dim=1).tolist() for _, _, mask in batches]
     widest = max(max(w) for w in widths)
     drawn = {}
     for layer, (name, m) in enumerate(net.dropouts.items()):
