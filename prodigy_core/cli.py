@@ -10,7 +10,7 @@
     prodigy-fl init [DIR]
 
 Entry point: `main` (the console script; each command is a `cmd_*` function). It reproduces the ProDiGy
-paper's tables and figures from params/ (README.md's table of paper items).
+paper's tables and figures from params/ (docs/usage.md's table of paper items).
 """
 
 from __future__ import annotations
