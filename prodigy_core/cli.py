@@ -10,7 +10,7 @@
     prodigy-fl init [DIR]
 
 Entry point: `main` (the console script; each command is a `cmd_*` function). It reproduces the ProDiGy
-paper's tables and figures from params/ (README.md's table of paper items).
+paper's tables and figures from params/ (docs/usage.md's table of paper items).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from prodigy_core.registry import records_are_data
 EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
 LAB_HINT = "pip install 'prodigy-fl[lab]' && jupyter lab notebooks/"
-# The full quickstart's wall time as the README measures it ("What the quickstart shows").
-QUICKSTART_TIME = "about 4 minutes on a 2-core CPU"
+# The full quickstart's wall time as the README states it ("Wall time of ..."; from docs/timings.md).
+QUICKSTART_TIME = "about 17 minutes on a 2-core AVX-512 CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,16 +429,22 @@ REFERENCE_SEEDS = 3  # the committed table a one-seed quickstart is compared wit
 
 
 def reference_comparison(table: str) -> str:
-    """A one-seed quickstart table against the committed mean ± std over REFERENCE_SEEDS seeds
-    (`report.compare_with_reference`), with a heading; a line saying why not when there is no such file (an
-    installed package: the reference is in a clone's figures/)."""
-    from prodigy_core.report import compare_with_reference
+    """A one-seed quickstart table against the committed mean ± std over REFERENCE_SEEDS seeds, with a
+    heading: its accuracy cells (`report.compare_with_reference`), then ProDiGy's detection in a table of
+    its own (`report.compare_detection_with_reference`, when both have a detection section); a line saying
+    why not when there is no such file (an installed package: the reference is in a clone's figures/)."""
+    from prodigy_core.report import compare_detection_with_reference, compare_with_reference
 
     reference = paths.COMMITTED_FIGURES / f"{quickstart_name(REFERENCE_SEEDS)}.md"
     if not reference.is_file():
         return f"(no committed {reference.name} to compare with: it is in a clone's figures/)"
-    text, _, _ = compare_with_reference(table, reference.read_text(encoding="utf-8"))
-    return f"\nThis run (seed 0) against the committed {REFERENCE_SEEDS}-seed table ({reference}):\n\n{text}"
+    committed = reference.read_text(encoding="utf-8")
+    text, _, _ = compare_with_reference(table, committed)
+    out = f"\nThis run (seed 0) against the committed {REFERENCE_SEEDS}-seed table ({reference}):\n\n{text}"
+    detection, _, compared = compare_detection_with_reference(table, committed)
+    if compared:
+        out += f"\n\nProDiGy's detection of this run against the same table's:\n\n{detection}"
+    return out
 
 
 def quickstart_name(seeds: int) -> str:

@@ -1034,12 +1034,20 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
     return "\n".join([f"# {title}", "", *body])
 
 
+DETECTION_HEADING = "ProDiGy detection"  # a report's detection section: "## ProDiGy detection[ (variant)]"
+# Detection's columns say "detection" ("precision" alone is a run's numeric precision: fp32, tf32, bf16).
+DETECTION_COLUMNS = {"detection_precision": "detection precision", "detection_recall": "detection recall"}
+NO_ATTACK_RATE = "no-attack rate"
+DETECTION_VALUES = (*DETECTION_COLUMNS.values(), NO_ATTACK_RATE)
+
+
 def detection_frame(df: pd.DataFrame) -> pd.DataFrame:
     """ProDiGy's detection per attacked run, beside the no-attack rate of the same split and seed: one row
-    per run with a detection precision and an attack, its setting columns that vary, precision, recall and
-    ``no-attack rate``, the precision of the run with the same config and attack none (the share of its
-    zeroed clients that are ids 0..f-1 although nobody attacks: what the split alone gives; NaN, shown
-    "n/a", when that run is not in ``df`` or zeroed nobody). Empty when no run has a precision."""
+    per run with a detection precision and an attack, its setting columns that vary, ``detection
+    precision``, ``detection recall`` and ``no-attack rate``, the detection precision of the run with the
+    same config and attack none (the share of its zeroed clients that are ids 0..f-1 although nobody
+    attacks: what the split alone gives; NaN, shown "n/a", when that run is not in ``df`` or zeroed
+    nobody). Empty when no run has a detection precision."""
     from prodigy_core.config import RunConfig, field_names
 
     if "detection_precision" not in df.columns:
@@ -1057,25 +1065,24 @@ def detection_frame(df: pd.DataFrame) -> pd.DataFrame:
     if attacked.empty:
         return pd.DataFrame()
     varying = [c for c in setting if c not in ("defense", "seed") and df[c].astype(str).nunique() > 1]
-    frame = attacked[
-        [*varying, "defense", "attack", "seed", "detection_precision", "detection_recall"]
-    ].copy()
-    frame = frame.rename(columns={"detection_precision": "precision", "detection_recall": "recall"})
-    frame["no-attack rate"] = [baseline.get(same_split(row), math.nan) for _, row in attacked.iterrows()]
+    frame = attacked[[*varying, "defense", "attack", "seed", *DETECTION_COLUMNS]].copy()
+    frame = frame.rename(columns=DETECTION_COLUMNS)
+    frame[NO_ATTACK_RATE] = [baseline.get(same_split(row), math.nan) for _, row in attacked.iterrows()]
     return frame.reset_index(drop=True)
 
 
-def detection_markdown(df: pd.DataFrame, heading: str = "ProDiGy detection") -> str:
+def detection_markdown(df: pd.DataFrame, heading: str = DETECTION_HEADING) -> str:
     """`detection_frame` as a Markdown section headed by what the columns mean ("" when no run has one)."""
     frame = detection_frame(df)
     if frame.empty:
         return ""
-    rates = frame["no-attack rate"]
-    frame["no-attack rate"] = ["n/a" if math.isnan(v) else format(v, ".2f") for v in rates]
+    rates = frame[NO_ATTACK_RATE]
+    frame[NO_ATTACK_RATE] = ["n/a" if math.isnan(v) else format(v, ".2f") for v in rates]
     legend = (
-        "Precision: share of the zeroed clients that are Byzantine (ids 0..f-1), over all rounds; no-attack "
-        "rate: that share in the run with the same split and seed and no attack (the split's own outliers; "
-        "n/a: that run is not stored or zeroed nobody)."
+        "Detection precision: share of the zeroed clients that are Byzantine (ids 0..f-1), over all rounds; "
+        "detection recall: share of the Byzantine clients zeroed, over all rounds; no-attack rate: the "
+        "detection precision of the run with the same split and seed and no attack (the split's own "
+        "outliers; n/a: that run is not stored or zeroed nobody)."
     )
     return "\n".join([f"## {heading}", "", legend, "", frame_to_markdown(frame)])
 
@@ -1141,13 +1148,26 @@ def parse_cell(text: str) -> tuple[float, float | None] | None:
     return float(m[1]), None if m[2] is None else float(m[2])
 
 
+def split_detection(markdown: str) -> tuple[str, str]:
+    """A report's accuracy part and its detection section (`DETECTION_HEADING` on, "" when it has none)."""
+    m = re.search(rf"^## {DETECTION_HEADING}", markdown, flags=re.MULTILINE)
+    return (markdown, "") if m is None else (markdown[: m.start()], markdown[m.start() :])
+
+
+def _within(x: float, mean: float, std: float, digits: int) -> bool:
+    """|x - mean| <= WITHIN_STD std, the last printed digit counting as rounding (+ 10**-digits)."""
+    return abs(x - mean) <= WITHIN_STD * std + 10**-digits
+
+
 def compare_with_reference(markdown: str, reference: str, digits: int = 2) -> tuple[str, int, int]:
-    """Each cell of the Markdown table `markdown` (one seed) against the same cell of `reference` (mean ±
-    std over seeds, as `to_markdown` writes both): a Markdown table of "x (mean ± std)", the cells further
-    than WITHIN_STD std from their mean in bold, then a line counting the cells within and `SEED_NOTE`.
-    Returns (that text, cells within, cells compared); (a sentence, 0, 0) when no cell is in both. The
-    last digit counts as rounding: |x - mean| <= 2 std + 10**-digits."""
-    ours, theirs = markdown_cells(markdown), markdown_cells(reference)
+    """Each accuracy cell of the Markdown table `markdown` (one seed) against the same cell of `reference`
+    (mean ± std over seeds, as `to_markdown` writes both): a Markdown table of "x (mean ± std)", the cells
+    further than WITHIN_STD std from their mean in bold, then a line counting the cells within and
+    `SEED_NOTE`. Only the accuracy table is compared: a detection section (`split_detection`) is
+    `compare_detection_with_reference`'s. Returns (that text, cells within, cells compared); (a sentence,
+    0, 0) when no cell is in both. The last digit counts as rounding: |x - mean| <= 2 std + 10**-digits."""
+    ours = markdown_cells(split_detection(markdown)[0])
+    theirs = markdown_cells(split_detection(reference)[0])
     rows, columns = list(dict.fromkeys(r for r, _ in theirs)), list(dict.fromkeys(c for _, c in theirs))
     lines, within, compared = [], 0, 0
     for row in rows:
@@ -1158,7 +1178,7 @@ def compare_with_reference(markdown: str, reference: str, digits: int = 2) -> tu
                 cells.append("–")
                 continue
             mean, std = ref[0], ref[1] or 0.0
-            ok = abs(x[0] - mean) <= WITHIN_STD * std + 10**-digits
+            ok = _within(x[0], mean, std, digits)
             within, compared = within + ok, compared + 1
             text = f"{x[0]:.{digits}f} ({mean:.{digits}f} ± {std:.{digits}f})"
             cells.append(text if ok else f"**{text}**")
@@ -1167,10 +1187,74 @@ def compare_with_reference(markdown: str, reference: str, digits: int = 2) -> tu
         return "no cell of this table is in the reference table: nothing to compare", 0, 0
     header = ["| | " + " | ".join(columns) + " |", "|:---|" + "---:|" * len(columns)]
     summary = (
-        f"{within} of {compared} cells lie within {WITHIN_STD} std of the reference mean (bold: outside). "
-        + SEED_NOTE
+        f"{within} of {compared} accuracy cells lie within {WITHIN_STD} std of the reference mean (bold: "
+        "outside). " + SEED_NOTE
     )
     return "\n".join(header + lines + ["", summary]), within, compared
+
+
+# Tables written before the detection columns said "detection" (read as today's names).
+_OLD_DETECTION_COLUMNS = {"precision": "detection precision", "recall": "detection recall"}
+
+
+def detection_rows(markdown: str) -> list[dict[str, str]]:
+    """The rows of a report's detection table ({column: cell text}; [] when it has no detection section)."""
+    header: list[str] = []
+    rows: list[dict[str, str]] = []
+    for line in split_detection(markdown)[1].splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if not header:
+            header = [_OLD_DETECTION_COLUMNS.get(p, p) for p in parts]
+        elif not re.fullmatch(r":?-+:?", parts[0]):
+            rows.append(dict(zip(header, parts, strict=False)))
+    return rows
+
+
+def compare_detection_with_reference(markdown: str, reference: str, digits: int = 2) -> tuple[str, int, int]:
+    """ProDiGy's detection of `markdown` (one seed) against `reference`'s (`detection_rows`, several
+    seeds): for each of our rows, its detection precision, detection recall and no-attack rate beside the
+    mean ± std (population) over the reference's seeds of the same run but for the seed, bold when further
+    than WITHIN_STD std (+ 10**-digits). Returns (a Markdown table and a line counting the values within,
+    values within, values compared); (a sentence, 0, 0) when no run is in both."""
+    theirs: dict[tuple[str, ...], dict[str, list[float]]] = {}
+    for row in detection_rows(reference):
+        key = tuple(v for c, v in row.items() if c != "seed" and c not in DETECTION_VALUES)
+        for column in DETECTION_VALUES:
+            cell = parse_cell(row.get(column, ""))
+            if cell is not None:
+                theirs.setdefault(key, {}).setdefault(column, []).append(cell[0])
+    lines, within, compared = [], 0, 0
+    header: list[str] = []
+    for row in detection_rows(markdown):
+        labels = {c: v for c, v in row.items() if c not in DETECTION_VALUES}
+        key = tuple(v for c, v in labels.items() if c != "seed")
+        if key not in theirs:
+            continue
+        header = header or [*labels, *DETECTION_VALUES]
+        cells = []
+        for column in DETECTION_VALUES:
+            x, values = parse_cell(row.get(column, "")), theirs[key].get(column)
+            if x is None or not values:
+                cells.append("–")
+                continue
+            mean, std = float(np.mean(values)), float(np.std(values))
+            ok = _within(x[0], mean, std, digits)
+            within, compared = within + ok, compared + 1
+            text = f"{x[0]:.{digits}f} ({mean:.{digits}f} ± {std:.{digits}f})"
+            cells.append(text if ok else f"**{text}**")
+        lines.append("| " + " | ".join([*labels.values(), *cells]) + " |")
+    if not compared:
+        return "no detection row of this table is in the reference table: nothing to compare", 0, 0
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *lines]
+    summary = (
+        f"{within} of {compared} detection values lie within {WITHIN_STD} std of the reference mean over "
+        "its seeds (bold: outside)."
+    )
+    return "\n".join([*table, "", summary]), within, compared
 
 
 def read_provenance(text: str) -> str | None:

@@ -175,7 +175,7 @@ def run(
     st = start_run(config, device, engine, checkpoint_dir, resume=resume)
     if engine == "sequential":
         local_steps = _local_steps_sequential
-    else:  # one gradient function for the whole run, so that a compiled one compiles once
+    else:  # one gradient function for the whole run (a compiled one: for every run of this process)
         grad_fn = per_client_grad(st.model, compiled=engine == "compiled")
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
 
@@ -439,7 +439,8 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     - ``sequential``: the reference, one model copy trained client after client on exactly its valid
       entries, its dropout layers multiplying by the same masks.
     - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
-      run (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
+      process and architecture (`per_client_grad`: the first run pays the compilation, later runs of the
+      same shapes reuse it; a new batch width, e.g. a small client's, may recompile).
       It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
     - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
@@ -594,14 +595,18 @@ class FunctionalNet:
         self.dropouts = {f"{name}.mask": m for name, m in self.template.named_modules()
                          if isinstance(m, _MaskedDropout)}  # fmt: skip
 
-    def masks(self, x: Tensor, keys: Callable[[int], Tensor]) -> dict[str, Tensor]:
-        """Dropout masks for a forward pass of x (rows, width, C, H, W) row by row: layer l's (rows,) int64
-        keys are keys(l) (`streams.dropout_mask`)."""
-        if any(m.shape is None for m in self.dropouts.values()):  # one forward to learn their input shapes
+    def probe(self, x: Tensor) -> None:
+        """Learn the dropout layers' input shapes from a forward pass of x[0, :1] (x: rows, width, ...)."""
+        if any(m.shape is None for m in self.dropouts.values()):
             training = self.template.training
             with torch.no_grad():
                 self.template.eval()(x[0, :1])
             self.template.train(training)
+
+    def masks(self, x: Tensor, keys: Callable[[int], Tensor]) -> dict[str, Tensor]:
+        """Dropout masks for a forward pass of x (rows, width, C, H, W) row by row: layer l's (rows,) int64
+        keys are keys(l) (`streams.dropout_mask`)."""
+        self.probe(x)
         width = x.shape[1]
         return {name: dropout_mask(keys(layer), (width, *m.shape), m.p, x.dtype)
                 for layer, (name, m) in enumerate(self.dropouts.items())}  # fmt: skip
@@ -637,9 +642,25 @@ class ClientGrad:
             ) from e
 
 
+# One compiled step per process and architecture, reused by every run of it (`per_client_grad`).
+_COMPILED_STEPS: dict[tuple, ClientGrad] = {}
+
+
 def per_client_grad(model: nn.Module, compiled: bool = False) -> ClientGrad:
-    """The batched engine's gradient function for `model` (see `ClientGrad`)."""
-    return ClientGrad(model, compiled)
+    """The batched engine's gradient function for `model` (see `ClientGrad`).
+
+    A compiled one is built once per process for each architecture (the module tree, the parameters' and
+    buffers' names, shapes, dtypes and device, the training mode) and reused by every later run of it: a
+    worker compiles once, not once per run, and runs of the same shapes reuse the compiled code. Its
+    template's weights are never read (every call passes the run's own parameters and buffers)."""
+    if not compiled:
+        return ClientGrad(model)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    shapes = tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in tensors)
+    key = (repr(model), model.training, shapes)
+    if key not in _COMPILED_STEPS:
+        _COMPILED_STEPS[key] = ClientGrad(model, compiled=True)
+    return _COMPILED_STEPS[key]
 
 
 def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:
@@ -751,6 +772,24 @@ def _cat_runs(parts: list[tuple[Tensor, Tensor, dict[str, Tensor]]]) -> tuple[Te
     return torch.cat(xs), torch.cat(ys), {k: torch.cat([m[k] for m in ms]) for k in ms[0]}
 
 
+def _round_masks(net: FunctionalNet, rng: ClientStreams, batches: list, n_clients: int) -> list[dict]:
+    """Every client's dropout masks for the round's local steps, row e * N + k for client k at local step
+    e (each cut to that client's batch width), in one counter-based draw per layer instead of one per step
+    and client: entry i of a row depends on its key and i alone (`streams.uniforms`), so the widest row's
+    draw cut to a client's width is, bit for bit, `_train_masks` of that client and step."""
+    x = batches[0][0]
+    net.probe(x[:1])
+    widths = [mask.sum(dim=1).tolist() for _, _, mask in batches]
+    widest = max(max(w) for w in widths)
+    drawn = {}
+    for layer, (name, m) in enumerate(net.dropouts.items()):
+        keys = torch.cat([ClientStreams.keys(rng.client_keys, rng.step + e, layer, x.device)
+                          for e in range(len(batches))])  # fmt: skip
+        drawn[name] = dropout_mask(keys, (widest, *m.shape), m.p, x.dtype)
+    return [{name: masks[e * n_clients + k, : widths[e][k]] for name, masks in drawn.items()}
+            for e in range(len(batches)) for k in range(n_clients)]  # fmt: skip
+
+
 def _local_steps_sequential(
     model: nn.Module,
     fed: Federation,
@@ -771,13 +810,14 @@ def _local_steps_sequential(
     client = net.template.train().to(memory_format=torch.channels_last)
     weights = list(client.parameters())
     start = parameters_to_vector(model.parameters()).detach()
+    masks = _round_masks(net, rng, batches, fed.n_clients)
     rows, reports = [], []
     for k in range(fed.n_clients):
         client.load_state_dict(server_state)
         for e, (x, y, mask) in enumerate(batches):
             xk = x[k][mask[k]].contiguous(memory_format=torch.channels_last)
-            for name, m in _train_masks(net, rng, [k], xk[None], rng.step + e).items():
-                net.dropouts[name].mask = m[0]
+            for name, m in masks[e * fed.n_clients + k].items():
+                net.dropouts[name].mask = m
             loss = F.cross_entropy(client(xk), y[k][mask[k]])
             grads = list(torch.autograd.grad(loss, weights))
             with torch.no_grad():

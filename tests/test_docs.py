@@ -67,3 +67,42 @@ def test_the_readme_quickstart_table_is_the_committed_3_seed_table():
     shown = table(readme[readme.index("## What the quickstart shows") :])
     committed = table((REPO / "figures" / "quickstart_digits_3seeds.md").read_text(encoding="utf-8"))
     assert len(shown) == 9 and shown == committed
+
+
+TIMES = re.compile(r"\b(\d[\d,]*(?:\.\d+)?) s\b")  # a time in seconds as the pages write it: "1244 s"
+
+
+def stated_notebook_times() -> dict[str, str]:
+    """{notebook: its first cell's text} of the notebooks whose "Scale and time" states a time."""
+    import json
+
+    cells = {}
+    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+        first = "".join(json.loads(path.read_text(encoding="utf-8"))["cells"][0]["source"])
+        if "**Scale and time.**" in first:
+            cells[path.name] = first
+    return cells
+
+
+def test_every_time_the_readme_and_notebooks_state_is_in_the_timing_table():
+    # Issue 43 item 2: times measured, not remembered. Every "N s" of the README and of the notebooks'
+    # "Scale and time" is a row of docs/timings.md (which says the CPU, torch, commit and load), and each
+    # page links to it.
+    table = (REPO / "docs" / "timings.md").read_text(encoding="utf-8")
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    pages = {"README.md": (REPO / "README.md").read_text(encoding="utf-8"), **stated_notebook_times()}
+    assert len(pages) >= 3  # README, the quickstart's and your_own_defense's notebooks at least
+    for name, text in pages.items():
+        assert "docs/timings.md" in text, f"{name}: no link to docs/timings.md"
+        for seconds in TIMES.findall(re.sub(r"```.*?```", "", text, flags=re.S)):
+            assert any(re.search(rf"\b{re.escape(seconds)} s\b", row) for row in rows), (
+                f"{name} states {seconds} s, which no row of docs/timings.md measures"
+            )
+    assert "AVX-512, 2 cores" in table and "AVX2, 2 cores" in table
+
+
+def test_the_readme_stays_under_200_lines():
+    # Issue 43 item 4: what it is, the two commands, the 3-seed table and claims, Extend it, where to read
+    # on; the rest lives in docs/.
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move details to docs/"

@@ -30,7 +30,7 @@ GROUND["seeding"] = {"names"}  # the precisions
 GROUND[INIT] = {"progress"}  # settles tqdm.auto before any module imports it
 RULES = ("aggregators", "attacks")
 ABOVE_RULES = {"config", "experiments", "results", "training"}
-# The floors of README's "Using the library": a module imports only modules of its own floor or below.
+# The floors of docs/library.md: a module imports only modules of its own floor or below.
 FLOORS = [
     set(GROUND),
     {"aggregators", "attacks", "models", "data"},  # the library
@@ -174,7 +174,7 @@ def test_the_results_store_never_reaches_the_experiments():
 def test_every_module_imports_only_its_own_floor_or_below():
     floor = {m: i for i, modules in enumerate(FLOORS) for m in modules}
     unplaced = sorted(set(GRAPH) - set(floor))
-    assert not unplaced, f"place {unplaced} on a floor of FLOORS here and in README's list of modules"
+    assert not unplaced, f"place {unplaced} on a floor of FLOORS here and in docs/library.md's floors"
     upward = sorted((m, n) for m, imported in GRAPH.items() for n in imported if floor[n] > floor[m])
     assert not upward, f"imports from a higher floor: {upward}"
 

@@ -372,9 +372,79 @@ def test_a_one_seed_table_is_compared_cell_by_cell_with_the_reference_mean_and_s
     outside = "**99.00 (83.10 ± 7.80)**"
     assert lines[2] == f"| No defense | 96.38 (96.75 ± 1.39) | {outside} | 10.00 (10.00 ± 0.00) |"
     assert lines[3] == "| ProDiGy | 91.37 (84.77 ± 3.30) | 54.04 (69.73 ± 15.33) | 87.59 (78.37 ± 4.61) |"
-    assert lines[-1].startswith("5 of 6 cells lie within 2 std of the reference mean") and "seed" in lines[-1]
+    assert lines[-1].startswith("5 of 6 accuracy cells lie within 2 std") and "seed" in lines[-1]
     assert report.compare_with_reference("| a | b |\n|---|---|\n| x | 1 |", reference)[1:] == (0, 0)
     assert report.parse_cell("–") is None and report.parse_cell("**59.24 ± 7.85**") == (59.24, 7.85)
+
+
+DETECTION_SECTION = """## ProDiGy detection
+
+Detection precision: ...
+
+| defense | attack | seed | detection precision | detection recall | no-attack rate |
+|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def quickstart_like(cells: list[str], detection_rows: list[str]) -> str:
+    """An accuracy table (No defense / ProDiGy x No attack / SF) and, under it, a detection section."""
+    table = ["| Defense | No attack | SF |", "|:---|---:|---:|", f"| No defense | {cells[0]} | {cells[1]} |",
+             f"| ProDiGy | {cells[2]} | {cells[3]} |"]  # fmt: skip
+    return "\n".join([*table, "", DETECTION_SECTION.format(rows="\n".join(detection_rows))])
+
+
+def test_the_comparison_with_the_reference_counts_accuracy_cells_only_not_the_detection_rows():
+    # Issue 43: the detection table's "prodigy" row was read as a table row beside the defenses, its seed
+    # compared as a cell ("seed 0.00 (2.00 ± 0.00)"): the quickstart counted 42 of 46 cells.
+    reference = quickstart_like(["96.75 ± 1.39", "10.00 ± 0.00", "84.77 ± 3.30", "78.37 ± 4.61"],
+                                ["| prodigy | sf | 0 | 0.77 | 0.77 | 0.06 |",
+                                 "| prodigy | sf | 1 | 0.53 | 0.53 | 0.33 |",
+                                 "| prodigy | sf | 2 | 0.95 | 0.95 | 0.83 |"])  # fmt: skip
+    one_seed = quickstart_like(
+        ["96.38", "10.00", "91.37", "87.59"], ["| prodigy | sf | 0 | 0.50 | 0.50 | 0.06 |"]
+    )
+    text, within, compared = report.compare_with_reference(one_seed, reference)
+    assert (within, compared) == (4, 4) and "seed" not in text.splitlines()[0]
+    assert "prodigy" not in text and "4 of 4 accuracy cells" in text
+    # Detection in its own table: seed 0 beside the mean ± population std of seeds 0-2 of the same run.
+    text, within, compared = report.compare_detection_with_reference(one_seed, reference)
+    mean, std = np.mean([0.77, 0.53, 0.95]), np.std([0.77, 0.53, 0.95])  # 0.75 ± 0.172: 0.50 is within
+    rate_mean, rate_std = np.mean([0.06, 0.33, 0.83]), np.std([0.06, 0.33, 0.83])
+    lines = text.splitlines()
+    assert lines[0] == "| defense | attack | seed | detection precision | detection recall | no-attack rate |"
+    cell = f"0.50 ({mean:.2f} ± {std:.2f})"
+    assert lines[2] == f"| prodigy | sf | 0 | {cell} | {cell} | 0.06 ({rate_mean:.2f} ± {rate_std:.2f}) |"
+    assert (within, compared) == (3, 3) and lines[-1].startswith("3 of 3 detection values lie within")
+    far = quickstart_like(["1", "2", "3", "4"], ["| prodigy | sf | 0 | 0.30 | 0.90 | 0.06 |"])
+    assert report.compare_detection_with_reference(far, reference)[1:] == (2, 3)  # 0.30 < 0.75 - 2 x 0.17
+    assert "**0.30 (0.75 ± 0.17)**" in report.compare_detection_with_reference(far, reference)[0]
+    assert report.compare_detection_with_reference(one_seed, one_seed.split("## ")[0])[1:] == (0, 0)
+
+
+def test_the_committed_quickstart_tables_compare_42_accuracy_cells_and_detection_apart():
+    from prodigy_core.cli import reference_comparison
+
+    figures = Path(report.__file__).resolve().parents[1] / "figures"
+    one_seed = (figures / "quickstart_digits.md").read_text(encoding="utf-8")
+    reference = (figures / "quickstart_digits_3seeds.md").read_text(encoding="utf-8")
+    assert report.compare_with_reference(one_seed, reference)[2] == 42  # 7 defenses x 6 attacks
+    assert report.compare_detection_with_reference(one_seed, reference)[2] == 15  # 5 attacks x 3 values
+    printed = reference_comparison(one_seed)
+    assert "of 42 accuracy cells" in printed and "of 15 detection values" in printed
+
+
+def test_no_column_of_a_report_called_precision_or_recall_alone_means_detection(tmp_path):
+    # "precision" alone is a run's numeric precision (fp32, tf32, bf16); detection says so.
+    exp = experiment(layout={"rows": "defense", "columns": "attack", "figures": ["heatmap"]})
+    df = detection_frame_fixture()
+    text = (report.write_report(exp, df[df["dirichlet_alpha"] == 0.1], tmp_path)[0]).read_text()
+    detection = report.split_detection(text)[1]
+    header = next(line for line in detection.splitlines() if line.startswith("|"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert "detection precision" in columns and "detection recall" in columns
+    assert "precision" not in columns and "recall" not in columns
+    assert detection.count("Precision:") == 0 and "Detection precision: share" in detection
 
 
 def test_worst_case_of_a_grid_with_a_missing_cell_warns_nothing():
@@ -608,9 +678,9 @@ def detection_frame_fixture() -> pd.DataFrame:
 
 def test_detection_precision_sits_beside_the_no_attack_rate_of_the_same_split_and_seed():
     frame = report.detection_frame(detection_frame_fixture())
-    assert list(frame.columns) == ["dirichlet_alpha", "defense", "attack", "seed", "precision", "recall",
-                                   "no-attack rate"]  # fmt: skip
-    columns = ["dirichlet_alpha", "attack", "seed", "precision", "no-attack rate"]
+    assert list(frame.columns) == ["dirichlet_alpha", "defense", "attack", "seed", "detection precision",
+                                   "detection recall", "no-attack rate"]  # fmt: skip
+    columns = ["dirichlet_alpha", "attack", "seed", "detection precision", "no-attack rate"]
     got = {(a, k, s): (p, rate) for a, k, s, p, rate in frame[columns].itertuples(index=False)}
     assert set(got) == {(0.1, "sf", 0), (0.1, "alie", 0), (0.1, "sf", 1), (0.5, "sf", 1)}
     assert got[(0.1, "sf", 0)] == (0.76, 0.575) and got[(0.1, "alie", 0)] == (1.0, 0.575)

@@ -279,3 +279,41 @@ def test_the_public_signatures_have_no_test_only_parameter():
     with training.killed_after(3):
         assert training._KILLED_AFTER == 3
     assert training._KILLED_AFTER is None  # restored even for the next test
+
+
+def test_one_dropout_mask_draw_per_round_gives_the_bits_of_one_draw_per_client_step():
+    # Issue 43: the sequential engine draws a round's dropout masks in one counter-based draw per layer,
+    # each row cut to its client's batch width; every mask must be, bit for bit, the per-step draw it
+    # replaced (`_train_masks`), small clients (Dirichlet 0.1: batches narrower than b) included.
+    config = RunConfig(dataset="digits", distribution="dirichlet", dirichlet_alpha=0.1, n_clients=10,
+                       n_byzantine=3, local_steps=3, seed=1)  # fmt: skip
+    st = training.start_run(config, torch.device("cpu"), "sequential")
+    st.streams.step = 7  # a later round: the counters carry on
+    resolved = config.resolved()
+    batches = [training._draw_batch(st.fed, resolved.batch_size, st.streams) for _ in range(3)]
+    net = training.FunctionalNet(st.model)
+    drawn = training._round_masks(net, st.streams, batches, 10)
+    widths = set()
+    for e, (x, _, mask) in enumerate(batches):
+        for k in range(10):
+            xk = x[k][mask[k]]
+            widths.add(len(xk))
+            expected = training._train_masks(net, st.streams, [k], xk[None], st.streams.step + e)
+            got = drawn[e * 10 + k]
+            assert got.keys() == expected.keys() == net.dropouts.keys() and len(got) == 1
+            assert all(torch.equal(got[n], expected[n][0]) for n in got), (e, k)
+    assert len(widths) > 1 and max(widths) == resolved.batch_size  # narrow clients were cut, not padded
+
+
+def test_a_compiled_step_is_built_once_per_process_and_architecture():
+    # Issue 43: the compiled engine compiled its step for every run (about 100 s each on a 2-core CPU); one
+    # per worker process and architecture is reused by every run of it (torch.compile is lazy: nothing
+    # compiles here).
+    first = training.per_client_grad(make_model("digits").train(), compiled=True)
+    assert training.per_client_grad(make_model("digits").train(), compiled=True) is first  # other weights
+    no_dropout = _disable_dropout(make_model("digits")).train()
+    assert training.per_client_grad(no_dropout, compiled=True) is not first
+    assert training.per_client_grad(make_model("femnist").train(), compiled=True) is not first
+    assert training.per_client_grad(make_model("digits").eval(), compiled=True) is not first
+    eager = training.per_client_grad(make_model("digits").train())
+    assert eager is not training.per_client_grad(make_model("digits").train()) and not eager.compiled
