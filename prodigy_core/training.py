@@ -64,7 +64,7 @@ class RunResult:
     final_loss: float | None  # mean test cross-entropy; None when diverged
     accuracy_curve: list[list[float]] = field(default_factory=list)  # [round, accuracy %]
     round_times: list[float] = field(default_factory=list)  # seconds per round (training + aggregation)
-    # seconds of local steps, attack craft, aggregation, evaluation and the rest, summed over rounds (`PhaseTimer`)
+    # seconds of local steps, attack craft, aggregation, evaluation, the rest, over all rounds (`PhaseTimer`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     attack_params: list[float | None] = field(default_factory=list)  # attack.last_param per round
     zeroed_clients: list[list[int]] = field(default_factory=list)  # ProDiGy: weight-0 clients per round
@@ -97,8 +97,8 @@ PHASES = ("local", "craft", "aggregate", "eval", "rest")  # `RunResult.phase_sec
 
 
 class PhaseTimer:
-    """Where a run's rounds go (issue 41): the seconds of its local steps, attack craft, aggregation, evaluation
-    and the rest of its rounds, each summed over the rounds into `totals` (the record's `phase_seconds`).
+    """Where a run's rounds go (issue 41): the seconds of its local steps, attack craft, aggregation,
+    evaluation and the rest of its rounds, each summed over the rounds into `totals` (`phase_seconds`).
 
     `lap(phase)` adds the span since the last mark to `phase`, so the laps of a round tile it. On a GPU a mark
     is a CUDA event and the spans are read only by `settle` (before a checkpoint or the record), after the
