@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from prodigy_core import training
 from prodigy_core.experiments import load_experiment
@@ -30,11 +31,13 @@ def fake_timer(resolved, fed, precision, engine, size):
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.0])
-def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scale):
+def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scale, monkeypatch):
     """Default tolerances: bf16 passes on digits (measured: 1.6-1.9% parameter difference, equal attack
-    parameters and zeroed clients) and, ten times faster, is chosen. Tolerances of 0: any rounding difference
-    fails it, and the reference is chosen although slower."""
+    parameters and zeroed clients) and, ten times faster, is chosen. Tolerances of 0 and no noise floor: any
+    rounding difference fails it, and the reference is chosen although slower."""
     config, fed = digits
+    if not scale:
+        monkeypatch.setattr(autotune, "FLOOR_FACTOR", 0.0)
     tolerances = {name: bound * scale for name, bound in autotune.TOLERANCES.items()}
     report = autotune.autotune({"digits": config}, {"digits": fed}, tolerances=tolerances, timer=fake_timer,
                                log=lambda line: None)  # fmt: skip
@@ -43,10 +46,47 @@ def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scal
     assert set(verdicts) == set(autotune.GATE_DEFENSES)
     for gate in verdicts.values():
         assert gate["precision"] == "bf16" and gate["measures"]["param_rel"] > 0  # not bitwise fp32
-        within = all(gate["measures"][k] <= v for k, v in tolerances.items())
+        assert gate["bounds"] == autotune.bounds(tolerances, tune["floor"][gate["defense"]])
+        within = all(gate["measures"][k] <= v for k, v in gate["bounds"].items())
         assert gate["accepted"] is within
     assert tune["chosen"] == {"precision": "bf16" if scale else "fp32", "engine": "batched"}
     assert tune["step_s"] == {1: (0.1 if scale else 1.0), 2: (0.2 if scale else 2.0)}  # the chosen's rates
+
+
+@pytest.mark.parametrize(("times_floor", "accepted"), [(1.5, True), (3.0, False)])
+def test_the_gate_bounds_a_candidate_by_twice_its_noise_floor_issue_41_item_4(
+    digits, monkeypatch, times_floor, accepted
+):
+    """The fp32 reference runs twice, the second on the streams of another seed (batches, dropout masks):
+    their distance is the floor that autotune.json records. With tolerances of 0 a candidate is judged by the
+    floor alone: one that differs from the reference by 1.5x the floor's parameter distance is accepted, one
+    at 3x is refused (its other measures equal the reference's)."""
+    config, fed = digits
+    real, seen = autotune.trajectory, {}
+
+    def candidate_off_by(config, fed, precision, engine, rounds, other_stream=False):
+        if precision == "fp32":
+            found = real(config, fed, precision, engine, rounds, other_stream)
+            seen[config.defense, other_stream] = found
+            return found
+        ref, twin = seen[config.defense, False], seen[config.defense, True]
+        direction = torch.randn(ref["theta"].shape, generator=torch.Generator().manual_seed(0))
+        offset = times_floor * float((twin["theta"] - ref["theta"]).norm()) * direction / direction.norm()
+        return {**ref, "theta": ref["theta"] + offset}
+
+    monkeypatch.setattr(autotune, "trajectory", candidate_off_by)
+    tolerances = dict.fromkeys(autotune.TOLERANCES, 0.0)
+    report = autotune.autotune({"digits": config}, {"digits": fed}, tolerances=tolerances, timer=fake_timer,
+                               log=lambda line: None)  # fmt: skip
+    tune = report["datasets"]["digits"]
+    for gate in tune["gate"]:
+        ref, twin = seen[gate["defense"], False], seen[gate["defense"], True]
+        floor = tune["floor"][gate["defense"]]
+        assert floor == autotune.compare(ref, twin) and floor["param_rel"] > 0  # another stream moves it
+        assert gate["bounds"]["param_rel"] == pytest.approx(2 * floor["param_rel"])
+        assert gate["measures"]["param_rel"] == pytest.approx(times_floor * floor["param_rel"])
+        assert gate["accepted"] is accepted
+    assert tune["chosen"]["precision"] == ("bf16" if accepted else "fp32")
 
 
 def test_gate_measures_are_zero_for_the_reference_against_itself(digits):
