@@ -163,7 +163,9 @@ class Driver:
         self.local_factor: dict[str, float] = {}
         self.eval_s: dict[str, float] = {}
         self.rows: list[dict[str, Any]] = []  # summary rows
-        self.left: list[Any] = []  # runs of started steps that no time was left for
+        self.left: dict[str, list[Any]] = {}  # step -> its runs no time was left for (so far)
+        self.groups_run = 0
+        self.failed_keys: set[str] = set()  # runs that failed: not started again
         self.notes: list[str] = []
 
     def elapsed(self) -> float:
@@ -414,15 +416,12 @@ class Driver:
     def run_step(self, step: Step) -> None:
         from prodigy_core import results as store
 
-        row = {
-            "step": step.name,
-            "planned": 0,
-            "done": 0,
-            "failed": 0,
-            "seconds": 0.0,
-            "status": "not started",
-        }
-        self.rows.append(row)
+        row = next((r for r in self.rows if r["step"] == step.name), None)  # a step taken up again
+        if row is None:
+            row = {"step": step.name, "planned": 0, "done": 0, "failed": 0, "seconds": 0.0,
+                   "status": "not started"}  # fmt: skip
+            self.rows.append(row)
+        self.left.pop(step.name, None)
         try:
             exp = self.experiment(step)
         except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
@@ -430,9 +429,9 @@ class Driver:
             self.log(f"== {step.name}: {row['status']}")
             return
         folder = store.experiment_dir(exp.results_name, self.results)
-        todo = [c for c in exp.configs if store.stored_record(folder, c.key()) is None]
-        row["planned"] = len(exp.configs)
-        row["done"] = len(exp.configs) - len(todo)
+        stored = {c.key() for c in exp.configs if store.stored_record(folder, c.key()) is not None}
+        todo = [c for c in exp.configs if c.key() not in stored and c.key() not in self.failed_keys]
+        row["planned"], row["done"] = len(exp.configs), len(stored)
         self.log(f"== {step.name}: {len(todo)} runs (t = {self.elapsed():.0f} s)")
         while todo:
             batch, estimate = self.choose_group(todo)
@@ -447,12 +446,13 @@ class Driver:
                     row["status"] = f"stopped by the deadline ({self.args.deadline:.0f} s)"
                     self.log(f"   deadline: no run of this step fits (its cheapest ~"
                              f"{self.cheapest(todo):.0f} s), {self.elapsed():.0f} s used")  # fmt: skip
-                self.left.extend(todo)
+                self.left[step.name] = todo
                 break
             todo = [c for c in todo if c not in batch]
             row["status"] = "running"
             tic = time.monotonic()
             records = self.train_group(exp, batch, folder)
+            self.groups_run += 1
             seconds = time.monotonic() - tic
             row["seconds"] += seconds
             rounds = sum(c.rounds for c in batch)
@@ -465,6 +465,7 @@ class Driver:
                     self.log(f"   done   {what}: {record['final_accuracy']:.2f}%")
                 else:
                     row["failed"] += 1
+                    self.failed_keys.add(c.key())
                     failure = store.failure_path(folder, c.key())
                     error = (
                         json.loads(failure.read_text()).get("error", "?") if failure.exists() else "no record"
@@ -523,7 +524,8 @@ class Driver:
             lines.append("never started: " + (", ".join(never) if never else "none"))
         if final:
             used = self.elapsed()
-            cheapest = f"~{self.cheapest(self.left):.0f} s" if self.left else "none left"
+            left = [c for todo in self.left.values() for c in todo]
+            cheapest = f"~{self.cheapest(left):.0f} s" if left else "none left"
             lines.append(
                 f"used {used:.0f} s of the {self.args.deadline:.0f} s deadline, unused "
                 f"{max(self.args.deadline - used, 0.0):.0f} s (the cheapest run left: {cheapest})"
@@ -680,11 +682,20 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
     if getattr(args, "profile_step", True):
         driver.profile()
     driver.refresh_out()
-    for step in plan(args.profile, args.simulate):
-        if args.fail_step == step.name:  # the CI test's failing step
-            step = dataclasses.replace(step, only={"defense": ["no-such-rule"]})
-        driver.run_step(step)  # a step the deadline stopped leaves the time left to the later steps' runs
-        driver.refresh_out()
+    steps = plan(args.profile, args.simulate)
+    while steps:  # a step the deadline stopped leaves the time left to the runs of later steps that fit,
+        ran = driver.groups_run  # and is taken up again while a pass started something (estimates change)
+        for step in steps:
+            if args.fail_step == step.name:  # the CI test's failing step
+                step = dataclasses.replace(step, only={"defense": ["no-such-rule"]})
+            driver.run_step(step)
+            driver.refresh_out()
+        stopped = {name for name in driver.left if driver.left[name]}
+        steps = (
+            [s for s in plan(args.profile, args.simulate) if s.name in stopped]
+            if driver.groups_run > ran
+            else []
+        )
     if args.profile == "mini" and not args.fail_step:
         throughput(driver)
     driver.refresh_out()

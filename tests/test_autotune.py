@@ -152,27 +152,47 @@ def test_paper_profile_plan(gpu_run, tmp_path):
 
 
 @pytest.mark.parametrize("seconds_left", [30.0, 100.0, 1000.0, 10**5])
-def test_a_group_sized_from_the_rates_fits_the_time_left(gpu_run, seconds_left):
+def test_a_group_sized_from_the_measured_costs_fits_the_time_left(gpu_run, tmp_path, seconds_left):
+    """`Driver.choose_group`: of the first runs' compatible ones in order, the size with the most run-rounds
+    per second whose estimate (GROUP_MARGIN x (rounds x E x step_s[R'] + each run's rounds x server side))
+    fits; when none does, the most wanted runs that fit (here: the unattacked ones, cheaper by their server
+    side); none at all: an empty group."""
+    args = argparse.Namespace(
+        simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=seconds_left
+    )
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.start = gpu_run.time.monotonic()
     step_s = {1: 0.010, 4: 0.025, 8: 0.045, 16: 0.090}  # one local step of R stacked runs
-    server_s, local_steps, rounds, margin = 0.02, 10, 800, 1.5
-    size, estimate = gpu_run.size_group(step_s, server_s, local_steps, rounds, 42, seconds_left, 16, margin)
+    driver.tune = {"femnist": {"step_s": step_s, "chosen": {"precision": "fp32", "engine": "batched"}}}
+    driver.eval_s["femnist"] = 0.0
+    configs = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs  # 800 rounds, E = 10
+    driver.server_s = {("femnist", c.defense, c.attack): 0.0 if c.attack == "none" else 0.1 for c in configs}
+    todo = sorted(configs, key=lambda c: c.attack == "none")  # the attacked runs first
 
-    def by_hand(r):  # the smallest measured group of at least r bounds a group of r
-        upper = min(s for s in step_s if s >= r)
-        return margin * rounds * (local_steps * step_s[upper] + r * server_s)
+    def by_hand(batch):
+        upper = min(s for s in step_s if s >= len(batch))
+        server = sum(0.0 if c.attack == "none" else 0.1 for c in batch)
+        return gpu_run.GROUP_MARGIN * 800 * (10 * step_s[upper] + server)
 
-    fitting = [r for r in range(1, 17) if by_hand(r) <= seconds_left]
-    if not fitting:  # 1.5 * 800 * (0.1 + 0.02) = 144 s for one run
-        assert seconds_left < 144 and size == 0 and estimate == pytest.approx(by_hand(1))
-        return
-    assert size in fitting and estimate == pytest.approx(by_hand(size)) and estimate <= seconds_left
-    assert all(size / by_hand(size) >= r / by_hand(r) for r in fitting)  # the most run-rounds per second
+    batch, estimate = driver.choose_group(todo)
+    left = seconds_left - driver.elapsed()
+    fitting = [todo[:r] for r in range(1, 17) if by_hand(todo[:r]) <= left]
+    if fitting:
+        assert batch in fitting and estimate == pytest.approx(by_hand(batch))
+        assert all(len(batch) / by_hand(batch) >= len(b) / by_hand(b) - 1e-12 for b in fitting)
+    elif by_hand([todo[-1]]) <= left:  # 1.1 x 800 x 0.1 = 88 s: an unattacked run fits alone
+        assert batch and all(c.attack == "none" for c in batch) and estimate <= left
+    else:
+        assert batch == [] and estimate == pytest.approx(by_hand(todo[:1]))
 
 
-def test_the_group_never_outgrows_the_runs_left_or_the_cap(gpu_run):
-    step_s = {1: 0.01, 16: 0.02}
-    assert gpu_run.size_group(step_s, 0.0, 1, 10, 3, 10**6, 16)[0] == 3
-    assert gpu_run.size_group(step_s, 0.0, 1, 10, 40, 10**6, 5)[0] == 5
+def test_the_group_never_outgrows_the_runs_left_or_the_cap(gpu_run, tmp_path):
+    args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=5, deadline=10**6)
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.tune = {"femnist": {"step_s": {1: 0.01, 16: 0.02}, "chosen": {"engine": "batched"}}}
+    configs = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs
+    assert len(driver.choose_group(configs[:3])[0]) == 3
+    assert len(driver.choose_group(configs)[0]) == 5
 
 
 def test_a_run_too_slow_for_the_whole_deadline_is_not_started_and_says_so(gpu_run, tmp_path, monkeypatch):
