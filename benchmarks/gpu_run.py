@@ -1,16 +1,20 @@
 """One GPU session's work as one command whose results come home, then their import here (issue 24).
 
     python benchmarks/gpu_run.py [--data DIR] [--out DIR] [--deadline S] [--profile paper|mini] [--simulate]
+                                 [--resume TARBALL] [--autotune AUTOTUNE_JSON] [--no-profile]
     python benchmarks/gpu_run.py import TARBALL [--env ENV_TXT] [--summary SUMMARY_TXT]
 
 The run: preflight (CUDA, both data sets, $OUT writable; else exit 2 with one line), env.txt, a CUDA probe
 (a 2-member group x 2 rounds of each dataset; if it fails, one run at a time), the autotune and its gate
-(`benchmarks/autotune.py`: the precision and engine every later run uses, `autotune.json`), then the
-profile's steps in priority order as groups sized from the autotune's measured rates (at most --group-size
-runs), each group started only while its estimated time fits the --deadline. Each data set is loaded once
+(`benchmarks/autotune.py`: the precision and engine every later run uses, `autotune.json`; an earlier one
+reused on the same GPU and software), a torch.profiler step (`profile.txt`), then the profile's steps in
+priority order as groups (at most --group-size runs) estimated from measurement (`Driver.estimate`), each
+started only while it fits the --deadline; when the next planned group does not fit, the most wanted runs
+that do, from any later step. Each data set is loaded once
 (`training.shared_federations`); runs write no checkpoints (none could come home). After every group $OUT
-holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json; no checkpoints, no locks),
-summary.txt (per step: runs planned/done/failed, seconds, status; what never started) and env.txt. Exit 0
+holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json, profile.txt; no
+checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status; what never
+started; seconds used and unused) and env.txt. Exit 0
 when every started step finished without a failed run, 1 otherwise, 2 for a failed preflight. --simulate
 runs the same driver on the CPU over a tiny digits grid, either profile's shape (the CI test).
 
