@@ -267,14 +267,15 @@ class Driver:
         """{group size: seconds of one local step} of the autotune's choice for `dataset` ({} without)."""
         return {int(k): float(v) for k, v in (self.tune.get(dataset) or {}).get("step_s", {}).items()}
 
-    def local_estimate(self, batch: list[Any]) -> float:
-        """Seconds of a group's local steps: rounds x E x the autotune's step of the smallest measured group
-        at least as large, x what finished groups of the dataset measured against that prediction."""
+    def local_estimate(self, batch: list[Any], rounds: int | None = None) -> float:
+        """Seconds of a group's local steps: rounds (its longest run's) x E x the autotune's step of the
+        smallest measured group at least as large, x what finished groups of the dataset measured against
+        that prediction."""
         first, step_s = batch[0], self.step_s(batch[0].dataset)
         upper = min((s for s in step_s if s >= len(batch)), default=None)
         if upper is None:
             return float("inf")
-        rounds = max(c.rounds for c in batch)
+        rounds = max(c.rounds for c in batch) if rounds is None else rounds
         return self.local_factor.get(first.dataset, 1.0) * rounds * first.local_steps * step_s[upper]
 
     def server_estimate(self, config: Any) -> float:
@@ -341,7 +342,9 @@ class Driver:
             self.server_s[dataset, c.defense, c.attack] = (p["craft"] + p["aggregate"] + p["rest"]) / rounds
         rounds = sum(max(r.get("rounds_completed") or c.rounds, 1) for c, r in done)
         self.eval_s[dataset] = sum(r["phase_seconds"]["eval"] for _, r in done) / rounds
-        predicted = self.local_estimate(batch) / self.local_factor.get(dataset, 1.0)
+        # the group's local steps ran for its longest member's rounds (a diverged member stops early)
+        ran = max(max(r.get("rounds_completed") or 0, 1) for _, r in done)
+        predicted = self.local_estimate(batch, ran) / self.local_factor.get(dataset, 1.0)
         measured = sum(r["phase_seconds"]["local"] for _, r in done)
         if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
             self.local_factor[dataset] = measured / predicted

@@ -219,3 +219,20 @@ def test_a_run_too_slow_for_the_whole_deadline_is_not_started_and_says_so(gpu_ru
     assert len(lines) == len(gpu_run.plan("paper", simulate=True))
     assert "more than the whole --deadline 300 s: not started" in lines[0]
     assert not list((work / "results").rglob("*.json"))  # nothing trained
+
+
+def test_estimates_learn_from_a_group_whose_run_diverged_early(gpu_run, tmp_path):
+    """`Driver.learn`: a run that diverged at round 6 of 800 ran 6 rounds of local steps; the local factor
+    (measured / the autotune's prediction) is taken over those 6 rounds, and its kind's server side per round
+    over its own rounds."""
+    args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=500.0)
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.tune = {"femnist": {"step_s": {1: 0.01}, "chosen": {"engine": "batched"}}}
+    config = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs[0]  # E = 10, T = 800
+    phases = {"local": 2 * 6 * 10 * 0.01, "craft": 0.6, "aggregate": 0.3, "eval": 0.06, "rest": 0.3}
+    driver.learn([config], [{"phase_seconds": phases, "rounds_completed": 6}])
+    assert driver.local_factor["femnist"] == pytest.approx(2.0)
+    assert driver.server_s["femnist", config.defense, config.attack] == pytest.approx(1.2 / 6)
+    assert driver.eval_s["femnist"] == pytest.approx(0.01)
+    expected = gpu_run.GROUP_MARGIN * 800 * (2 * 10 * 0.01 + 0.2 + 0.01)
+    assert driver.estimate([config]) == pytest.approx(expected)
