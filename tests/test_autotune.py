@@ -236,3 +236,25 @@ def test_estimates_learn_from_a_group_whose_run_diverged_early(gpu_run, tmp_path
     assert driver.eval_s["femnist"] == pytest.approx(0.01)
     expected = gpu_run.GROUP_MARGIN * 800 * (2 * 10 * 0.01 + 0.2 + 0.01)
     assert driver.estimate([config]) == pytest.approx(expected)
+
+
+def test_the_gate_stops_gating_candidates_once_the_budget_is_spent(digits, monkeypatch):
+    """The autotune's bound: once its budget is spent, no further candidate trajectory starts; a candidate
+    left out is not accepted, and the reference (fp32) is chosen although slower."""
+    import time
+
+    config, fed = digits
+    real = autotune.trajectory
+
+    def slow_reference(*args, **kwargs):
+        time.sleep(0.6)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autotune, "trajectory", slow_reference)
+    report = autotune.autotune({"digits": config}, {"digits": fed}, budget_s=1.0, timer=fake_timer,
+                               log=lambda line: None)  # fmt: skip
+    tune = report["datasets"]["digits"]
+    assert tune["gate"] and all(
+        not g["accepted"] and "budget" in g["measures"]["error"] for g in tune["gate"]
+    )
+    assert tune["chosen"]["precision"] == "fp32" and set(tune["floor"]) == set(autotune.GATE_DEFENSES)
