@@ -126,10 +126,17 @@ class PhaseTimer:
         self.last = self.mark()
 
     def add(self, phase: str, start: Any, end: Any, share: float = 1.0) -> None:
-        if self.cuda:
-            self.pending.append((phase, start, end, share))
-        else:
+        if not self.cuda:
             self.totals[phase] += (end - start) * share
+            return
+        self.pending.append((phase, start, end, share))
+        if len(self.pending) >= 1024:  # read the spans already done (`query` does not wait), free them
+            done = 0
+            while done < len(self.pending) and self.pending[done][2].query():
+                phase, start, end, share = self.pending[done]
+                self.totals[phase] += start.elapsed_time(end) / 1000 * share
+                done += 1
+            del self.pending[:done]
 
     def lap(self, phase: str) -> None:
         now = self.mark()
