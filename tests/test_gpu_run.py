@@ -65,6 +65,9 @@ def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run,
             tar.extractfile(next(m for m in tar.getmembers() if m.name.startswith("results/")))
         )
     assert record["environment"]["device"] == "cpu"
+    assert list(record["phase_seconds"]) == ["local", "craft", "aggregate", "eval", "rest"]  # issue 41 item 1
+    assert record["phase_seconds"]["local"] > 0 and record["phase_seconds"]["eval"] > 0
+    assert "used " in (out / "summary.txt").read_text()
     with tarfile.open(out / "results.tar.gz") as tar:  # the autotune and its gate came home
         tune = json.load(tar.extractfile("autotune.json"))["datasets"]["digits"]
     tried = {(t["precision"], t["engine"]) for t in tune["timings"]}
