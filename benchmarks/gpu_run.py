@@ -1,16 +1,20 @@
 """One GPU session's work as one command whose results come home, then their import here (issue 24).
 
     python benchmarks/gpu_run.py [--data DIR] [--out DIR] [--deadline S] [--profile paper|mini] [--simulate]
+                                 [--resume TARBALL] [--autotune AUTOTUNE_JSON] [--no-profile]
     python benchmarks/gpu_run.py import TARBALL [--env ENV_TXT] [--summary SUMMARY_TXT]
 
 The run: preflight (CUDA, both data sets, $OUT writable; else exit 2 with one line), env.txt, a CUDA probe
 (a 2-member group x 2 rounds of each dataset; if it fails, one run at a time), the autotune and its gate
-(`benchmarks/autotune.py`: the precision and engine every later run uses, `autotune.json`), then the
-profile's steps in priority order as groups sized from the autotune's measured rates (at most --group-size
-runs), each group started only while its estimated time fits the --deadline. Each data set is loaded once
+(`benchmarks/autotune.py`: the precision and engine every later run uses, `autotune.json`; an earlier one
+reused on the same GPU and software), a torch.profiler step (`profile.txt`), then the profile's steps in
+priority order as groups (at most --group-size runs) estimated from measurement (`Driver.estimate`), each
+started only while it fits the --deadline; when the next planned group does not fit, the most wanted runs
+that do, from any later step. Each data set is loaded once
 (`training.shared_federations`); runs write no checkpoints (none could come home). After every group $OUT
-holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json; no checkpoints, no locks),
-summary.txt (per step: runs planned/done/failed, seconds, status; what never started) and env.txt. Exit 0
+holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json, profile.txt; no
+checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status; what never
+started; seconds used and unused) and env.txt. Exit 0
 when every started step finished without a failed run, 1 otherwise, 2 for a failed preflight. --simulate
 runs the same driver on the CPU over a tiny digits grid, either profile's shape (the CI test).
 
@@ -41,10 +45,15 @@ sys.path.insert(0, str(ROOT))  # runs from a source tree, no install needed
 
 EXIT_FAILED, EXIT_PREFLIGHT = 1, 2
 PROBE_MARGIN = 2.0  # a group's estimate: the probe's warm round time x this, until a group of the kind ran
-# A group's estimate from the autotune's rates x this, until a group of the dataset ran (then x what the last
-# one measured against its estimate, at least GROUP_MARGIN_MIN): evaluations and Python overhead are not in
-# the rates.
-GROUP_MARGIN, GROUP_MARGIN_MIN = 1.5, 1.1
+# A group's estimate (`Driver.estimate`, from measurements) x this: what is left unmeasured (Python between
+# rounds, a record's write) and the spread of a round's time.
+GROUP_MARGIN = 1.1
+# Before a run's evaluations were measured: a run-round's evaluation as a share of its local step (issue
+# 41's H200 window: 800 rounds, 80 evaluations, about 3% of a FEMNIST run); replaced by the records'.
+EVAL_SHARE = 0.05
+PROFILE_ROUNDS, PROFILE_ROWS = 3, 25  # the profiling step: rounds of the first group, rows of each table
+PHASES = ("local", "craft", "aggregate", "eval", "rest")  # training.PHASES, the record's `phase_seconds`
+PROFILE_S = 10.0  # about what the profiling step costs on a GPU; skipped when the deadline leaves less
 CIFAR10_ARCHIVE = Path("cifar10-jpeg") / "cifar10-jpeg.tar.gz"  # under --data
 FEMNIST_FOLDER = Path("femnist-leaf-24")
 TABLE1_ROWS = ["prodigy", "nnm+trimmed_mean"]
@@ -150,8 +159,17 @@ class Driver:
         self.group_size = args.group_size
         self.rates: dict[str, float] = {}  # dataset -> seconds per run-round, from the last group
         self.tune: dict[str, Any] = {}  # dataset -> the autotune's choice and rates (`autotune.autotune`)
-        self.margin: dict[str, float] = {}  # dataset -> a group's seconds / its estimate from the rates
+        # The estimates (`estimate`), from measurements, updated after every group: one run's server side per
+        # round in steady state, per (dataset, defense, attack), from the gate or the finished runs of that
+        # kind; the measured local steps of finished groups / their prediction from the autotune's step_s,
+        # per dataset; a run-round's evaluation, per dataset.
+        self.server_s: dict[tuple[str, str, str], float] = {}
+        self.local_factor: dict[str, float] = {}
+        self.eval_s: dict[str, float] = {}
         self.rows: list[dict[str, Any]] = []  # summary rows
+        self.left: dict[str, list[Any]] = {}  # step -> its runs no time was left for (so far)
+        self.groups_run = 0
+        self.failed_keys: set[str] = set()  # runs that failed: not started again
         self.notes: list[str] = []
 
     def elapsed(self) -> float:
@@ -183,7 +201,9 @@ class Driver:
 
     def autotune(self) -> None:
         """Time, gate and choose the precision and engine of each dataset the plan uses
-        (`autotune.autotune`, at most `autotune.BUDGET_S`); `autotune.json` goes into the tarball."""
+        (`autotune.autotune`, at most `autotune.BUDGET_S`); `autotune.json` goes into the tarball. An earlier
+        report (--autotune FILE, else the --resume tarball's autotune.json) is reused as it is when it was
+        made on the same GPU and software (`autotune.mismatch`): then the autotune costs nothing."""
         from benchmarks import autotune
         from prodigy_core import training
         from prodigy_core.seeding import resolve_device
@@ -192,6 +212,15 @@ class Driver:
         for step in plan(self.args.profile, self.args.simulate):
             c = self.experiment(step).configs[0]
             configs.setdefault(c.dataset, c.replace(engine="batched"))
+        earlier, source = self.earlier_autotune()
+        if source is not None:
+            device = resolve_device(next(iter(configs.values())).resolved().device)
+            why = autotune.mismatch(earlier, autotune.fingerprint(device), list(configs))
+            if why is None:
+                self.log(f"autotune: reused from {source} (same GPU, torch, CUDA, cuDNN and tuned code)")
+                self.use_autotune({**earlier, "reused_from": str(source)})
+                return
+            self.log(f"autotune: {source} not reused: {why}; tuning here (at most {autotune.BUDGET_S:.0f} s)")
         try:
             feds = {d: training._load_federation(c.resolved(), resolve_device(c.resolved().device))
                     for d, c in configs.items()}  # fmt: skip
@@ -201,23 +230,124 @@ class Driver:
             self.notes.append(note)
             self.log(note)
             return
+        self.use_autotune(report)
+
+    def earlier_autotune(self) -> tuple[Any, str | None]:
+        """(report, where it came from) of --autotune FILE, else of the --resume tarball's autotune.json;
+        (None, None) when there is none; (None, source) when it is not JSON (then it is not reused)."""
+        text, source = None, None
+        given, resume = getattr(self.args, "autotune", None), getattr(self.args, "resume", None)
+        try:
+            if given is not None:
+                source = str(given)
+                text = given.read_text(encoding="utf-8")
+            elif resume is not None:
+                with tarfile.open(resume) as tar:
+                    member = next((m for m in tar.getmembers() if m.name == "autotune.json"), None)
+                    if member is not None and tar_member_kind(member) is None:
+                        source = f"{resume}:autotune.json"
+                        text = tar.extractfile(member).read().decode("utf-8")
+            return (json.loads(text) if text is not None else None), source
+        except (OSError, ValueError, tarfile.TarError):
+            return None, source
+
+    def use_autotune(self, report: dict[str, Any]) -> None:
+        """The autotune's choice per dataset, its gate's server side per (defense, attack) as the first
+        estimates of those kinds (`estimate`); `autotune.json` for the tarball."""
         self.tune = report["datasets"]
+        for dataset, tune in self.tune.items():
+            server = tune.get("server_s")
+            kinds = server.items() if isinstance(server, dict) else []  # an older report: one float, unused
+            for kind, seconds in kinds:
+                defense, _, attack = kind.rpartition("/")
+                self.server_s[dataset, defense, attack] = float(seconds)
         (self.work / "autotune.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
 
-    def next_group(self, todo: list[Any]) -> tuple[int, float]:
-        """(size, estimated seconds) of the next group of `todo` (runs of one dataset): `size_group` over
-        the autotune's rates, or the probe's rate and --group-size without them; size 0 when not even one
-        run fits the time left."""
-        first = todo[0]
-        left, cap = self.args.deadline - self.elapsed(), self.group_size
-        tune = self.tune.get(first.dataset)
-        if not tune or not tune["step_s"]:
-            size = min(cap, len(todo))
-            return size, self.rates.get(first.dataset, 0.0) * first.rounds * size
-        margin = self.margin.get(first.dataset, GROUP_MARGIN)
-        step_s = {int(k): v for k, v in tune["step_s"].items()}
-        return size_group(step_s, tune["server_s"], first.local_steps, first.rounds, len(todo), left,
-                          cap, margin)  # fmt: skip
+    def step_s(self, dataset: str) -> dict[int, float]:
+        """{group size: seconds of one local step} of the autotune's choice for `dataset` ({} without)."""
+        return {int(k): float(v) for k, v in (self.tune.get(dataset) or {}).get("step_s", {}).items()}
+
+    def local_estimate(self, batch: list[Any], rounds: int | None = None) -> float:
+        """Seconds of a group's local steps: rounds (its longest run's) x E x the autotune's step of the
+        smallest measured group at least as large, x what finished groups of the dataset measured against
+        that prediction."""
+        first, step_s = batch[0], self.step_s(batch[0].dataset)
+        upper = min((s for s in step_s if s >= len(batch)), default=None)
+        if upper is None:
+            return float("inf")
+        rounds = max(c.rounds for c in batch) if rounds is None else rounds
+        return self.local_factor.get(first.dataset, 1.0) * rounds * first.local_steps * step_s[upper]
+
+    def server_estimate(self, config: Any) -> float:
+        """One run's server side per round: measured for its (dataset, defense, attack) (the gate, then its
+        finished runs), else the slowest kind measured on its dataset (no attack: the cheapest)."""
+        kind = (config.dataset, config.defense, config.attack)
+        if kind in self.server_s:
+            return self.server_s[kind]
+        known = [v for (d, _, a), v in self.server_s.items() if d == config.dataset]
+        if not known:
+            return 0.0
+        return min(known) if config.attack == "none" else max(known)
+
+    def estimate(self, batch: list[Any]) -> float:
+        """Seconds the group `batch` needs: GROUP_MARGIN x (its local steps + each run's rounds x (its server
+        side + a run-round's evaluation)); from the probe's rate without the autotune's step times."""
+        first = batch[0]
+        if not self.step_s(first.dataset):
+            return self.rates.get(first.dataset, 0.0) * sum(c.rounds for c in batch)
+        local = self.local_estimate(batch)
+        step = self.step_s(first.dataset)[min(self.step_s(first.dataset))] * first.local_steps
+        per_eval = self.eval_s.get(first.dataset, EVAL_SHARE * step)
+        return GROUP_MARGIN * (local + sum(c.rounds * (self.server_estimate(c) + per_eval) for c in batch))
+
+    def choose_group(self, todo: list[Any]) -> tuple[list[Any], float]:
+        """The next group of `todo` (most wanted first) and its estimate, in the time left: the planned one,
+        the first run's compatible runs in order, sized for the most run-rounds per second among the sizes
+        that fit; when none fits, the most wanted runs that do fit (the first that fits alone, then the
+        next compatible ones while the group still fits). ([], the first run's estimate) when none fits."""
+        from prodigy_core.groups import group_key
+
+        left = self.args.deadline - self.elapsed()
+        largest = max(self.step_s(todo[0].dataset), default=self.group_size)
+        cap = min(self.group_size, largest)
+
+        def compatible(first: Any) -> list[Any]:
+            key = group_key(first)
+            return [c for c in todo if group_key(c) == key][:cap] if key is not None else [first]
+
+        planned = compatible(todo[0])
+        fits = [planned[:r] for r in range(1, len(planned) + 1) if self.estimate(planned[:r]) <= left]
+        if fits:
+            best = max(fits, key=lambda b: sum(c.rounds for c in b) / max(self.estimate(b), 1e-9))
+            return best, self.estimate(best)
+        for first in todo:
+            if self.estimate([first]) > left:
+                continue
+            batch = [first]
+            for c in compatible(first):
+                if c is not first and len(batch) < cap and self.estimate([*batch, c]) <= left:
+                    batch.append(c)
+            return batch, self.estimate(batch)
+        return [], self.estimate(todo[:1])
+
+    def learn(self, batch: list[Any], records: list[dict | None]) -> None:
+        """Update the estimates from a finished group's records (`phase_seconds`): each kind's server side
+        per round, the dataset's local-step factor and evaluation per run-round."""
+        done = [(c, r) for c, r in zip(batch, records, strict=True) if r and r.get("phase_seconds")]
+        if not done:
+            return
+        dataset = batch[0].dataset
+        for c, r in done:
+            p, rounds = r["phase_seconds"], max(r.get("rounds_completed") or c.rounds, 1)
+            self.server_s[dataset, c.defense, c.attack] = (p["craft"] + p["aggregate"] + p["rest"]) / rounds
+        rounds = sum(max(r.get("rounds_completed") or c.rounds, 1) for c, r in done)
+        self.eval_s[dataset] = sum(r["phase_seconds"]["eval"] for _, r in done) / rounds
+        # the group's local steps ran for its longest member's rounds (a diverged member stops early)
+        ran = max(max(r.get("rounds_completed") or 0, 1) for _, r in done)
+        predicted = self.local_estimate(batch, ran) / self.local_factor.get(dataset, 1.0)
+        measured = sum(r["phase_seconds"]["local"] for _, r in done)
+        if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
+            self.local_factor[dataset] = measured / predicted
 
     def probe(self) -> None:
         """A 2-member group x 2 rounds of each dataset the plan uses, in a scratch results folder."""
@@ -254,19 +384,51 @@ class Driver:
             self.log(f"probe {dataset}: 2-member group x 2 rounds in {seconds:.1f} s "
                      f"(second round {per_run_round * len(outcomes):.2f} s)")  # fmt: skip
 
+    def profile(self) -> None:
+        """torch.profiler over PROFILE_ROUNDS rounds of the first step's first group (its planned size, in a
+        scratch folder; nothing is recorded): the top PROFILE_ROWS CUDA kernels and CPU ops by their own time
+        into profile.txt (the tarball). On the CPU of --simulate: the CPU ops only."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from prodigy_core import groups
+
+        if self.elapsed() + PROFILE_S > self.args.deadline:
+            self.log("profile: skipped (deadline)")
+            return
+        try:
+            step = plan(self.args.profile, self.args.simulate)[0]
+            todo = self.experiment(step).configs
+            batch, _ = self.choose_group(todo)
+            batch = [c.replace(rounds=PROFILE_ROUNDS, eval_every=PROFILE_ROUNDS) for c in batch or todo[:1]]
+            cuda = torch.cuda.is_available() and not self.args.simulate
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            tic = time.monotonic()
+            with profile(activities=activities) as prof:
+                groups.run_group(batch)
+            averages = prof.key_averages()
+            tables = [("CUDA kernels", "self_cuda_time_total")] if cuda else []
+            tables.append(("CPU ops", "self_cpu_time_total"))
+            what = ", ".join(f"{c.defense}/{c.attack}" for c in batch)
+            text = f"torch.profiler: {step.name}, a group of {len(batch)} ({what}), {PROFILE_ROUNDS} rounds\n"
+            for title, key in tables:
+                text += f"\n## top {PROFILE_ROWS} {title} by {key}\n\n"
+                text += averages.table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60) + "\n"
+            (self.work / "profile.txt").write_text(text, encoding="utf-8")
+            seconds = time.monotonic() - tic
+            self.log(f"profile: {len(batch)} runs x {PROFILE_ROUNDS} rounds in {seconds:.1f} s, profile.txt")
+        except Exception as e:  # noqa: BLE001 - the profile informs; the window's runs go on without it
+            self.log(f"profile: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
     def run_step(self, step: Step) -> None:
-        from prodigy_core import experiments, groups
         from prodigy_core import results as store
 
-        row = {
-            "step": step.name,
-            "planned": 0,
-            "done": 0,
-            "failed": 0,
-            "seconds": 0.0,
-            "status": "not started",
-        }
-        self.rows.append(row)
+        row = next((r for r in self.rows if r["step"] == step.name), None)  # a step taken up again
+        if row is None:
+            row = {"step": step.name, "planned": 0, "done": 0, "failed": 0, "seconds": 0.0,
+                   "status": "not started"}  # fmt: skip
+            self.rows.append(row)
+        self.left.pop(step.name, None)
         try:
             exp = self.experiment(step)
         except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
@@ -274,13 +436,13 @@ class Driver:
             self.log(f"== {step.name}: {row['status']}")
             return
         folder = store.experiment_dir(exp.results_name, self.results)
-        todo = [c for c in exp.configs if store.stored_record(folder, c.key()) is None]
-        row["planned"] = len(exp.configs)
-        row["done"] = len(exp.configs) - len(todo)
+        stored = {c.key() for c in exp.configs if store.stored_record(folder, c.key()) is not None}
+        todo = [c for c in exp.configs if c.key() not in stored and c.key() not in self.failed_keys]
+        row["planned"], row["done"] = len(exp.configs), len(stored)
         self.log(f"== {step.name}: {len(todo)} runs (t = {self.elapsed():.0f} s)")
         while todo:
-            size, estimate = self.next_group(todo)
-            if size == 0 or self.elapsed() + estimate > self.args.deadline:
+            batch, estimate = self.choose_group(todo)
+            if not batch:
                 if estimate > self.args.deadline:  # not even a fresh command could finish one run
                     row["status"] = "too slow"
                     self.log(f"   too slow: one run of {step.name} needs ~{estimate:.0f} s at the measured "
@@ -289,41 +451,53 @@ class Driver:
                              )  # fmt: skip
                 else:
                     row["status"] = f"stopped by the deadline ({self.args.deadline:.0f} s)"
-                    self.log(f"   deadline: the next group needs ~{estimate:.0f} s, "
-                             f"{self.elapsed():.0f} s used")  # fmt: skip
+                    self.log(f"   deadline: no run of this step fits (its cheapest ~"
+                             f"{self.cheapest(todo):.0f} s), {self.elapsed():.0f} s used")  # fmt: skip
+                self.left[step.name] = todo
                 break
-            batch = groups.make_groups(todo, size)[0]
             todo = [c for c in todo if c not in batch]
             row["status"] = "running"
             tic = time.monotonic()
-            sub = dataclasses.replace(exp, configs=batch)
-            experiments.run_grid(sub, results_dir=self.results, batch_runs=len(batch), progress=False)
+            records = self.train_group(exp, batch, folder)
+            self.groups_run += 1
             seconds = time.monotonic() - tic
             row["seconds"] += seconds
             rounds = sum(c.rounds for c in batch)
             self.rates[batch[0].dataset] = seconds / rounds
-            if estimate > 0:  # how far the last estimate was off, for the next group of this dataset
-                raw = estimate / self.margin.get(batch[0].dataset, GROUP_MARGIN)
-                self.margin[batch[0].dataset] = max(GROUP_MARGIN_MIN, seconds / raw)
-            for c in batch:
+            self.learn(batch, records)
+            for c, record in zip(batch, records, strict=True):
                 what = f"{c.variant} {c.defense} / {c.attack} beta={c.local_momentum} T={c.rounds}"
-                record = store.stored_record(folder, c.key())
                 if record is not None:
                     row["done"] += 1
                     self.log(f"   done   {what}: {record['final_accuracy']:.2f}%")
                 else:
                     row["failed"] += 1
+                    self.failed_keys.add(c.key())
                     failure = store.failure_path(folder, c.key())
                     error = (
                         json.loads(failure.read_text()).get("error", "?") if failure.exists() else "no record"
                     )
                     self.log(f"   FAILED {what}: {error}")
-            self.log(f"   group of {len(batch)} in {seconds:.1f} s (t = {self.elapsed():.0f} s)")
+            self.log(f"   group of {len(batch)} in {seconds:.1f} s (estimated {estimate:.1f} s; t = "
+                     f"{self.elapsed():.0f} s); {phase_line(batch, records)}")  # fmt: skip
             self.refresh_out()
         else:
             row["status"] = "failed" if row["failed"] else "done"
         if row["failed"] and not row["status"].startswith("failed"):
             row["status"] = f"failed ({row['status']})"
+
+    def train_group(self, exp: Any, batch: list[Any], folder: Path) -> list[dict | None]:
+        """Train `batch` (one group) of `exp` into the results; each run's record, None where it failed."""
+        from prodigy_core import experiments
+        from prodigy_core import results as store
+
+        sub = dataclasses.replace(exp, configs=batch)
+        experiments.run_grid(sub, results_dir=self.results, batch_runs=len(batch), progress=False)
+        return [store.stored_record(folder, c.key()) for c in batch]
+
+    def cheapest(self, todo: list[Any]) -> float:
+        """The estimate of the cheapest single run of `todo` (inf when none)."""
+        return min((self.estimate([c]) for c in todo), default=float("inf"))
 
     # --------------------------------------------------------------------------------- what comes home
     def refresh_out(self) -> None:
@@ -335,7 +509,7 @@ class Driver:
                 tar.add(path, arcname=f"results/{path.relative_to(self.results)}")
             if self.log_path.exists():
                 tar.add(self.log_path, arcname="log.txt")
-            for name in ("env.txt", "summary.txt", "throughput.json", "autotune.json"):
+            for name in TOP_FILES[1:]:
                 if (self.work / name).exists():
                     tar.add(self.work / name, arcname=name)
         tmp.replace(self.out / "results.tar.gz")
@@ -355,6 +529,14 @@ class Driver:
         never += [r["step"] for r in self.rows if r["status"] == "not started"]
         if final or never:
             lines.append("never started: " + (", ".join(never) if never else "none"))
+        if final:
+            used = self.elapsed()
+            left = [c for todo in self.left.values() for c in todo]
+            cheapest = f"~{self.cheapest(left):.0f} s" if left else "none left"
+            lines.append(
+                f"used {used:.0f} s of the {self.args.deadline:.0f} s deadline, unused "
+                f"{max(self.args.deadline - used, 0.0):.0f} s (the cheapest run left: {cheapest})"
+            )
         text = "\n".join(lines) + "\n"
         (self.work / "summary.txt").write_text(text, encoding="utf-8")
         (self.out / "summary.txt").write_text(text, encoding="utf-8")
@@ -395,32 +577,17 @@ def throughput(driver: Driver, rounds: int = 5) -> None:
     driver.log(f"throughput (images/s): {found}")
 
 
-def size_group(
-    step_s: dict[int, float],
-    server_s: float,
-    local_steps: int,
-    rounds: int,
-    runs: int,
-    seconds_left: float,
-    cap: int,
-    margin: float = GROUP_MARGIN,
-) -> tuple[int, float]:
-    """(size, estimated seconds) of the next group of `runs` runs of `rounds` rounds of E = `local_steps`:
-    the size R <= min(runs, cap, largest measured) with the most run-rounds per second whose estimate fits
-    `seconds_left`. Estimate: margin x rounds x (E x step_s[R'] + R x server_s), where step_s[R'] is the
-    measured local step of the smallest measured group R' >= R (one step of R' stacked runs bounds one of
-    R) and server_s one run's server side per round. (0, the estimate of one run) when not even one fits."""
-    sizes = sorted(step_s)
-
-    def estimate(r: int) -> float:
-        upper = next(s for s in sizes if s >= r)
-        return margin * rounds * (local_steps * step_s[upper] + r * server_s)
-
-    fits = [r for r in range(1, min(runs, cap, sizes[-1]) + 1) if estimate(r) <= seconds_left]
-    if not fits:
-        return 0, estimate(1)
-    best = max(fits, key=lambda r: r / estimate(r))
-    return best, estimate(best)
+def phase_line(batch: list[Any], records: list[dict | None]) -> str:
+    """The group's seconds per round by phase ("s/round: local a, craft b, aggregate c, eval d, rest e"):
+    its members' `phase_seconds` added up (each holds its share of the shared local steps and evaluations)
+    over the longest member's rounds."""
+    done = [r for r in records if r and r.get("phase_seconds")]
+    if not done:
+        return "s/round: not recorded"
+    pairs = zip(batch, records, strict=True)
+    rounds = max(max(r.get("rounds_completed") or c.rounds, 1) for c, r in pairs if r)
+    totals = {p: sum(r["phase_seconds"].get(p, 0.0) for r in done) / rounds for p in PHASES}
+    return "s/round: " + ", ".join(f"{p} {v:.4f}" for p, v in totals.items())
 
 
 def cross_device_check(driver: Driver) -> None:
@@ -519,14 +686,23 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
     cross_device_check(driver)
     driver.probe()
     driver.autotune()
+    if getattr(args, "profile_step", True):
+        driver.profile()
     driver.refresh_out()
-    for step in plan(args.profile, args.simulate):
-        if args.fail_step == step.name:  # the CI test's failing step
-            step = dataclasses.replace(step, only={"defense": ["no-such-rule"]})
-        driver.run_step(step)
-        driver.refresh_out()
-        if driver.rows[-1]["status"].startswith("stopped"):
-            break
+    steps = plan(args.profile, args.simulate)
+    while steps:  # a step the deadline stopped leaves the time left to the runs of later steps that fit,
+        ran = driver.groups_run  # and is taken up again while a pass started something (estimates change)
+        for step in steps:
+            if args.fail_step == step.name:  # the CI test's failing step
+                step = dataclasses.replace(step, only={"defense": ["no-such-rule"]})
+            driver.run_step(step)
+            driver.refresh_out()
+        stopped = {name for name in driver.left if driver.left[name]}
+        steps = (
+            [s for s in plan(args.profile, args.simulate) if s.name in stopped]
+            if driver.groups_run > ran
+            else []
+        )
     if args.profile == "mini" and not args.fail_step:
         throughput(driver)
     driver.refresh_out()
@@ -537,7 +713,8 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
 
 # ---------------------------------------------------------------------------------------------- import
 MAX_MEMBER_BYTES = 64 * 2**20  # a record is a few KB, the log a few MB: a bigger member is refused unread
-TOP_FILES = ("log.txt", "env.txt", "summary.txt", "throughput.json")  # what `Driver.refresh_out` writes
+# what `Driver.refresh_out` writes besides the records
+TOP_FILES = ("log.txt", "env.txt", "summary.txt", "throughput.json", "autotune.json", "profile.txt")
 
 
 def tar_member_kind(member: tarfile.TarInfo) -> str | None:
@@ -654,9 +831,13 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
         seconds = sum(t for t in r.get("round_times") or [] if isinstance(t, int | float))
         accuracy = r.get("final_accuracy")
         accuracy = f"{accuracy:.2f}" if isinstance(accuracy, int | float) else str(accuracy)
+        phases = r.get("phase_seconds") if isinstance(r.get("phase_seconds"), dict) else {}
+        spent = "/".join(
+            f"{phases[p]:.0f}" if isinstance(phases.get(p), int | float) else "-" for p in PHASES
+        )
         rows.append(
             f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
-            f"| {c['rounds']} | {accuracy} | {seconds:.1f} | {e.get('gpu', e.get('device'))} "
+            f"| {c['rounds']} | {accuracy} | {seconds:.1f} | {spent} | {e.get('gpu', e.get('device'))} "
             f"| {e.get('torch')} | {e.get('precision', 'fp32')} "
             f"| {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
             f"| {'yes' if current else 'no'} |"
@@ -669,10 +850,13 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
         "```\n" + env + "```\n\nThe run's summary (summary.txt; a command started with `--resume` counts the "
         "runs of the commands before it as done; their logs: log-earlier-commands.txt, when there is one):"
         "\n\n```\n" + summary + "```\n\n"
-        "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded).\n\n"
-        "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | GPU | torch | "
-        "precision | TF32 matmul/cudnn | deterministic | current |\n"
-        + "|---" * 14
+        "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded). Phases: its seconds "
+        "of local steps / attack craft / aggregation / evaluation / the rest, summed over its rounds "
+        "(`phase_seconds`; a group's members count their share of the shared local steps and evaluations; - "
+        "where the record has none).\n\n"
+        "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | phases (s) | GPU "
+        "| torch | precision | TF32 matmul/cudnn | deterministic | current |\n"
+        + "|---" * 15
         + "|\n"
         + "\n".join(rows)
         + "\n",
@@ -704,6 +888,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=16, help=sizing)
     p.add_argument("--simulate", action="store_true", help="the CPU rehearsal over a tiny digits grid")
     p.add_argument("--resume", type=Path, help="an earlier command's results.tar.gz: skip its finished runs")
+    p.add_argument("--autotune", type=Path, help="an earlier autotune.json, reused on the same GPU and "
+                   "software (default: the --resume tarball's)")  # fmt: skip
+    p.add_argument("--no-profile", dest="profile_step", action="store_false",
+                   help="skip the torch.profiler step (profile.txt)")  # fmt: skip
     p.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     p.set_defaults(tolerances=None)  # tests: the gate's tolerances (None: autotune.TOLERANCES)
     return run(p.parse_args(argv))

@@ -230,18 +230,23 @@ def iter_group(
             active = members
             for step in range(1, steps + 1):
                 tic = time.perf_counter()
+                start = active[0].st.timer.mark()
                 lrs = [m.st.resolved.lr_at(m.r - 1) for m in active]
                 with precision_mode(first.precision, device):
                     outs = training.local_steps_stacked(
                         [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs,
                         first, [m.st.streams for m in active], grad_fn, streams=[m.st.stream for m in active],
                     )  # fmt: skip
+                end = active[0].st.timer.mark()
+                for m in active:  # the local steps' time, shared equally (`training.PhaseTimer`)
+                    m.st.timer.add("local", start, end, 1 / len(active))
                 shared = _elapsed(tic, device, sync_timing) / len(active)
                 served, still = [], []
                 for m, gamma, (pseudo_grads, buffers) in zip(active, lrs, outs, strict=True):
                     try:
                         with m.own_rng():
                             tic = time.perf_counter()
+                            m.st.timer.restart()
                             ok = training.server_round(m.st, m.r, gamma, pseudo_grads, buffers)
                             if ok:
                                 m.st.result.round_times.append(shared + _elapsed(tic, device, sync_timing))
@@ -256,6 +261,7 @@ def iter_group(
                     outcome: Outcome | None = None
                     try:
                         with m.own_rng():
+                            m.st.timer.restart()
                             ok = training.end_round(m.st, m.r, scores.get(m.index))
                         if not ok or m.r == m.st.resolved.rounds:
                             outcome = training.finish_run(m.st, keep_checkpoints)
@@ -286,8 +292,12 @@ def _evaluate_due(
         part = [m for m in due if m.st.resolved.variant == variant]
         train_mode, batch_size = training.eval_settings(part[0].st.resolved)
         models, keys = [m.st.model for m in part], [m.st.streams.eval_key(m.r) for m in part]
+        start = part[0].st.timer.mark()
         with precision_mode(part[0].st.resolved.precision, part[0].st.momentum.device):
             found = training.evaluate_runs(models, part[0].st.fed, train_mode, keys, batch_size, net)
+        end = part[0].st.timer.mark()
+        for m in part:  # the evaluation's time, shared equally
+            m.st.timer.add("eval", start, end, 1 / len(part))
         scores.update({m.index: score for m, score in zip(part, found, strict=True)})
     return scores
 

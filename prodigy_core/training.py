@@ -64,6 +64,8 @@ class RunResult:
     final_loss: float | None  # mean test cross-entropy; None when diverged
     accuracy_curve: list[list[float]] = field(default_factory=list)  # [round, accuracy %]
     round_times: list[float] = field(default_factory=list)  # seconds per round (training + aggregation)
+    # seconds of local steps, attack craft, aggregation, evaluation, the rest, over all rounds (`PhaseTimer`)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     attack_params: list[float | None] = field(default_factory=list)  # attack.last_param per round
     zeroed_clients: list[list[int]] = field(default_factory=list)  # ProDiGy: weight-0 clients per round
     detection_precision: float | None = None
@@ -89,6 +91,66 @@ class RunResult:
             d["final_accuracy"] = float("nan")
         d["distance_matrices"] = {int(r): m for r, m in d.get("distance_matrices", {}).items()}
         return cls(**d)
+
+
+PHASES = ("local", "craft", "aggregate", "eval", "rest")  # `RunResult.phase_seconds`
+
+
+class PhaseTimer:
+    """Where a run's rounds go (issue 41): the seconds of its local steps, attack craft, aggregation,
+    evaluation and the rest of its rounds, each summed over the rounds into `totals` (`phase_seconds`).
+
+    `lap(phase)` adds the span since the last mark to `phase`, so the laps of a round tile it. On a GPU a mark
+    is a CUDA event and the spans are read only by `settle` (before a checkpoint or the record), after the
+    waits those already make: timing adds no wait for the device. On a CPU a mark is `time.perf_counter()`.
+    `add(..., share)` counts a share of a span that several runs of a group shared (`prodigy_core.groups`).
+    No number of the run depends on it."""
+
+    def __init__(self, device: torch.device, totals: dict[str, float]) -> None:
+        self.cuda = device.type == "cuda"
+        self.totals = totals
+        for phase in PHASES:
+            totals.setdefault(phase, 0.0)
+        self.pending: list[tuple[str, Any, Any, float]] = []  # (phase, start event, end event, share)
+        self.last = self.mark()
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def restart(self) -> None:
+        """The next lap starts now."""
+        self.last = self.mark()
+
+    def add(self, phase: str, start: Any, end: Any, share: float = 1.0) -> None:
+        if not self.cuda:
+            self.totals[phase] += (end - start) * share
+            return
+        self.pending.append((phase, start, end, share))
+        if len(self.pending) >= 1024:  # read the spans already done (`query` does not wait), free them
+            done = 0
+            while done < len(self.pending) and self.pending[done][2].query():
+                phase, start, end, share = self.pending[done]
+                self.totals[phase] += start.elapsed_time(end) / 1000 * share
+                done += 1
+            del self.pending[:done]
+
+    def lap(self, phase: str) -> None:
+        now = self.mark()
+        self.add(phase, self.last, now)
+        self.last = now
+
+    def settle(self) -> dict[str, float]:
+        """The totals, the pending CUDA spans read in (a wait for the last of them only)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for phase, start, end, share in self.pending:
+                self.totals[phase] += start.elapsed_time(end) / 1000 * share
+            self.pending.clear()
+        return self.totals
 
 
 # Tests only: `run` returns after this round (`groups.iter_group` after this step of its group) without
@@ -185,11 +247,13 @@ def run(
     with bar:  # closed before an error propagates, so that the message starts on a line of its own
         for r in range(st.start + 1, resolved.rounds + 1):
             tic = time.perf_counter()
+            st.timer.restart()
             gamma = resolved.lr_at(r - 1)
             with precision_mode(resolved.precision, device):
                 pseudo_grads, client_buffers = local_steps(
                     st.model, st.fed, resolved.local_steps, gamma, resolved, st.streams, stream=st.stream
                 )
+            st.timer.lap("local")
             if not server_round(st, r, gamma, pseudo_grads, client_buffers, on_round):
                 break
             if sync_timing and device.type == "cuda":
@@ -225,6 +289,7 @@ class RunState:
     stopped_at_nan_loss: bool = False  # authors: diverged at an evaluation, whose accuracy the record keeps
     stream: AuthorsBatchStream | None = None  # authors: the clients' batch stream (`make_batch_stream`)
     step_finite: Tensor | None = None  # the last server step's all-finite flag, unread (`server_round`)
+    timer: PhaseTimer | None = None  # where its rounds go, into result.phase_seconds (set by `start_run`)
 
 
 def start_run(
@@ -303,6 +368,7 @@ def start_run(
                 stacklevel=4,  # the caller of `run` (start_run < _run < run) or of `groups.iter_group`
             )
             return start_run(config, device, engine, checkpoint_dir, loaded, resume=False)
+    st.timer = PhaseTimer(device, st.result.phase_seconds)
     return st
 
 
@@ -337,13 +403,17 @@ def server_round(
         result.diverged, result.diverged_at, result.rounds_completed = True, r, r
         return False
     st.pipeline.new_round(parameters_to_vector(st.model.parameters()).detach())
+    st.timer.lap("rest")
     updates = server_input(momentum, f, st.attack, st.pipeline)
+    st.timer.lap("craft")
     result.attack_params.append(None if st.attack is None else _as_float(st.attack.last_param))
     if r in resolved.record_distances_at:
         result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
     if on_round is not None:
         on_round(r, updates, momentum, st.pipeline, st.attack)
+    st.timer.lap("rest")
     aggregate = st.pipeline(updates)
+    st.timer.lap("aggregate")
     rule = st.pipeline.rule
     if isinstance(rule, ProDiGy) and len(rule.last_scores.weight) == resolved.n_clients:
         zeroed = torch.nonzero(rule.last_scores.weight == 0).flatten().tolist()
@@ -360,6 +430,7 @@ def server_round(
         return False
     vector_to_parameters(theta, st.model.parameters())
     _set_server_buffers(st.model, client_buffers)
+    st.timer.lap("rest")
     return True
 
 
@@ -371,9 +442,11 @@ def end_round(st: RunState, r: int, scores: tuple[float, float, float] | None = 
     resolved, result = st.resolved, st.result
     if eval_due(resolved, r):
         if scores is None:
+            st.timer.lap("rest")
             train_mode, batch_size = eval_settings(resolved)
             with precision_mode(resolved.precision, st.momentum.device):
                 scores = evaluate(st.model, st.fed, batch_size, train_mode, st.streams.eval_key(r))
+            st.timer.lap("eval")
         result.final_accuracy, result.final_loss = scores[:2]
         if resolved.variant == "authors":
             result.authors_test_loss = scores[2]
@@ -384,6 +457,8 @@ def end_round(st: RunState, r: int, scores: tuple[float, float, float] | None = 
             result.diverged, result.diverged_at, st.stopped_at_nan_loss = True, r, True
             return False
     if st.ckpt is not None and r % resolved.checkpoint_every == 0 and r < resolved.rounds:
+        st.timer.lap("rest")
+        st.timer.settle()  # into result.phase_seconds, which the checkpoint keeps
         state = {"key": st.ckpt.stem, "round": r, "model": st.model.state_dict(), "momentum": st.momentum,
                  "pipeline": st.pipeline.state_dict(), "result": result.to_dict(), "hits": st.hits,
                  "rng": _get_rng_states(), "streams": st.streams.state_dict()}  # fmt: skip
@@ -394,6 +469,7 @@ def end_round(st: RunState, r: int, scores: tuple[float, float, float] | None = 
                 torch.save(state, fh)
         except RuntimeError as e:  # torch reports a failed write (a full disk) as a RuntimeError
             raise OSError(f"cannot write the checkpoint {st.ckpt}: {str(e).splitlines()[0]}") from e
+    st.timer.lap("rest")
     return True
 
 
@@ -412,6 +488,7 @@ def finish_run(st: RunState, keep_checkpoint: bool = False) -> RunResult:
     {0..f-1} are micro-averaged over rounds: precision = sum_t |Z_t & B| / sum_t |Z_t|, recall = sum_t
     |Z_t & B| / (T f)."""
     result, f = st.result, st.resolved.n_byzantine
+    st.timer.settle()
     if result.diverged:
         if not st.stopped_at_nan_loss:
             result.final_accuracy = diverged_accuracy(st.fed, st.resolved.variant)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from prodigy_core import training
 from prodigy_core.experiments import load_experiment
@@ -30,11 +31,13 @@ def fake_timer(resolved, fed, precision, engine, size):
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.0])
-def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scale):
+def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scale, monkeypatch):
     """Default tolerances: bf16 passes on digits (measured: 1.6-1.9% parameter difference, equal attack
-    parameters and zeroed clients) and, ten times faster, is chosen. Tolerances of 0: any rounding difference
-    fails it, and the reference is chosen although slower."""
+    parameters and zeroed clients) and, ten times faster, is chosen. Tolerances of 0 and no noise floor: any
+    rounding difference fails it, and the reference is chosen although slower."""
     config, fed = digits
+    if not scale:
+        monkeypatch.setattr(autotune, "FLOOR_FACTOR", 0.0)
     tolerances = {name: bound * scale for name, bound in autotune.TOLERANCES.items()}
     report = autotune.autotune({"digits": config}, {"digits": fed}, tolerances=tolerances, timer=fake_timer,
                                log=lambda line: None)  # fmt: skip
@@ -43,10 +46,47 @@ def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scal
     assert set(verdicts) == set(autotune.GATE_DEFENSES)
     for gate in verdicts.values():
         assert gate["precision"] == "bf16" and gate["measures"]["param_rel"] > 0  # not bitwise fp32
-        within = all(gate["measures"][k] <= v for k, v in tolerances.items())
+        assert gate["bounds"] == autotune.bounds(tolerances, tune["floor"][gate["defense"]])
+        within = all(gate["measures"][k] <= v for k, v in gate["bounds"].items())
         assert gate["accepted"] is within
     assert tune["chosen"] == {"precision": "bf16" if scale else "fp32", "engine": "batched"}
     assert tune["step_s"] == {1: (0.1 if scale else 1.0), 2: (0.2 if scale else 2.0)}  # the chosen's rates
+
+
+@pytest.mark.parametrize(("times_floor", "accepted"), [(1.5, True), (3.0, False)])
+def test_the_gate_bounds_a_candidate_by_twice_its_noise_floor_issue_41_item_4(
+    digits, monkeypatch, times_floor, accepted
+):
+    """The fp32 reference runs twice, the second on the streams of another seed (batches, dropout masks):
+    their distance is the floor that autotune.json records. With tolerances of 0 a candidate is judged by the
+    floor alone: one that differs from the reference by 1.5x the floor's parameter distance is accepted, one
+    at 3x is refused (its other measures equal the reference's)."""
+    config, fed = digits
+    real, seen = autotune.trajectory, {}
+
+    def candidate_off_by(config, fed, precision, engine, rounds, other_stream=False):
+        if precision == "fp32":
+            found = real(config, fed, precision, engine, rounds, other_stream)
+            seen[config.defense, other_stream] = found
+            return found
+        ref, twin = seen[config.defense, False], seen[config.defense, True]
+        direction = torch.randn(ref["theta"].shape, generator=torch.Generator().manual_seed(0))
+        offset = times_floor * float((twin["theta"] - ref["theta"]).norm()) * direction / direction.norm()
+        return {**ref, "theta": ref["theta"] + offset}
+
+    monkeypatch.setattr(autotune, "trajectory", candidate_off_by)
+    tolerances = dict.fromkeys(autotune.TOLERANCES, 0.0)
+    report = autotune.autotune({"digits": config}, {"digits": fed}, tolerances=tolerances, timer=fake_timer,
+                               log=lambda line: None)  # fmt: skip
+    tune = report["datasets"]["digits"]
+    for gate in tune["gate"]:
+        ref, twin = seen[gate["defense"], False], seen[gate["defense"], True]
+        floor = tune["floor"][gate["defense"]]
+        assert floor == autotune.compare(ref, twin) and floor["param_rel"] > 0  # another stream moves it
+        assert gate["bounds"]["param_rel"] == pytest.approx(2 * floor["param_rel"])
+        assert gate["measures"]["param_rel"] == pytest.approx(times_floor * floor["param_rel"])
+        assert gate["accepted"] is accepted
+    assert tune["chosen"]["precision"] == ("bf16" if accepted else "fp32")
 
 
 def test_gate_measures_are_zero_for_the_reference_against_itself(digits):
@@ -112,27 +152,47 @@ def test_paper_profile_plan(gpu_run, tmp_path):
 
 
 @pytest.mark.parametrize("seconds_left", [30.0, 100.0, 1000.0, 10**5])
-def test_a_group_sized_from_the_rates_fits_the_time_left(gpu_run, seconds_left):
+def test_a_group_sized_from_the_measured_costs_fits_the_time_left(gpu_run, tmp_path, seconds_left):
+    """`Driver.choose_group`: of the first runs' compatible ones in order, the size with the most run-rounds
+    per second whose estimate (GROUP_MARGIN x (rounds x E x step_s[R'] + each run's rounds x server side))
+    fits; when none does, the most wanted runs that fit (here: the unattacked ones, cheaper by their server
+    side); none at all: an empty group."""
+    args = argparse.Namespace(
+        simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=seconds_left
+    )
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.start = gpu_run.time.monotonic()
     step_s = {1: 0.010, 4: 0.025, 8: 0.045, 16: 0.090}  # one local step of R stacked runs
-    server_s, local_steps, rounds, margin = 0.02, 10, 800, 1.5
-    size, estimate = gpu_run.size_group(step_s, server_s, local_steps, rounds, 42, seconds_left, 16, margin)
+    driver.tune = {"femnist": {"step_s": step_s, "chosen": {"precision": "fp32", "engine": "batched"}}}
+    driver.eval_s["femnist"] = 0.0
+    configs = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs  # 800 rounds, E = 10
+    driver.server_s = {("femnist", c.defense, c.attack): 0.0 if c.attack == "none" else 0.1 for c in configs}
+    todo = sorted(configs, key=lambda c: c.attack == "none")  # the attacked runs first
 
-    def by_hand(r):  # the smallest measured group of at least r bounds a group of r
-        upper = min(s for s in step_s if s >= r)
-        return margin * rounds * (local_steps * step_s[upper] + r * server_s)
+    def by_hand(batch):
+        upper = min(s for s in step_s if s >= len(batch))
+        server = sum(0.0 if c.attack == "none" else 0.1 for c in batch)
+        return gpu_run.GROUP_MARGIN * 800 * (10 * step_s[upper] + server)
 
-    fitting = [r for r in range(1, 17) if by_hand(r) <= seconds_left]
-    if not fitting:  # 1.5 * 800 * (0.1 + 0.02) = 144 s for one run
-        assert seconds_left < 144 and size == 0 and estimate == pytest.approx(by_hand(1))
-        return
-    assert size in fitting and estimate == pytest.approx(by_hand(size)) and estimate <= seconds_left
-    assert all(size / by_hand(size) >= r / by_hand(r) for r in fitting)  # the most run-rounds per second
+    batch, estimate = driver.choose_group(todo)
+    left = seconds_left - driver.elapsed()
+    fitting = [todo[:r] for r in range(1, 17) if by_hand(todo[:r]) <= left]
+    if fitting:
+        assert batch in fitting and estimate == pytest.approx(by_hand(batch))
+        assert all(len(batch) / by_hand(batch) >= len(b) / by_hand(b) - 1e-12 for b in fitting)
+    elif by_hand([todo[-1]]) <= left:  # 1.1 x 800 x 0.1 = 88 s: an unattacked run fits alone
+        assert batch and all(c.attack == "none" for c in batch) and estimate <= left
+    else:
+        assert batch == [] and estimate == pytest.approx(by_hand(todo[:1]))
 
 
-def test_the_group_never_outgrows_the_runs_left_or_the_cap(gpu_run):
-    step_s = {1: 0.01, 16: 0.02}
-    assert gpu_run.size_group(step_s, 0.0, 1, 10, 3, 10**6, 16)[0] == 3
-    assert gpu_run.size_group(step_s, 0.0, 1, 10, 40, 10**6, 5)[0] == 5
+def test_the_group_never_outgrows_the_runs_left_or_the_cap(gpu_run, tmp_path):
+    args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=5, deadline=10**6)
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.tune = {"femnist": {"step_s": {1: 0.01, 16: 0.02}, "chosen": {"engine": "batched"}}}
+    configs = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs
+    assert len(driver.choose_group(configs[:3])[0]) == 3
+    assert len(driver.choose_group(configs)[0]) == 5
 
 
 def test_a_run_too_slow_for_the_whole_deadline_is_not_started_and_says_so(gpu_run, tmp_path, monkeypatch):
@@ -159,3 +219,42 @@ def test_a_run_too_slow_for_the_whole_deadline_is_not_started_and_says_so(gpu_ru
     assert len(lines) == len(gpu_run.plan("paper", simulate=True))
     assert "more than the whole --deadline 300 s: not started" in lines[0]
     assert not list((work / "results").rglob("*.json"))  # nothing trained
+
+
+def test_estimates_learn_from_a_group_whose_run_diverged_early(gpu_run, tmp_path):
+    """`Driver.learn`: a run that diverged at round 6 of 800 ran 6 rounds of local steps; the local factor
+    (measured / the autotune's prediction) is taken over those 6 rounds, and its kind's server side per round
+    over its own rounds."""
+    args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=500.0)
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.tune = {"femnist": {"step_s": {1: 0.01}, "chosen": {"engine": "batched"}}}
+    config = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs[0]  # E = 10, T = 800
+    phases = {"local": 2 * 6 * 10 * 0.01, "craft": 0.6, "aggregate": 0.3, "eval": 0.06, "rest": 0.3}
+    driver.learn([config], [{"phase_seconds": phases, "rounds_completed": 6}])
+    assert driver.local_factor["femnist"] == pytest.approx(2.0)
+    assert driver.server_s["femnist", config.defense, config.attack] == pytest.approx(1.2 / 6)
+    assert driver.eval_s["femnist"] == pytest.approx(0.01)
+    expected = gpu_run.GROUP_MARGIN * 800 * (2 * 10 * 0.01 + 0.2 + 0.01)
+    assert driver.estimate([config]) == pytest.approx(expected)
+
+
+def test_the_gate_stops_gating_candidates_once_the_budget_is_spent(digits, monkeypatch):
+    """The autotune's bound: once its budget is spent, no further candidate trajectory starts; a candidate
+    left out is not accepted, and the reference (fp32) is chosen although slower."""
+    import time
+
+    config, fed = digits
+    real = autotune.trajectory
+
+    def slow_reference(*args, **kwargs):
+        time.sleep(0.6)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autotune, "trajectory", slow_reference)
+    report = autotune.autotune({"digits": config}, {"digits": fed}, budget_s=1.0, timer=fake_timer,
+                               log=lambda line: None)  # fmt: skip
+    tune = report["datasets"]["digits"]
+    assert tune["gate"] and all(
+        not g["accepted"] and "budget" in g["measures"]["error"] for g in tune["gate"]
+    )
+    assert tune["chosen"]["precision"] == "fp32" and set(tune["floor"]) == set(autotune.GATE_DEFENSES)

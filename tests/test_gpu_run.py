@@ -65,6 +65,9 @@ def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run,
             tar.extractfile(next(m for m in tar.getmembers() if m.name.startswith("results/")))
         )
     assert record["environment"]["device"] == "cpu"
+    assert list(record["phase_seconds"]) == ["local", "craft", "aggregate", "eval", "rest"]  # issue 41 item 1
+    assert record["phase_seconds"]["local"] > 0 and record["phase_seconds"]["eval"] > 0
+    assert "used " in (out / "summary.txt").read_text()
     with tarfile.open(out / "results.tar.gz") as tar:  # the autotune and its gate came home
         tune = json.load(tar.extractfile("autotune.json"))["datasets"]["digits"]
     tried = {(t["precision"], t["engine"]) for t in tune["timings"]}
@@ -146,3 +149,133 @@ def test_resume_skips_the_runs_an_earlier_command_finished(gpu_run, tmp_path, da
     trained = {line for line in log.splitlines() if line.strip().startswith("done ")}
     assert len(trained) == len(finished_keys(work)) - len(before)  # only the runs not finished before
     assert tarball_keys(out) == finished_keys(work) >= before
+
+
+# ------------------------------------------------------------------------ issue 41: estimates, autotune reuse
+TRUE_STEP_S = {1: 0.5, 2: 0.75}  # one local step of a group of R runs, as the fake machine takes it
+TRUE_SERVER_S = {("prodigy", "alie"): 1.0, ("prodigy", "sf"): 0.5, ("nnm+trimmed_mean", "alie"): 2.5,
+                 ("nnm+trimmed_mean", "sf"): 0.5, ("none", "alie"): 0.25, ("none", "sf"): 0.0}  # fmt: skip
+GATE_KINDS = {("prodigy", "alie"), ("nnm+trimmed_mean", "alie")}  # the autotune's gate measures these
+
+
+def true_seconds(batch) -> float:
+    local = max(c.rounds for c in batch) * batch[0].local_steps * TRUE_STEP_S[len(batch)]
+    return local + sum(c.rounds * TRUE_SERVER_S[c.defense, c.attack] for c in batch)
+
+
+def fake_window(gpu_run, monkeypatch, tune_step_s):
+    """A window on a fake machine: a clock that only the fake training moves, a group taking `true_seconds`,
+    and an autotune that reports `tune_step_s` and the gate's kinds at their true server cost. Returns the
+    groups trained: [(configs, seconds)]."""
+    from benchmarks import autotune
+    from prodigy_core import results as store
+    from prodigy_core.training import RunResult
+
+    now, trained = [0.0], []
+    monkeypatch.setattr(gpu_run.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(gpu_run, "cross_device_check", lambda driver: None)
+    monkeypatch.setattr(gpu_run.Driver, "probe", lambda self: None)
+    gate = {f"{d}/{a}": TRUE_SERVER_S[d, a] for d, a in GATE_KINDS}
+    tune = {"chosen": {"precision": "fp32", "engine": "batched"}, "timings": [], "gate": [],
+            "step_s": tune_step_s, "server_s": gate}  # fmt: skip
+    monkeypatch.setattr(autotune, "autotune", lambda *a, **k: {"datasets": {"digits": tune}})
+
+    def train_group(self, exp, batch, folder):
+        records = []
+        for c in batch:
+            server = c.rounds * TRUE_SERVER_S[c.defense, c.attack]
+            local = max(b.rounds for b in batch) * c.local_steps * TRUE_STEP_S[len(batch)] / len(batch)
+            phases = {"local": local, "craft": server / 2, "aggregate": server / 2, "eval": 0.0, "rest": 0.0}
+            result = RunResult(config=c.to_dict(), final_accuracy=50.0, final_loss=1.0,
+                               rounds_completed=c.rounds, phase_seconds=phases)  # fmt: skip
+            store.save_record(folder, c.key(), result.to_dict(), exp.results_name)
+            records.append(store.stored_record(folder, c.key()))
+        now[0] += true_seconds(batch)
+        trained.append((batch, true_seconds(batch)))
+        return records
+
+    monkeypatch.setattr(gpu_run.Driver, "train_group", train_group)
+    return trained
+
+
+def test_the_schedule_fills_the_window_from_measured_costs_issue_41_item_2(
+    gpu_run, tmp_path, data, monkeypatch
+):
+    """A fake clock and fake costs. The autotune's local step is half the true one and most kinds' server side
+    is unknown at first: after the first group the estimates are the measured costs (x GROUP_MARGIN), no group
+    overruns the deadline, a step the deadline stops leaves its time to later steps' runs that fit, and the
+    window ends with less time unused than its cheapest remaining run needs, as summary.txt says."""
+    trained = fake_window(gpu_run, monkeypatch, {1: 0.25, 2: 0.375})
+    deadline = 35  # 6 of the 8 runs fit
+    code, out, work = simulate(gpu_run, tmp_path, data, "--deadline", str(deadline), "--no-profile")
+    assert code == 0
+    used = sum(seconds for _, seconds in trained)
+    assert trained and used <= deadline
+    lines = [x for x in (work / "log.txt").read_text().splitlines() if x.strip().startswith("group of")]
+    estimates = [float(x.split("estimated ")[1].split(" s")[0]) for x in lines]
+    assert len(estimates) == len(trained)
+    known = set(GATE_KINDS)
+    for i, ((batch, seconds), estimate) in enumerate(zip(trained, estimates, strict=True)):
+        if i > 0 and {(c.defense, c.attack) for c in batch} <= known:
+            assert estimate == pytest.approx(gpu_run.GROUP_MARGIN * seconds, rel=0.01)  # measured, corrected
+        known |= {(c.defense, c.attack) for c in batch}
+    rows = summary_rows(out)
+    order = [s.name for s in gpu_run.plan("paper", simulate=True)]
+    stopped = [n for n in order if rows[n][4].startswith("stopped by the deadline")]
+    assert stopped and any(int(rows[n][1]) > 0 for n in order[order.index(stopped[0]) + 1 :])  # filled later
+    line = next(x for x in (out / "summary.txt").read_text().splitlines() if x.startswith("used "))
+    unused = float(line.split("unused ")[1].split(" s")[0])
+    cheapest = float(line.split("left: ~")[1].split(" s")[0])
+    assert unused == pytest.approx(deadline - used, abs=1) and unused < cheapest
+    done, driver = finished_keys(work), gpu_run.Driver(gpu_run_args(gpu_run, data), work)
+    left = [c for s in gpu_run.plan("paper", simulate=True) for c in driver.experiment(s).configs
+            if c.key() not in done]  # fmt: skip
+    assert left and deadline - used < min(true_seconds([c]) for c in left)  # no run that fitted was left out
+
+
+def test_an_earlier_autotune_is_reused_on_the_same_gpu_and_software_issue_41_item_3(
+    gpu_run, tmp_path, data, monkeypatch
+):
+    """--autotune FILE, and the --resume tarball's autotune.json, are reused when the GPU, torch, CUDA, cuDNN
+    and tuned code match: the autotune is not run again and the window runs at the reused choice. Another
+    torch in the file: refused with the reason, and the autotune runs here (at most 45 s)."""
+    from benchmarks import autotune
+
+    code, first, _ = simulate(gpu_run, tmp_path / "1", data, "--deadline", "1", "--no-profile")
+    with tarfile.open(first / "results.tar.gz") as tar:
+        report = json.load(tar.extractfile("autotune.json"))
+    assert report["fingerprint"]["code"] and report["datasets"]["digits"]["floor"]
+    calls = []
+    real = autotune.autotune
+    monkeypatch.setattr(autotune, "autotune", lambda *a, **k: calls.append(1) or real(*a, **k))
+    given = tmp_path / "autotune.json"
+    given.write_text(json.dumps(report))
+    for extra in (["--autotune", str(given)], ["--resume", str(first / "results.tar.gz")]):
+        code, out, work = simulate(gpu_run, tmp_path / extra[0].strip("-"), data, "--deadline", "1", *extra)
+        assert code == 0 and not calls
+        assert "autotune: reused from" in (work / "log.txt").read_text()
+        assert json.loads((work / "autotune.json").read_text())["datasets"] == report["datasets"]
+    report["fingerprint"]["torch"] = "0.0.1"
+    given.write_text(json.dumps(report))
+    code, out, work = simulate(gpu_run, tmp_path / "3", data, "--deadline", "1", "--autotune", str(given))
+    assert code == 0 and calls == [1]
+    assert f"autotune: {given} not reused: another torch '0.0.1'" in (work / "log.txt").read_text()
+    assert autotune.BUDGET_S <= 45
+
+
+def test_import_keeps_the_autotune_and_the_profile_issue_41_finding_6(gpu_run, tmp_path, data):
+    """The window's autotune.json and profile.txt (torch.profiler's top ops) come home in the tarball and the
+    import writes them beside PROVENANCE.md; every record carries its phases into PROVENANCE.md."""
+    code, out, work = simulate(gpu_run, tmp_path, data)
+    assert code == 0
+    profile = (work / "profile.txt").read_text()
+    assert "top 25 CPU ops" in profile and "aten::" in profile
+    gpu_run.import_results(out / "results.tar.gz", tmp_path / "results", tmp_path / "figures")
+    figures = tmp_path / "figures" / "gpu"
+    assert json.loads((figures / "autotune.json").read_text())["datasets"]["digits"]["chosen"]
+    assert (figures / "profile.txt").read_text() == profile
+    provenance = (figures / "PROVENANCE.md").read_text()
+    assert "| phases (s) |" in provenance
+    assert all(
+        line.count("/") >= 4 for line in provenance.splitlines() if "| quickstart_digits-smoke |" in line
+    )

@@ -317,3 +317,61 @@ def test_a_compiled_step_is_built_once_per_process_and_architecture():
     assert training.per_client_grad(make_model("digits").eval(), compiled=True) is not first
     eager = training.per_client_grad(make_model("digits").train())
     assert eager is not training.per_client_grad(make_model("digits").train()) and not eager.compiled
+
+
+# ------------------------------------------------------------------------------- where a round goes (41)
+SLEEP = {"craft": 0.04, "aggregate": 0.03, "eval": 0.05}
+
+
+def _slowed(monkeypatch):
+    """Each attack craft, aggregation and evaluation made slower by a known sleep (`SLEEP`)."""
+    import time
+
+    from prodigy_core.aggregators import Pipeline
+
+    real_input, real_call, real_eval = training.server_input, Pipeline.__call__, training.evaluate_runs
+
+    def slow(seconds, fn):
+        def wrapped(*args, **kwargs):
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def server_input(momentum, f, attack, pipeline):  # a craft only where there is an attack
+        return (slow(SLEEP["craft"], real_input) if attack else real_input)(momentum, f, attack, pipeline)
+
+    monkeypatch.setattr(training, "server_input", server_input)
+    monkeypatch.setattr(Pipeline, "__call__", slow(SLEEP["aggregate"], real_call))
+    monkeypatch.setattr(training, "evaluate_runs", slow(SLEEP["eval"], real_eval))
+
+
+def test_a_record_says_where_its_rounds_went_issue_41_item_1(monkeypatch):
+    """`phase_seconds`: local steps, attack craft, aggregation, evaluation and the rest, summed over rounds.
+    Each phase holds its own known sleep, not another's, and the phases add up to the rounds' time."""
+    _slowed(monkeypatch)
+    config = tiny(n_byzantine=2, attack="alie", defense="prodigy", rounds=4, eval_every=2, local_steps=1)
+    result = run(config, progress=False)
+    phases = result.phase_seconds
+    assert list(phases) == list(training.PHASES)
+    assert json.loads(json.dumps(result.to_dict()))["phase_seconds"] == pytest.approx(phases)
+    rounds, evaluations = 4, 2  # an attack's search calls the pipeline too: aggregate only counts the last
+    assert SLEEP["craft"] * rounds <= phases["craft"] < SLEEP["craft"] * rounds + 2.0
+    assert SLEEP["aggregate"] * rounds <= phases["aggregate"] < SLEEP["aggregate"] * (rounds + 1)
+    assert SLEEP["eval"] * evaluations <= phases["eval"] < SLEEP["eval"] * (evaluations + 1)
+    timed = sum(result.round_times) + phases["eval"]  # round_times: from the local steps to the server step
+    assert timed <= sum(phases.values()) <= timed + 0.1
+
+
+def test_a_group_member_records_its_share_of_the_shared_phases(monkeypatch):
+    """In a group the local steps and evaluations are shared: each member counts its share, so the members'
+    evaluations add up to the group's (one pass each time), and only the attacked member crafts."""
+    from prodigy_core import groups
+
+    _slowed(monkeypatch)
+    base = tiny(n_byzantine=2, rounds=2, eval_every=2, local_steps=1, engine="batched")
+    records = groups.run_group([base.replace(attack="alie"), base.replace(attack="none")])
+    attacked, clean = (r.phase_seconds for r in records)
+    assert attacked["craft"] >= SLEEP["craft"] * 2 > clean["craft"]
+    assert SLEEP["eval"] <= attacked["eval"] + clean["eval"] < 2 * SLEEP["eval"]
+    assert attacked["local"] == pytest.approx(clean["local"])
