@@ -31,6 +31,7 @@ from torch.nn.utils import parameters_to_vector
 from prodigy_core import training
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
+from prodigy_core.groups import GROUPED_PRECISIONS
 from prodigy_core.models import make_model
 from prodigy_core.seeding import precision_mode, resolve_device
 from prodigy_core.streams import ClientStreams
@@ -249,7 +250,9 @@ def autotune(
         budget = budget_s * TIMING_SHARE * (list(configs).index(dataset) + 1) / len(configs)
         for engine in space["engine"]:
             for precision in space["precision"]:
-                for size in space["size"]:
+                # bf16 and tf32 runs never share a group (groups.GROUPED_PRECISIONS): timed alone
+                sizes = space["size"] if precision in GROUPED_PRECISIONS else space["size"][:1]
+                for size in sizes:
                     row: dict[str, Any] = {"precision": precision, "engine": engine, "size": size}
                     needed = COMPILE_S if engine == "compiled" else 0.0
                     over = time.perf_counter() - tic + needed > budget

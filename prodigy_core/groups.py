@@ -32,6 +32,11 @@ GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data
 CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
+# The precisions whose runs share groups: a grouped run's record is the one it gets alone only where the
+# stacked step rounds as one run's does (fp32; see group_key). The GPU autotune times the others alone.
+GROUPED_PRECISIONS = ("fp32",)
+
+
 def group_key(config: RunConfig) -> tuple | None:
     """Runs with equal keys can share a group; None: the run trains alone (its engine is `sequential`).
 
@@ -49,7 +54,7 @@ def group_key(config: RunConfig) -> tuple | None:
     run's (a bf16 run grouped ended 0.56 points from the same run alone after 3 rounds), so each such run
     trains alone and its record is the one it gets alone (docs/usage.md)."""
     resolved = config.resolved()
-    if resolved.precision != "fp32":
+    if resolved.precision not in GROUPED_PRECISIONS:
         return None
     try:
         device = resolve_device(resolved.device)
