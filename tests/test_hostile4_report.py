@@ -2,11 +2,12 @@
 resume of bad tarballs, the scripts' and notebooks' arguments. One regression test per finding, each against
 an independent expectation (hand-made frames and tarballs, the file system after the fault)."""
 
-import importlib
+import argparse
+import gzip
 import io
 import json
-import sys
 import tarfile
+import time
 import types
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pandas as pd
 import pytest
 
 from prodigy_core import report, results
-from prodigy_core.config import ConfigError
+from prodigy_core.experiments import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = {"rows": "defense", "columns": "attack", "figures": ["heatmap"]}
@@ -87,3 +88,266 @@ def test_42_5_a_bf16_report_says_so_in_its_title_and_file_names(tmp_path):
     fp32 = report.write_report(experiment(), runs(final_accuracy=[90.0]), tmp_path)  # no precision column
     assert (tmp_path / "fab.md").read_text().startswith("# Fabricated table (variant: paper)\n")
     assert "fab.md" in {p.name for p in fp32} and (tmp_path / "fab_bf16.md").exists()  # never overwritten
+
+
+# ---------------------------------------- 8-10, 15-21, 26, 27, 35: the GPU driver's import and resume
+
+FOLDER = "results/quickstart_digits-smoke"
+
+
+def quick(
+    precision: str = "fp32", n: int = 2, accuracy: float = 50.0, start: int = 0
+) -> list[tuple[str, dict]]:
+    """(member name, record) of `n` runs of the smoke quickstart at `precision`, as the driver stores them."""
+    exp = load_experiment("quickstart_digits", scale="smoke", fields={"precision": precision})
+    out = []
+    for i, c in enumerate(exp.configs[start : start + n]):
+        record = {"key": c.key(), "experiment": exp.name, "status": "done", "config": c.resolved().to_dict(),
+                  "final_accuracy": accuracy + i, "accuracy_curve": [[1, accuracy + i]], "round_times": [0.5],
+                  "environment": {"device": "cpu", "precision": precision}}  # fmt: skip
+        out.append((f"{FOLDER}/{c.key()}.json", record))
+    return out
+
+
+def write_tar(path: Path, members: list[tuple[str, str | bytes | dict]]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, content in members:
+            data = json.dumps(content).encode() if isinstance(content, dict) else content
+            data = data.encode() if isinstance(data, str) else data
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def provenance_rows(figures: Path) -> list[list[str]]:
+    text = (figures / "gpu" / "PROVENANCE.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| quickstart")]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in rows]
+
+
+@pytest.fixture
+def roots(tmp_path):
+    return tmp_path / "results", tmp_path / "figures"
+
+
+def test_42_8_import_reports_the_bf16_records_of_a_folder_holding_both_precisions(gpu_run, tmp_path, roots):
+    members = quick("fp32", accuracy=70.0) + quick("bf16", accuracy=20.0)
+    gpu_run.import_results(write_tar(tmp_path / "r.tar.gz", members), *roots)
+    assert len(list((roots[0] / "gpu").rglob("*.json"))) == 4
+    smoke = roots[1] / "gpu" / "smoke"
+    fp32 = report.markdown_cells((smoke / "quickstart_digits.md").read_text())
+    bf16 = report.markdown_cells((smoke / "quickstart_digits_bf16.md").read_text())
+    assert sorted(v.strip("*") for v in fp32.values() if v != "–") == ["70.00", "71.00"]
+    assert sorted(v.strip("*") for v in bf16.values() if v != "–") == ["20.00", "21.00"]
+
+
+def resume_without_training(gpu_run, monkeypatch, tmp_path, tarball: Path) -> Path:
+    """`gpu_run.py --simulate --resume tarball` up to its first tarball (no probe, no autotune, no run)."""
+
+    def drive(driver, args, work):
+        driver.refresh_out()
+        return 0
+
+    monkeypatch.setattr(gpu_run, "drive", drive)
+    out = tmp_path / "out"
+    argv = ["--simulate", "--data", str(tmp_path / "none"), "--out", str(out), "--work", str(tmp_path / "w"),
+            "--resume", str(tarball)]  # fmt: skip
+    assert gpu_run.main(argv) == 0
+    return out / "results.tar.gz"
+
+
+def test_42_9_resume_keeps_the_earlier_commands_log_env_summary_and_autotune(gpu_run, tmp_path, monkeypatch):
+    earlier = [("log.txt", "trained run A\n"), ("env.txt", "gpu: H100\n"), ("summary.txt", "step | 1 done\n"),
+               ("autotune.json", '{"chosen": "bf16"}'), *quick("fp32", n=1)]  # fmt: skip
+    first = resume_without_training(
+        gpu_run, monkeypatch, tmp_path / "1", write_tar(tmp_path / "a.tar.gz", earlier)
+    )
+    with tarfile.open(first) as tar:
+        kept = tar.extractfile(gpu_run.EARLIER_LOG).read().decode()
+        assert sum(m.name.startswith("results/") for m in tar.getmembers()) == 1
+    for text in (
+        "trained run A",
+        "gpu: H100",
+        "step | 1 done",
+        '{"chosen": "bf16"}',
+        str(tmp_path / "a.tar.gz"),
+    ):
+        assert text in kept
+    second = resume_without_training(gpu_run, monkeypatch, tmp_path / "2", first)  # a resume of a resume
+    with tarfile.open(second) as tar:
+        chained = tar.extractfile(gpu_run.EARLIER_LOG).read().decode()
+    assert chained.startswith(kept.rstrip("\n")) and chained.count("===== an earlier command") == 2
+    assert "resumed from" in chained.split("===== an earlier command")[2]  # the first resume's own log
+
+
+def test_42_10_a_duplicated_member_is_imported_once_with_a_warning(gpu_run, tmp_path, roots, capsys):
+    ((name, record),) = quick("fp32", n=1, accuracy=40.0)
+    tarball = write_tar(tmp_path / "r.tar.gz", [(name, record), (name, {**record, "final_accuracy": 99.0})])
+    gpu_run.import_results(tarball, *roots)
+    err = capsys.readouterr().err
+    assert f"skipped {name!r}: a second member of this name" in err
+    stored = json.loads((roots[0] / "gpu" / Path(name).relative_to("results")).read_text())
+    assert stored["final_accuracy"] == 40.0
+    assert len(provenance_rows(roots[1])) == 1
+
+
+@pytest.mark.parametrize("kind", ["missing", "not a tar", "empty", "results root is a file"])
+def test_42_15_import_of_a_bad_file_or_into_a_file_is_one_line(gpu_run, tmp_path, roots, capsys, kind):
+    tarball = tmp_path / "r.tar.gz"
+    if kind == "not a tar":
+        tarball.write_text("hello")
+    elif kind == "empty":
+        tarball.write_bytes(b"")
+    elif kind == "results root is a file":
+        write_tar(tarball, quick(n=1))
+        roots[0].write_text("a file")
+    argv = ["import", str(tarball), "--results-root", str(roots[0]), "--figures-root", str(roots[1])]
+    assert gpu_run.main(argv) == gpu_run.EXIT_PREFLIGHT
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gpu_run import: error: ") and "\n" not in err, err
+    assert not (roots[1] / "gpu").exists()
+
+
+def test_42_16_a_stale_record_with_a_partial_config_is_listed(gpu_run, tmp_path, roots):
+    config = {"dataset": "digits", "n_clients": 6, "n_byzantine": 1, "defense": "average", "attack": "none"}
+    stale = {"key": "0123456789abcdef", "status": "done", "config": config, "final_accuracy": 50.0}
+    gpu_run.import_results(
+        write_tar(tmp_path / "r.tar.gz", [(f"{FOLDER}/0123456789abcdef.json", stale)]), *roots
+    )
+    (row,) = provenance_rows(roots[1])
+    assert row[:4] == ["quickstart_digits-smoke", "paper", "average", "none"] and row[-1] == "no"
+
+
+def test_42_17_a_record_without_data_source_is_reported(gpu_run, tmp_path, roots, capsys):
+    ((name, record),) = quick(n=1, accuracy=30.0)
+    config = {k: v for k, v in record["config"].items() if k != "data_source"}
+    gpu_run.import_results(write_tar(tmp_path / "r.tar.gz", [(name, {**record, "config": config})]), *roots)
+    table = (roots[1] / "gpu" / "smoke" / "quickstart_digits.md").read_text()
+    assert "30.00" in table
+
+
+@pytest.mark.parametrize("folder", ["results/nosuch-mini", "results/quickstart_digits-huge"])
+def test_42_18_an_unknown_folder_or_scale_is_skipped_before_anything_is_written(
+    gpu_run, tmp_path, roots, capsys, folder
+):
+    ((name, record),) = quick(n=1)
+    bad = name.replace(FOLDER, folder)
+    tarball = write_tar(tmp_path / "r.tar.gz", [(bad, record), (name, record)])
+    assert gpu_run.main(["import", str(tarball), "--results-root", str(roots[0]), "--figures-root",
+                         str(roots[1])]) == 0  # fmt: skip
+    assert f"skipped {bad!r}: results folder {Path(folder).name!r}" in capsys.readouterr().err
+    assert not (roots[0] / "gpu" / Path(folder).name).exists()
+    assert (roots[1] / "gpu" / "smoke" / "quickstart_digits.md").exists()  # the good folder still reported
+
+
+@pytest.mark.parametrize("field, value", [("environment", ["odd"]), ("environment", "x|y\nz"),
+                                          ("round_times", 5), ("round_times", {"a": 1})])  # fmt: skip
+def test_42_19_odd_environment_or_round_times_fields_still_give_a_provenance(
+    gpu_run, tmp_path, roots, field, value
+):
+    ((name, record),) = quick(n=1)
+    record[field] = value
+    assert results.check_record(record, Path(name)) is None  # the store accepts it
+    gpu_run.import_results(write_tar(tmp_path / "r.tar.gz", [(name, record)]), *roots)
+    (row,) = provenance_rows(roots[1])
+    assert len(row) == 14 and row[7] == ("n/a" if field == "round_times" else "0.5")
+
+
+def truncated(tmp_path: Path) -> Path:
+    whole = write_tar(tmp_path / "whole.tar.gz", [*quick(n=4), ("log.txt", "x" * 50_000)])
+    cut = tmp_path / "cut.tar.gz"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    return cut
+
+
+def test_42_20_a_truncated_resume_tarball_stops_in_the_preflight(gpu_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--simulate", "--data", str(tmp_path / "none"), "--out", str(out), "--work", str(tmp_path / "w"),
+            "--resume", str(truncated(tmp_path))]  # fmt: skip
+    assert gpu_run.main(argv) == gpu_run.EXIT_PREFLIGHT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gpu_run: error: --resume ") and "truncated" in err[-1]
+    assert not out.exists()
+
+
+def test_42_20_b_a_truncated_tarball_imports_nothing(gpu_run, tmp_path, roots, capsys):
+    argv = [
+        "import",
+        str(truncated(tmp_path)),
+        "--results-root",
+        str(roots[0]),
+        "--figures-root",
+        str(roots[1]),
+    ]
+    assert gpu_run.main(argv) == gpu_run.EXIT_PREFLIGHT
+    assert not roots[0].exists() and not roots[1].exists()
+
+
+def test_42_21_a_tarball_that_expands_past_the_cap_is_refused_before_it_is_read(
+    gpu_run, tmp_path, roots, capsys
+):
+    info = tarfile.TarInfo("log.txt")  # a header declaring 10 GB, its content never sent
+    info.size = 10 * 2**30
+    bomb = tmp_path / "bomb.tar.gz"
+    with gzip.open(bomb, "wb") as fh:
+        fh.write(info.tobuf(format=tarfile.GNU_FORMAT) + b"\0" * 10_000)
+    argv = ["import", str(bomb), "--results-root", str(roots[0]), "--figures-root", str(roots[1])]
+    tic = time.monotonic()
+    assert gpu_run.main(argv) == gpu_run.EXIT_PREFLIGHT
+    assert time.monotonic() - tic < 10
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"expands past {gpu_run.MAX_TOTAL_BYTES:,} bytes" in err
+    # many members each under the member cap: their sum counts (the cap made small to keep the test small)
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(gpu_run, "MAX_TOTAL_BYTES", 20_000)
+    try:
+        many = write_tar(
+            tmp_path / "many.tar.gz", [*quick(n=1), *[(f"log{i}.txt", "x" * 4000) for i in range(8)]]
+        )
+        assert gpu_run.main(["import", str(many), *argv[2:]]) == gpu_run.EXIT_PREFLIGHT
+    finally:
+        monkeypatch.undo()
+    assert "expands past 20,000 bytes" in capsys.readouterr().err
+    assert not roots[0].exists() and not (roots[1] / "gpu").exists()
+
+
+BAD_ARGUMENTS = [("--group-size", "0"), ("--group-size", "-2"), ("--group-size", "x"), ("--deadline", "0"),
+                 ("--deadline", "nan"), ("--deadline", "-5")]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, value", BAD_ARGUMENTS)
+def test_42_26_a_group_size_or_deadline_that_trains_nothing_is_a_usage_error(
+    gpu_run, tmp_path, capsys, flag, value
+):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        gpu_run.main(["--simulate", "--data", str(tmp_path), "--out", str(out), flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value!r}" in err and "usage:" in err
+    assert not out.exists()
+
+
+def test_42_27_when_no_run_fits_the_deadline_the_command_fails_and_names_the_steps(gpu_run, tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    args = argparse.Namespace(simulate=True, profile="paper", out=out, group_size=1, deadline=1.0)
+    driver = gpu_run.Driver(args, work)
+    steps = [s.name for s in gpu_run.plan("paper", simulate=True)]
+    driver.rows = [{"step": s, "planned": 3, "done": 0, "failed": 0, "seconds": 0.0, "status": "too slow"}
+                   for s in steps]  # fmt: skip
+    driver.write_summary(final=True)
+    assert driver.failed()
+    assert f"never started: {', '.join(steps)}" in (out / "summary.txt").read_text()
+    driver.rows[0].update(status="done", done=3, seconds=5.0)  # one step trained: the others are reported
+    assert not driver.failed()
+
+
+def test_42_35_provenance_takes_the_precision_from_the_key_not_the_environment(gpu_run, tmp_path, roots):
+    ((name, record),) = quick("bf16", n=1)
+    record["environment"]["precision"] = "fp32"  # what a record's environment may claim
+    gpu_run.import_results(write_tar(tmp_path / "r.tar.gz", [(name, record)]), *roots)
+    (row,) = provenance_rows(roots[1])
+    assert row[10] == "bf16"
