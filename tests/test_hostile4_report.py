@@ -4,6 +4,7 @@ an independent expectation (hand-made frames and tarballs, the file system after
 
 import argparse
 import gzip
+import importlib.util
 import io
 import json
 import tarfile
@@ -15,6 +16,7 @@ import pandas as pd
 import pytest
 
 from prodigy_core import report, results
+from prodigy_core.config import ConfigError
 from prodigy_core.experiments import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,3 +353,94 @@ def test_42_35_provenance_takes_the_precision_from_the_key_not_the_environment(g
     gpu_run.import_results(write_tar(tmp_path / "r.tar.gz", [(name, record)]), *roots)
     (row,) = provenance_rows(roots[1])
     assert row[10] == "bf16"
+
+
+# ---------------------------------------------------------------- 30, 31: the notebooks' parameters
+
+
+def test_42_30_the_explorer_notebook_refuses_an_unknown_scale():
+    from prodigy_core.explorer import notebook_rounds
+
+    with pytest.raises(ValueError, match=r"scale='huge' is unknown; valid: smoke, interactive, mini, paper"):
+        notebook_rounds("huge")
+    assert [notebook_rounds(s) for s in ("smoke", "interactive", "mini", "paper")] == [3, 30, 20, 20]
+    assert notebook_rounds("smoke", 7) == 7
+    nb = json.loads((ROOT / "notebooks" / "explore_attacks.ipynb").read_text())
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert any("rounds = notebook_rounds(scale, rounds)" in src for src in code)  # the notebook asks it
+
+
+def test_42_31_a_single_row_value_selects_like_a_list_and_an_empty_list_is_named():
+    from prodigy_core.experiments import select
+
+    exp = load_experiment("quickstart_digits", scale="paper")
+    one = select(exp, {"defense": "prodigy", "attack": ["none", "sf"]})  # interactive_rows="prodigy"
+    assert [c.key() for c in one.configs] == [
+        c.key() for c in select(exp, {"defense": ["prodigy"], "attack": ["none", "sf"]}).configs
+    ]
+    assert len(one.configs) == 2
+    with pytest.raises(
+        ConfigError, match=r"--only attack: no value given \(an empty list\); give one or more of: "
+    ):
+        select(exp, {"defense": ["prodigy"], "attack": []})  # interactive_columns=[]
+
+
+# ---------------------------------------------------------------- 32-34: the scripts' arguments
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def run_grid(*args, **kwargs):
+        raise AssertionError("trained before checking its arguments")
+
+    monkeypatch.setattr("prodigy_core.experiments.run_grid", run_grid)
+
+
+BAD_COUNTS = [
+    ("precision_check", ["--seeds", "0"], "--seeds"),
+    ("precision_check", ["--jobs", "abc"], "--jobs"),
+    ("alie_z_sensitivity", ["--rounds", "0"], "--rounds"),
+    ("alie_z_sensitivity", ["--seeds", "0"], "--seeds"),
+]
+
+
+@pytest.mark.parametrize("name, argv, flag", BAD_COUNTS)
+def test_42_32_a_bad_count_is_a_usage_line(name, argv, flag, capsys, no_training):
+    with pytest.raises(SystemExit) as e:
+        script(name).main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and f"argument {flag}: " in err and "Traceback" not in err
+
+
+def test_42_33_one_seed_is_refused_and_a_cell_without_a_standard_error_is_not_marked(capsys, no_training):
+    module = script("precision_check")
+    with pytest.raises(SystemExit):
+        module.main(["--seeds", "1"])
+    assert "at least 2 seeds" in capsys.readouterr().err
+    frame = pd.DataFrame({"defense": ["prodigy"] * 2, "attack": ["none", "alie"], "seed": [0, 0],
+                          "final_accuracy": [80.0, 60.0]})  # fmt: skip
+    cells, rows = module.compare(frame, frame)  # one seed, equal at both precisions
+    text = module.markdown(cells, rows, seeds=1)
+    assert "nan" not in text and "| prodigy | alie | 60.00 | 60.00 | +0.00 | n/a | n/a |" in text
+
+
+@pytest.mark.parametrize("name", ["precision_check", "alie_z_sensitivity"])
+def test_42_34_an_unwritable_out_is_refused_before_training(name, tmp_path, capsys, no_training):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = blocker / ("figures" if name == "precision_check" else "table.md")  # under a file: unwritable
+    with pytest.raises(SystemExit) as e:
+        script(name).main(["--seeds", "2", "--out", str(out)])
+    assert e.value.code == 2 and f"--out {out}: cannot write there" in capsys.readouterr().err
+    if name == "alie_z_sensitivity":  # a folder where the table file goes
+        with pytest.raises(SystemExit):
+            script(name).main(["--out", str(tmp_path)])
+        assert "a folder; give the file to write" in capsys.readouterr().err
