@@ -10,7 +10,6 @@ folder layout is `experiment_dir`'s.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import socket
@@ -485,6 +484,7 @@ def data_source_of(df: pd.DataFrame | None) -> str | None:
 # A cell of a table or of a comparison with the paper is a mean over seeds only (docs/semantics.md, "Reports
 # and the GPU driver's import"): these fields may differ among its runs, every other config field may not.
 SEED_FIELDS = ("seed", "data_seed")
+MISSING_MEANS = {"precision": "fp32", "variant": "paper"}  # a record without these fields predates them
 
 
 def precisions_in(df: pd.DataFrame) -> list[str]:
@@ -500,20 +500,19 @@ def check_one_setting_per_cell(df: pd.DataFrame, cell: list[str], fix: str) -> N
     """ValueError naming the first config field (other than `cell`'s and `SEED_FIELDS`) that differs among
     the runs of one cell, the runs grouped by the columns `cell`, so that a cell never averages over it;
     `fix` says what to do (put the field in the layout, report one value at a time). A value missing from a
-    record (a field newer than it) counts as the field's default."""
-    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(RunConfig)}  # fmt: skip
+    record (None: a field newer than it, or one `RunConfig.resolved` derives) differs from none, but for
+    `MISSING_MEANS`' fields."""
     fields = [c for c in field_names() if c in df.columns and c not in RunConfig.NON_RESULT_FIELDS
               and c not in SEED_FIELDS and c not in cell]  # fmt: skip
     if df.empty or not fields:
         return
     groups = [df[c].map(repr) for c in cell]
     for field in fields:
-        default = defaults.get(field)
-        shown = df[field].map(lambda v, d=default: repr(d if _missing(v) else v))
+        missing = repr(MISSING_MEANS[field]) if field in MISSING_MEANS else None
+        shown = df[field].map(lambda v, m=missing: m if _missing(v) else repr(v))
         counts = shown.groupby(groups, sort=False).nunique() if groups else pd.Series([shown.nunique()])
         if (counts > 1).any():
-            values = ", ".join(sorted(set(shown))[:6])
+            values = ", ".join(sorted(set(shown.dropna()))[:6])
             raise ValueError(f"the runs of one cell differ in {field} ({values}): a cell averages over seeds "
                              f"only; {fix}")  # fmt: skip
 

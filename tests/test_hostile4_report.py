@@ -444,3 +444,10 @@ def test_42_34_an_unwritable_out_is_refused_before_training(name, tmp_path, caps
         with pytest.raises(SystemExit):
             script(name).main(["--out", str(tmp_path)])
         assert "a folder; give the file to write" in capsys.readouterr().err
+
+
+def test_42_4_d_a_record_without_the_precision_field_is_fp32_and_is_not_averaged_with_bf16():
+    df = runs(precision=[None, "bf16"], final_accuracy=[90.0, 10.0])
+    with pytest.raises(ValueError, match="differ in precision"):
+        report.to_markdown(df, LAYOUT, "t")
+    assert results.precisions_in(df) == ["fp32", "bf16"]
