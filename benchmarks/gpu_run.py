@@ -602,6 +602,7 @@ def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, byt
     if not path.is_file():
         raise Refused(f"{path}: no such file (an earlier command's results.tar.gz)")
     members: list[tuple[str, bytes]] = []
+    seen: set[str] = set()
     total = 0
     try:
         with tarfile.open(path, "r:*") as tar:
@@ -614,11 +615,12 @@ def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, byt
                     )
                 name = Path(member.name).as_posix()
                 why = tar_member_kind(member)
-                if why is None and any(name == seen for seen, _ in members):
+                if why is None and name in seen:
                     why = "a second member of this name (the first one is imported)"
                 if why is not None:
                     print(f"{who}: skipped {member.name!r}: {why}", file=sys.stderr)
                     continue
+                seen.add(name)
                 members.append((name, tar.extractfile(member).read()))
     except (tarfile.TarError, EOFError, OSError) as e:  # zlib's errors come as ReadError
         why = " ".join(str(e).split())  # tarfile's "could not be opened" lists each method on a line
@@ -651,15 +653,14 @@ def read_record(content: bytes, file_name: str) -> tuple[dict, bool, str | None]
 
 def folder_error(folder: str) -> str | None:
     """Why a tarball's results folder is not one a report can be made of (None: it is): its name is
-    `<params file>[-smoke|-mini]` (`Experiment.results_name`)."""
-    from prodigy_core.experiments import resolve_params
+    `<params file>[-smoke|-mini]` (`Experiment.results_name`), the params file one of `paths.params_dirs`'
+    (never a file of the current folder)."""
+    from prodigy_core import paths
 
     name, _, scale = folder.partition("-")
     if scale not in SCALE_SUFFIXES:
         return f"results folder {folder!r}: scale {scale!r} is not one of smoke, mini (none: paper)"
-    try:
-        resolve_params(name)
-    except FileNotFoundError:
+    if not any((params / f"{name}.yaml").is_file() for params in paths.params_dirs()):
         return f"results folder {folder!r}: no params file {name!r}"
     return None
 
@@ -730,18 +731,17 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
                     for f, r, current in records if f == folder and current}  # fmt: skip
         for source, precision in sorted(settings, key=str):
             fields = {"precision": precision, **({"data_source": source} if source is not None else {})}
-            try:
+            try:  # the records are in; a report that cannot be made says why in one line
                 exp = load_experiment(name, scale=scale or "paper", fields=fields)
+                for variant in ("paper", "authors"):
+                    v = exp.with_variant(variant)
+                    df = store.load(v, results_dir)
+                    if df.empty:
+                        continue
+                    out = figures_dir if variant == "paper" else figures_dir / "authors"
+                    written += write_report(v, df, out, results_dir=results_dir)
             except (ConfigError, ValueError, FileNotFoundError) as e:
                 print(f"gpu_run import: no report of {folder} at {fields}: {e}", file=sys.stderr)
-                continue
-            for variant in ("paper", "authors"):
-                v = exp.with_variant(variant)
-                df = store.load(v, results_dir)
-                if df.empty:
-                    continue
-                out = figures_dir if variant == "paper" else figures_dir / "authors"
-                written += write_report(v, df, out, results_dir=results_dir)
     written.append(write_provenance(records, figures_dir))
     return written
 

@@ -229,7 +229,10 @@ def test_42_17_a_record_without_data_source_is_reported(gpu_run, tmp_path, roots
     assert "30.00" in table
 
 
-@pytest.mark.parametrize("folder", ["results/nosuch-mini", "results/quickstart_digits-huge"])
+# a file of the current folder (the repository root's README.md) is no params file either
+@pytest.mark.parametrize(
+    "folder", ["results/nosuch-mini", "results/quickstart_digits-huge", "results/README.md"]
+)
 def test_42_18_an_unknown_folder_or_scale_is_skipped_before_anything_is_written(
     gpu_run, tmp_path, roots, capsys, folder
 ):
