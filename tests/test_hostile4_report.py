@@ -92,6 +92,19 @@ def test_42_5_a_bf16_report_says_so_in_its_title_and_file_names(tmp_path):
     assert "fab.md" in {p.name for p in fp32} and (tmp_path / "fab_bf16.md").exists()  # never overwritten
 
 
+def test_42_5_b_a_bf16_comparison_with_the_paper_says_so_in_its_title_and_file_name(tmp_path, monkeypatch):
+    comparison = pd.DataFrame({"defense": ["prodigy"], "attack": ["alie"], "ours": [10.0], "paper": [52.0],
+                               "delta": [-42.0], "worst_case_match": [pd.NA]})  # fmt: skip
+    monkeypatch.setattr("prodigy_core.results.compare_with_paper", lambda df, t, **kw: comparison)
+    df = runs(precision=["fp32", "bf16"], final_accuracy=[90.0, 10.0])
+    names = {p.name for p in report.write_report(experiment(paper_table="femnist_n20"), df, tmp_path)}
+    assert {"fab_vs_paper.md", "fab_bf16_vs_paper.md"} <= names
+    assert (
+        "(variant: paper; precision: bf16)" in (tmp_path / "fab_bf16_vs_paper.md").read_text().splitlines()[0]
+    )
+    assert "precision" not in (tmp_path / "fab_vs_paper.md").read_text().splitlines()[0]
+
+
 # ---------------------------------------- 8-10, 15-21, 26, 27, 35: the GPU driver's import and resume
 
 FOLDER = "results/quickstart_digits-smoke"
