@@ -12,15 +12,17 @@ priority order as groups (at most --group-size runs) estimated from measurement 
 started only while it fits the --deadline; when the next planned group does not fit, the most wanted runs
 that do, from any later step. Each data set is loaded once
 (`training.shared_federations`); runs write no checkpoints (none could come home). After every group $OUT
-holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json, profile.txt; no
-checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status; what never
-started; seconds used and unused) and env.txt. Exit 0
-when every started step finished without a failed run, 1 otherwise, 2 for a failed preflight. --simulate
+holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json, profile.txt, the earlier
+commands' log; no checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status;
+what never started; seconds used and unused) and env.txt. Exit 0 when every started step finished without
+a failed run, 1 otherwise or when no run fitted the --deadline, 2 for a failed preflight (a --resume tarball
+that cannot be read whole is one). --simulate
 runs the same driver on the CPU over a tiny digits grid, either profile's shape (the CI test).
 
 The import unpacks the records into results/gpu/ (apart from the CPU's results/), writes the reports of both
-variants beside the paper into figures/gpu/ and figures/gpu/PROVENANCE.md (GPU, precision, date). Steps and
-what to commit: benchmarks/README.md.
+variants beside the paper into figures/gpu/ (one per precision: bf16's named so) and figures/gpu/PROVENANCE.md
+(GPU, precision, date); a tarball that cannot be read whole, or expands past MAX_TOTAL_BYTES, is refused in
+one line before anything is written (exit 2). Steps and what to commit: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -526,7 +528,7 @@ class Driver:
                   for r in self.rows]  # fmt: skip
         started = {r["step"] for r in self.rows}
         never = [s.name for s in plan(self.args.profile, self.args.simulate) if s.name not in started]
-        never += [r["step"] for r in self.rows if r["status"] == "not started"]
+        never += [r["step"] for r in self.rows if r["status"] == "not started" or self.too_slow(r)]
         if final or never:
             lines.append("never started: " + (", ".join(never) if never else "none"))
         if final:
@@ -542,7 +544,14 @@ class Driver:
         (self.out / "summary.txt").write_text(text, encoding="utf-8")
 
     def failed(self) -> bool:
-        return any(r["status"].startswith("failed") for r in self.rows)
+        """A run failed, or none could start: no group trained and a step was too slow for the --deadline."""
+        stuck = any(map(self.too_slow, self.rows)) and not any(r["seconds"] > 0 for r in self.rows)
+        return stuck or any(r["status"].startswith("failed") for r in self.rows)
+
+    @staticmethod
+    def too_slow(row: dict[str, Any]) -> bool:
+        """A step none of whose runs started: one run needs more than the whole --deadline."""
+        return row["status"] == "too slow" and row["seconds"] == 0
 
 
 def throughput(driver: Driver, rounds: int = 5) -> None:
@@ -629,10 +638,11 @@ def preflight(args: argparse.Namespace) -> str | None:
                 f"into {args.data} (benchmarks/README.md)")  # fmt: skip
     if not args.simulate and not torch.cuda.is_available():
         return "no CUDA device here (use --simulate for the CPU rehearsal)"
-    if args.resume is not None and not args.resume.is_file():
-        return f"--resume {args.resume}: no such file (an earlier command's results.tar.gz)"
-    if args.resume is not None and not tarfile.is_tarfile(args.resume):
-        return f"--resume {args.resume}: not a tar archive (an earlier command's results.tar.gz)"
+    if args.resume is not None:  # read whole now: a truncated or oversized one stops before $OUT is written
+        try:
+            args.resumed = read_tarball(args.resume, who="gpu_run --resume")
+        except Refused as e:
+            return f"--resume {e}"
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         probe = args.out / ".write-test"
@@ -660,13 +670,15 @@ def run(args: argparse.Namespace) -> int:
     driver = Driver(args, work)
     driver.log(env.rstrip())
     if args.resume:  # an earlier command's records: its finished runs are not run again
-        with tarfile.open(args.resume) as tar:
-            for member in tar.getmembers():  # the records only, as `import_results` reads them
-                name = Path(member.name)
-                if tar_member_kind(member) is None and name.parts[0] == "results":
-                    target = work / name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(tar.extractfile(member).read())
+        earlier = {}
+        for name, content in getattr(args, "resumed", None) or read_tarball(args.resume, "gpu_run --resume"):
+            if name.startswith("results/"):  # the records, as `import_results` reads them
+                target = work / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+            else:
+                earlier[name] = content
+        keep_earlier_commands(work, earlier, args.resume)
         driver.log(f"resumed from {args.resume}: {len(list((work / 'results').rglob('*.json')))} records")
     if not args.simulate:
         from prodigy_core.data import decode_cifar10_jpeg
@@ -678,6 +690,21 @@ def run(args: argparse.Namespace) -> int:
 
     with shared_federations():  # every data set loaded once in this process
         return drive(driver, args, work)
+
+
+def keep_earlier_commands(work: Path, files: dict[str, bytes], tarball: Path) -> None:
+    """work/EARLIER_LOG, which the tarball carries home (`Driver.refresh_out`): the resumed tarball's own
+    EARLIER_LOG (the commands before it), then its env.txt, summary.txt, autotune.json and log.txt under a
+    heading naming it; nothing when it has none of them."""
+    parts = [files[EARLIER_LOG].decode("utf-8", "replace").rstrip("\n")] if EARLIER_LOG in files else []
+    kept = [name for name in ("env.txt", "summary.txt", "autotune.json", "log.txt") if name in files]
+    if kept:
+        parts.append(f"===== an earlier command, resumed from {tarball} =====")
+        parts += [
+            f"----- {name} -----\n" + files[name].decode("utf-8", "replace").rstrip("\n") for name in kept
+        ]
+    if parts:
+        (work / EARLIER_LOG).write_text("\n".join(parts) + "\n", encoding="utf-8")
 
 
 def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
@@ -713,8 +740,25 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
 
 # ---------------------------------------------------------------------------------------------- import
 MAX_MEMBER_BYTES = 64 * 2**20  # a record is a few KB, the log a few MB: a bigger member is refused unread
-# what `Driver.refresh_out` writes besides the records
-TOP_FILES = ("log.txt", "env.txt", "summary.txt", "throughput.json", "autotune.json", "profile.txt")
+# The expanded tarball (every member's declared size and its header), checked before a member is read: what
+# $OUT brings home (16 MiB a file) expands to far less; a 2.4 MB tarball of zeros declared 2.5 GB.
+MAX_TOTAL_BYTES, MAX_MEMBERS = 512 * 2**20, 200_000
+EARLIER_LOG = "log-earlier-commands.txt"  # a --resume command's record of the commands before it
+# What `Driver.refresh_out` writes beside the records.
+TOP_FILES = (
+    "log.txt",
+    "env.txt",
+    "summary.txt",
+    "throughput.json",
+    "autotune.json",
+    "profile.txt",
+    EARLIER_LOG,
+)
+SCALE_SUFFIXES = ("", "smoke", "mini")  # a results folder: <params name>[-smoke|-mini] (`results_name`)
+
+
+class Refused(Exception):
+    """A results tarball or an import's folders that cannot be used: the message is one line."""
 
 
 def tar_member_kind(member: tarfile.TarInfo) -> str | None:
@@ -728,9 +772,46 @@ def tar_member_kind(member: tarfile.TarInfo) -> str | None:
         return f"{member.size:,} bytes, over {MAX_MEMBER_BYTES:,}"
     record = (len(name.parts) == 3 and name.parts[0] == "results" and name.suffix == ".json"
               and all(p not in ("", ".", "..") for p in name.parts))  # fmt: skip
-    if not record and member.name not in TOP_FILES:
+    if not record and name.as_posix() not in TOP_FILES:
         return "not a record (results/<folder>/<key>.json) nor one of " + ", ".join(TOP_FILES)
     return None
+
+
+def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, bytes]]:
+    """(name, content) of each member of a results tarball to import, read whole before anything is
+    written: Refused (one line) when it is missing, not a tar archive, truncated, or expands past
+    MAX_TOTAL_BYTES or MAX_MEMBERS (checked from each member's declared size before it is read). A member
+    `tar_member_kind` skips, or a second member of a name already read (tar would keep the last copy, a
+    listing both), is skipped with a warning naming it."""
+    if not path.is_file():
+        raise Refused(f"{path}: no such file (an earlier command's results.tar.gz)")
+    members: list[tuple[str, bytes]] = []
+    seen: set[str] = set()
+    total = 0
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for count, member in enumerate(tar, start=1):  # lazily: a header at a time
+                total += tarfile.BLOCKSIZE + -(-max(member.size, 0) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                if total > MAX_TOTAL_BYTES or count > MAX_MEMBERS:
+                    raise Refused(
+                        f"{path}: expands past {MAX_TOTAL_BYTES:,} bytes or {MAX_MEMBERS:,} members (at "
+                        f"{member.name!r}): not a results tarball of gpu_run.py; nothing imported"
+                    )
+                name = Path(member.name).as_posix()
+                why = tar_member_kind(member)
+                if why is None and name in seen:
+                    why = "a second member of this name (the first one is imported)"
+                if why is not None:
+                    print(f"{who}: skipped {member.name!r}: {why}", file=sys.stderr)
+                    continue
+                seen.add(name)
+                members.append((name, tar.extractfile(member).read()))
+    except (tarfile.TarError, EOFError, OSError) as e:  # zlib's errors come as ReadError
+        why = " ".join(str(e).split())  # tarfile's "could not be opened" lists each method on a line
+        raise Refused(
+            f"{path}: not a tar archive, or a truncated one ({type(e).__name__}: {why}); nothing read"
+        ) from None
+    return members
 
 
 def read_record(content: bytes, file_name: str) -> tuple[dict, bool, str | None]:
@@ -754,41 +835,71 @@ def read_record(content: bytes, file_name: str) -> tuple[dict, bool, str | None]
     return record, current, why
 
 
+def folder_error(folder: str) -> str | None:
+    """Why a tarball's results folder is not one a report can be made of (None: it is): its name is
+    `<params file>[-smoke|-mini]` (`Experiment.results_name`), the params file one of `paths.params_dirs`'
+    (never a file of the current folder)."""
+    from prodigy_core import paths
+
+    name, _, scale = folder.partition("-")
+    if scale not in SCALE_SUFFIXES:
+        return f"results folder {folder!r}: scale {scale!r} is not one of smoke, mini (none: paper)"
+    if not any((params / f"{name}.yaml").is_file() for params in paths.params_dirs()):
+        return f"results folder {folder!r}: no params file {name!r}"
+    return None
+
+
+def check_roots(*roots: Path) -> None:
+    """Refused (one line) when an import's results or figures root, or its gpu/ folder, is not a folder."""
+    for root in roots:
+        for folder in (root, root / "gpu"):
+            if folder.exists() and not folder.is_dir():
+                raise Refused(f"{folder} is not a folder; pass --results-root / --figures-root folders")
+
+
 def import_results(tarball: Path, results_root: Path, figures_root: Path) -> list[Path]:
     """Unpack the records into results_root/gpu/; the reports and PROVENANCE.md into figures_root/gpu/.
     Records are data: their keys are checked from their stored fields and plug-in hashes, no code is
-    imported (`results.record_config_key`); a member of another kind, too big, or a record that is not
-    valid JSON with a valid config is skipped with a warning naming it."""
+    imported (`results.record_config_key`); a member of another kind, too big, a second copy of a name, a
+    record that is not valid JSON with a valid config, or one in a folder no params file makes
+    (`folder_error`) is skipped with a warning naming it. The tarball is read whole first (`read_tarball`):
+    one that cannot be read or expands too far is Refused before anything is written. One report per
+    precision and data source of a folder's records (`report.write_report`: bf16's named as such)."""
     from prodigy_core import results as store
+    from prodigy_core.config import ConfigError
     from prodigy_core.experiments import load_experiment
     from prodigy_core.report import write_report
 
+    check_roots(results_root, figures_root)
+    members = read_tarball(tarball)
     results_dir, figures_dir = results_root / "gpu", figures_root / "gpu"
-    figures_dir.mkdir(parents=True, exist_ok=True)
     records: list[tuple[str, dict, bool]] = []  # (results folder, record, its key is current)
-    with tarfile.open(tarball) as tar:
-        for member in tar.getmembers():
-            why = tar_member_kind(member)
-            if why is not None:
-                print(f"gpu_run import: skipped {member.name!r}: {why}", file=sys.stderr)
-                continue
-            name = Path(member.name)
-            content = tar.extractfile(member).read()
-            if name.parts[0] == "results" and ".failed" not in name.name:
+    files: list[tuple[Path, bytes]] = []
+    for member, content in members:
+        name = Path(member)
+        if name.parts[0] == "results":
+            why = None
+            if ".failed" not in name.name:
                 record, current, why = read_record(content, name.name)
-                if why is not None:
-                    print(f"gpu_run import: skipped {member.name!r}: {why}", file=sys.stderr)
-                    continue
+            why = why or folder_error(name.parent.name)
+            if why is not None:
+                print(f"gpu_run import: skipped {member!r}: {why}", file=sys.stderr)
+                continue
+            if ".failed" not in name.name:
                 records.append((name.parent.name, record, current))
                 if not current:  # e.g. an older AUTHORS_REVISION: listed in PROVENANCE.md, not reported
                     continue
-            target = (
-                results_dir / name.relative_to("results")
-                if name.parts[0] == "results"
-                else figures_dir / name
-            )
+        target = (
+            results_dir / name.relative_to("results") if name.parts[0] == "results" else figures_dir / name
+        )
+        files.append((target, content))
+    try:
+        figures_dir.mkdir(parents=True, exist_ok=True)
+        for target, content in files:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
+    except OSError as e:
+        raise Refused(f"cannot write {e.filename}: {e.strerror or e}") from None
     stale = sum(not current for _, _, current in records)
     if stale:
         print(
@@ -799,61 +910,80 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     written = []
     for folder in sorted({f for f, _, current in records if current}):
         name, _, scale = folder.partition("-")
-        # the records' data source, not this machine's (which may have no CIFAR-10): their keys' source
-        fields = {}
-        for field in ("data_source", "precision"):  # the records' own, when one for the folder
-            found = {r["config"].get(field, "fp32") for f, r, current in records if f == folder and current}
-            if len(found) == 1:
-                fields[field] = found.pop()
-        exp = load_experiment(name, scale=scale or "paper", fields=fields or None)
-        for variant in ("paper", "authors"):
-            v = exp.with_variant(variant)
-            df = store.load(v, results_dir)
-            if df.empty:
-                continue
-            out = figures_dir if variant == "paper" else figures_dir / "authors"
-            written += write_report(v, df, out, results_dir=results_dir)
+        # the records' data source and precision, not this machine's (which may have no CIFAR-10): their keys'
+        settings = {(r["config"].get("data_source"), r["config"].get("precision", "fp32"))
+                    for f, r, current in records if f == folder and current}  # fmt: skip
+        for source, precision in sorted(settings, key=str):
+            fields = {"precision": precision, **({"data_source": source} if source is not None else {})}
+            try:  # the records are in; a report that cannot be made says why in one line
+                exp = load_experiment(name, scale=scale or "paper", fields=fields)
+                for variant in ("paper", "authors"):
+                    v = exp.with_variant(variant)
+                    df = store.load(v, results_dir)
+                    if df.empty:
+                        continue
+                    out = figures_dir if variant == "paper" else figures_dir / "authors"
+                    written += write_report(v, df, out, results_dir=results_dir)
+            except (ConfigError, ValueError, FileNotFoundError) as e:
+                print(f"gpu_run import: no report of {folder} at {fields}: {e}", file=sys.stderr)
     written.append(write_provenance(records, figures_dir))
     return written
+
+
+def provenance_cell(value: Any, limit: int = 60) -> str:
+    """A value as one Markdown table cell: no pipe or line break of its own, at most `limit` characters."""
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -> Path:
     """figures_dir/PROVENANCE.md: env.txt, summary.txt and one row per record of the tarball, (results
     folder, record, whether its key is current) as `import_results` read them (a record whose key the
     current code no longer makes, e.g. an `authors` record of an older `AUTHORS_REVISION`, is listed with
-    "current: no": the reports leave it out)."""
+    "current: no": the reports leave it out). The precision is the config's (the key's), not the record's
+    environment; a field a record lacks shows its default, an odd one as text (`provenance_cell`)."""
+    from prodigy_core.config import RunConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
     env = (figures_dir / "env.txt").read_text() if (figures_dir / "env.txt").exists() else "(no env.txt)\n"
     summary = (figures_dir / "summary.txt").read_text() if (figures_dir / "summary.txt").exists() else ""
     rows = []
     setting = ("variant", "defense", "attack")
-    for folder, r, current in sorted(records, key=lambda fr: (fr[0], *(fr[1]["config"][k] for k in setting))):
-        c, e = r["config"], r.get("environment") or {}  # a stale record is listed as it is
-        seconds = sum(t for t in r.get("round_times") or [] if isinstance(t, int | float))
+
+    def field(r: dict, k: str) -> Any:  # a stale record is listed as it is, with defaults where it is partial
+        return r["config"].get(k, defaults.get(k))
+
+    for folder, r, current in sorted(
+        records, key=lambda fr: (fr[0], *(str(field(fr[1], k)) for k in setting))
+    ):
+        e = r.get("environment") if isinstance(r.get("environment"), dict) else {}
+        times = r.get("round_times")
+        seconds = (
+            f"{sum(t for t in times if isinstance(t, int | float) and not isinstance(t, bool)):.1f}"
+            if isinstance(times, list)
+            else "n/a"
+        )
         accuracy = r.get("final_accuracy")
-        accuracy = f"{accuracy:.2f}" if isinstance(accuracy, int | float) else str(accuracy)
+        accuracy = f"{accuracy:.2f}" if isinstance(accuracy, int | float) else accuracy
         phases = r.get("phase_seconds") if isinstance(r.get("phase_seconds"), dict) else {}
-        spent = "/".join(
-            f"{phases[p]:.0f}" if isinstance(phases.get(p), int | float) else "-" for p in PHASES
-        )
-        rows.append(
-            f"| {folder} | {c['variant']} | {c['defense']} | {c['attack']} | {c['local_momentum']} "
-            f"| {c['rounds']} | {accuracy} | {seconds:.1f} | {spent} | {e.get('gpu', e.get('device'))} "
-            f"| {e.get('torch')} | {e.get('precision', 'fp32')} "
-            f"| {e.get('tf32_matmul')}/{e.get('tf32_cudnn')} | {e.get('deterministic')} "
-            f"| {'yes' if current else 'no'} |"
-        )
+        spent = "/".join(f"{phases[p]:.0f}" if type(phases.get(p)) in (int, float) else "-" for p in PHASES)
+        cells = [folder, *(field(r, k) for k in (*setting, "local_momentum", "rounds")), accuracy, seconds,
+                 spent, e.get("gpu", e.get("device")), e.get("torch"), field(r, "precision"),
+                 f"{e.get('tf32_matmul')}/{e.get('tf32_cudnn')}", e.get("deterministic"),
+                 "yes" if current else "no"]  # fmt: skip
+        rows.append("| " + " | ".join(provenance_cell(c) for c in cells) + " |")
     path = figures_dir / "PROVENANCE.md"
     path.write_text(
         "# Provenance of the GPU outputs in this folder\n\n"
         "Made by `benchmarks/gpu_run.py` on the device machine, imported with `gpu_run.py import`. "
         "CIFAR-10 is the JPEG copy. The machine and precision as the run recorded them (env.txt):\n\n"
         "```\n" + env + "```\n\nThe run's summary (summary.txt; a command started with `--resume` counts the "
-        "runs of the commands before it as done; their logs: log-earlier-commands.txt, when there is one):"
-        "\n\n```\n" + summary + "```\n\n"
+        f"runs of the commands before it as done; their env, summary, autotune and logs: {EARLIER_LOG}, when "
+        "there is one):\n\n```\n" + summary + "```\n\n"
         "## Runs\n\nSeconds: the sum of a run's per-round times (evaluations excluded). Phases: its seconds "
         "of local steps / attack craft / aggregation / evaluation / the rest, summed over its rounds "
         "(`phase_seconds`; a group's members count their share of the shared local steps and evaluations; - "
-        "where the record has none).\n\n"
+        "where the record has none). Precision: the run's config (its key).\n\n"
         "| results | variant | defense | attack | beta | rounds | accuracy (%) | seconds | phases (s) | GPU "
         "| torch | precision | TF32 matmul/cudnn | deterministic | current |\n"
         + "|---" * 15
@@ -865,6 +995,24 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
     return path
 
 
+def group_size_arg(text: str) -> int:
+    """--group-size: a whole number of runs >= 1 (0 would train nothing and stop as at the deadline)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of runs >= 1, e.g. --group-size 16")
+    return int(text)
+
+
+def seconds_arg(text: str) -> float:
+    """--deadline: a finite number of seconds > 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds > 0, e.g. --deadline 500")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["import"]:
@@ -873,7 +1021,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--results-root", type=Path, default=ROOT / "results")
         p.add_argument("--figures-root", type=Path, default=ROOT / "figures")
         a = p.parse_args(argv[1:])
-        for path in import_results(a.tarball, a.results_root, a.figures_root):
+        try:
+            paths = import_results(a.tarball, a.results_root, a.figures_root)
+        except Refused as e:
+            print(f"gpu_run import: error: {e}", file=sys.stderr)
+            return EXIT_PREFLIGHT
+        for path in paths:
             print(path)
         return 0
     p = argparse.ArgumentParser(prog="gpu_run.py", description=__doc__.split("\n\n")[0])
@@ -882,10 +1035,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")), help="default: $OUT")
     p.add_argument("--work", type=Path, help="records, decoded data, log (default: a temporary folder)")
-    p.add_argument("--deadline", type=float, default=500.0, help="seconds of work before no group starts")
+    p.add_argument(
+        "--deadline", type=seconds_arg, default=500.0, help="seconds of work before no group starts"
+    )
     p.add_argument("--profile", choices=("paper", "mini"), default="paper")
     sizing = "at most this many runs per group (sized from the autotune's rates to fit the deadline)"
-    p.add_argument("--group-size", type=int, default=16, help=sizing)
+    p.add_argument("--group-size", type=group_size_arg, default=16, help=sizing)
     p.add_argument("--simulate", action="store_true", help="the CPU rehearsal over a tiny digits grid")
     p.add_argument("--resume", type=Path, help="an earlier command's results.tar.gz: skip its finished runs")
     p.add_argument("--autotune", type=Path, help="an earlier autotune.json, reused on the same GPU and "

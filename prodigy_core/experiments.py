@@ -93,12 +93,19 @@ class Experiment:
 
 def select(experiment: Experiment, only: dict[str, list[Any]]) -> Experiment:
     """The runs of `experiment` whose field `name` takes one of `only[name]`'s values, for every name (e.g.
-    {"defense": ["prodigy"], "attack": ["none", "alie"]}: some rows and columns of a table). A value that no
-    run of the grid takes is an error listing the values it does take."""
+    {"defense": ["prodigy"], "attack": ["none", "alie"]}: some rows and columns of a table). One value alone
+    ("prodigy") is a list of one. A value that no run of the grid takes, or no value at all (an empty list),
+    is an error listing the values it does take."""
     configs = experiment.configs
     for name, values in only.items():
-        values = [_as_stored(experiment.configs, name, v) for v in values]
+        values = list(values) if isinstance(values, list | tuple | set) else [values]
         taken = list(dict.fromkeys(getattr(c, name) for c in experiment.configs))
+        if not values:
+            raise ConfigError(
+                f"--only {name}: no value given (an empty list); give one or more of: "
+                + ", ".join(str(v) for v in taken)
+            )
+        values = [_as_stored(experiment.configs, name, v) for v in values]
         for value in values:
             if value not in taken:
                 raise ConfigError(

@@ -57,6 +57,16 @@ class Exploration:
 
 
 EXPLORE_DEFAULTS: dict[str, Any] = {"dataset": "digits", "rounds": 3, "eval_every": 3, "attack": "alie"}
+# The explorer notebook's rounds per scale (`paths.notebook_scale`, experiments.SCALES) when it gives none.
+NOTEBOOK_ROUNDS: dict[str, int] = {"smoke": 3, "interactive": 30, "mini": 20, "paper": 20}
+
+
+def notebook_rounds(scale: str, rounds: int | None = None) -> int:
+    """The rounds of notebooks/explore_attacks.ipynb's first setting: `rounds`, else NOTEBOOK_ROUNDS[scale];
+    an unknown scale is a ValueError naming the valid ones (never a silent default)."""
+    if scale not in NOTEBOOK_ROUNDS:
+        raise ValueError(f"scale={scale!r} is unknown; valid: {', '.join(NOTEBOOK_ROUNDS)}")
+    return NOTEBOOK_ROUNDS[scale] if rounds is None else rounds
 
 
 def explore(

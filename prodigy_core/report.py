@@ -40,6 +40,10 @@ DIVERGED_NOTE = (
     "the model diverged (became non-finite) in at least one seed; such a run counts at chance accuracy"
 )
 DIVERGED_NOTE_ONE_SEED = "the model diverged (became non-finite); such a run counts at chance accuracy"
+LAYOUT_FIX = (
+    "name it in the report layout's blocks (params file: report.blocks), or report one value at a time "
+    "(select its rows); write_report splits by precision itself"
+)
 
 # Names as the paper prints them, for fields without a registry (defense and attack names come from the
 # classes: `aggregators.RULES`, `attacks.ATTACKS`); values not listed are shown as field=value.
@@ -207,7 +211,9 @@ def summarize(
     std is the population std over seeds (numpy's default, ddof=0); it is NaN where a cell has one seed.
     ``n_diverged`` counts the cell's runs recorded as diverged (column ``diverged``; 0 without it).
     ``worst_case`` marks, within each row and block, the attacks whose mean equals the row's minimum over
-    the attacks other than "no attack" (the paper's bold cells).
+    the attacks other than "no attack" (the paper's bold cells). A cell averages over seeds only: runs of
+    one cell that differ in another field (precision, lr, ...) are a ValueError naming it
+    (`results.check_one_setting_per_cell`; `write_report` writes one report per precision).
     """
     rows, columns, blocks = _layout(layout)
     keys = blocks + [rows, columns]
@@ -219,9 +225,10 @@ def summarize(
         )
     if df.empty:
         raise ValueError("results frame is empty: run the grid first (prodigy-fl grid ...)")
-    from prodigy_core.results import data_source_of
+    from prodigy_core.results import check_one_setting_per_cell, data_source_of
 
     data_source_of(df)  # one table, one data source
+    check_one_setting_per_cell(df, keys, LAYOUT_FIX)  # a cell is a mean over seeds only
     diverged = df["diverged"].fillna(False).astype(bool) if "diverged" in df.columns else False
     grouped = df.assign(_diverged=diverged).groupby(keys, sort=False, dropna=False)
     accuracy = grouped["final_accuracy"]
@@ -924,13 +931,17 @@ def variants_of(experiment: Any, df: pd.DataFrame | None = None) -> list[str]:
 
 
 def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
-    """The experiment's title, the variant(s) it ran under, its data when it is real CIFAR-10 or FEMNIST
-    ("data: CIFAR-10 (JPEG copy)"), and the smoke/stand-in label where it applies."""
+    """The experiment's title, the variant(s) it ran under, its precision when not fp32 ("precision: bf16"),
+    its data when it is real CIFAR-10 or FEMNIST ("data: CIFAR-10 (JPEG copy)"), and the smoke/stand-in
+    label where it applies."""
     from prodigy_core.data import DIGITS_SOURCE, FEMNIST_SOURCE_PREFIX, source_label
-    from prodigy_core.results import data_source_of
+    from prodigy_core.results import data_source_of, precisions_in
 
     title = getattr(experiment, "title", None) or experiment.name
     about = [f"variant: {', '.join(variants_of(experiment, df))}"]
+    precisions = precisions_in(df) if df is not None else []
+    if precisions and precisions != ["fp32"]:  # fp32, the default, is not named (the committed titles)
+        about.append(f"precision: {', '.join(precisions)}")
     source = data_source_of(df)
     if source is not None and source.startswith(FEMNIST_SOURCE_PREFIX):
         about.append(f"data: {femnist_label(source, df)}")
@@ -1316,21 +1327,41 @@ def write_report(
     Smoke-scale or stand-in results go to ``<out_dir>/smoke/``, mini-scale ones to ``<out_dir>/mini/`` (their
     side-by-side with the paper matches cells without the rounds), and say so in every title.
 
+    One report per precision of ``df`` (`results.precisions_in`): a cell never averages over precisions,
+    and a report other than fp32's says its precision in every title and file name (``<name>_bf16.md``,
+    ``<name>_bf16_vs_paper.md``, ...), so it never overwrites fp32's.
+
     The parts: `write_tables` (under `table_note`), `write_figures`, `write_paper_comparison`.
     """
+    from prodigy_core.results import precisions_in
+
+    precisions = precisions_in(df)
+    if len(precisions) > 1:
+        column = df["precision"].fillna("fp32")
+        parts = [df[column == precision] for precision in precisions]
+        return [path for part in parts for path in write_report(experiment, part, out_dir, results_dir)]
+    precision = precisions[0] if precisions else "fp32"
     smoke = is_smoke(experiment, df)
     mini = bool(getattr(experiment, "mini", False)) and not smoke
     folder = output_dir(smoke, out_dir, mini=mini)
     folder.mkdir(parents=True, exist_ok=True)
     layout = getattr(experiment, "report", None) or {}
     coverage = grid_coverage(experiment, df, layout)
-    page = Page(experiment.name, df, folder, layout, report_title(experiment, df), grid_order(experiment))
+    name = report_name(experiment.name, precision)
+    page = Page(name, df, folder, layout, report_title(experiment, df), grid_order(experiment))
     note = table_note(df, coverage, smoke=smoke, mini=mini)
     paths = write_tables(page, note, provenance(experiment), machine_line(machine(df)))
     paths += write_figures(page, coverage)
     if getattr(experiment, "paper_table", None) and not smoke:
-        paths.append(write_paper_comparison(experiment, df, folder, results_dir, mini=mini))
+        comparison = write_paper_comparison(experiment, df, folder, results_dir, mini, precision)
+        paths.append(comparison)
     return paths
+
+
+def report_name(name: str, precision: str = "fp32") -> str:
+    """The file name (without suffix) of an experiment's report at a precision: fp32's is the experiment's
+    name, another's carries it ("quickstart_digits_bf16")."""
+    return name if precision == "fp32" else f"{name}_{precision}"
 
 
 def table_note(df: pd.DataFrame, coverage: str | None, smoke: bool = False, mini: bool = False) -> str:
@@ -1413,10 +1444,12 @@ def write_paper_comparison(
     folder: Path,
     results_dir: str | os.PathLike | None = None,
     mini: bool = False,
+    precision: str = "fp32",
 ) -> Path:
     """``<folder>/<name>_vs_paper.md``: each variant of ``df`` beside the paper's table
     (`results.compare_with_paper`; mini scale: cells matched without the rounds), and, when ``experiment``
-    is an `Experiment`, the stored runs of the same grid under the other variant (from ``results_dir``)."""
+    is an `Experiment`, the stored runs of the same grid under the other variant (from ``results_dir``), at
+    the same ``precision`` (not fp32: named in the title and the file, ``<name>_<precision>_vs_paper.md``)."""
     from prodigy_core import results
     from prodigy_core.names import VARIANTS
 
@@ -1424,6 +1457,8 @@ def write_paper_comparison(
     if hasattr(experiment, "with_variant"):
         for v in (v for v in VARIANTS if v not in frames):
             stored = results.load(experiment.with_variant(v), results_dir)
+            if "precision" in stored.columns:
+                stored = stored[stored["precision"].fillna("fp32") == precision]
             if not stored.empty:
                 frames[v] = stored
     comparisons = {
@@ -1432,10 +1467,10 @@ def write_paper_comparison(
     }
     comparisons = {v: comparisons[v] for v in [*VARIANTS, *comparisons] if v in comparisons}
     base_title = getattr(experiment, "title", None) or experiment.name
-    path = folder / f"{experiment.name}_vs_paper.md"
-    text = paper_comparison_markdown(
-        comparisons, f"{base_title}: ours vs the paper (variant: {', '.join(comparisons)})"
-    )
+    path = folder / f"{report_name(experiment.name, precision)}_vs_paper.md"
+    about = f"variant: {', '.join(comparisons)}"
+    about += f"; precision: {precision}" if precision != "fp32" else ""
+    text = paper_comparison_markdown(comparisons, f"{base_title}: ours vs the paper ({about})")
     for v, frame in frames.items():  # every detection precision beside the split's no-attack rate
         mine = frame[frame["variant"].fillna("paper") == v] if "variant" in frame else frame
         detection = detection_markdown(mine, f"ProDiGy detection ({v})")

@@ -481,6 +481,46 @@ def data_source_of(df: pd.DataFrame | None) -> str | None:
     return sources[0] if sources else None
 
 
+# A cell of a table or of a comparison with the paper is a mean over seeds only (docs/semantics.md, "Reports
+# and the GPU driver's import"): these fields may differ among its runs, every other config field may not.
+SEED_FIELDS = ("seed", "data_seed")
+MISSING_MEANS = {"precision": "fp32", "variant": "paper"}  # a record without these fields predates them
+
+
+def precisions_in(df: pd.DataFrame) -> list[str]:
+    """The precisions of a results frame's runs, fp32 first (a record without the field predates it and ran
+    fp32)."""
+    if "precision" not in df.columns:
+        return ["fp32"] if len(df) else []
+    present = set(df["precision"].fillna("fp32"))
+    return sorted(present, key=lambda p: (p != "fp32", p))
+
+
+def check_one_setting_per_cell(df: pd.DataFrame, cell: list[str], fix: str) -> None:
+    """ValueError naming the first config field (other than `cell`'s and `SEED_FIELDS`) that differs among
+    the runs of one cell, the runs grouped by the columns `cell`, so that a cell never averages over it;
+    `fix` says what to do (put the field in the layout, report one value at a time). A value missing from a
+    record (None: a field newer than it, or one `RunConfig.resolved` derives) differs from none, but for
+    `MISSING_MEANS`' fields."""
+    fields = [c for c in field_names() if c in df.columns and c not in RunConfig.NON_RESULT_FIELDS
+              and c not in SEED_FIELDS and c not in cell]  # fmt: skip
+    if df.empty or not fields:
+        return
+    groups = [df[c].map(repr) for c in cell]
+    for field in fields:
+        missing = repr(MISSING_MEANS[field]) if field in MISSING_MEANS else None
+        shown = df[field].map(lambda v, m=missing: m if _missing(v) else repr(v))
+        counts = shown.groupby(groups, sort=False).nunique() if groups else pd.Series([shown.nunique()])
+        if (counts > 1).any():
+            values = ", ".join(sorted(set(shown.dropna()))[:6])
+            raise ValueError(f"the runs of one cell differ in {field} ({values}): a cell averages over seeds "
+                             f"only; {fix}")  # fmt: skip
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and value != value)
+
+
 # ------------------------------------------------------------------------------------------- the paper
 
 
@@ -525,7 +565,8 @@ def compare_with_paper(
 
     Runs on a stand-in dataset never match a paper cell. Cells we have not run have NaN in ours. The last
     column, ``variant``, names the variant compared. Records from several data sources
-    (`RunConfig.data_source`) are an error: they never mix in one comparison.
+    (`RunConfig.data_source`) are an error: they never mix in one comparison; so are runs of one cell that
+    differ in a field other than the seed (`check_one_setting_per_cell`: precision, lr, ...).
     With match_rounds=False (the mini scale) a run matches the paper's cell of the same setting at any
     number of rounds; the rounds column is then the paper's.
     """
@@ -563,6 +604,8 @@ def compare_with_paper(
         ours = ours[ours["status"].fillna("done") == "done"]
     ours = ours.assign(_alpha=ours["dirichlet_alpha"].where(ours["distribution"] == "dirichlet", -1.0))
     keys = [c if c != "dirichlet_alpha" else "_alpha" for c in join]
+    fix = "compare one value at a time (select rows of the frame)"
+    check_one_setting_per_cell(ours, [*keys, "dirichlet_alpha"], fix)
     ours = ours.astype({"local_momentum": float, "_alpha": float})
     grouped = ours.groupby(keys, dropna=False)["final_accuracy"]
     summary = pd.DataFrame(
@@ -613,6 +656,8 @@ __all__ = [
     "Claims",
     "compare_with_paper",
     "data_source_of",
+    "check_one_setting_per_cell",
+    "precisions_in",
     "load_variants",
     "paper_agreement",
     "variants_in",

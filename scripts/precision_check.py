@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -57,7 +58,10 @@ def compare(fp32: pd.DataFrame, bf16: pd.DataFrame) -> tuple[pd.DataFrame, pd.Da
         diff=("diff", "mean"), sd=("diff", "std"), seeds=("diff", "size"),
     ).reset_index()  # fmt: skip
     cells["two_se"] = 2 * cells["sd"] / cells["seeds"].map(math.sqrt)
-    cells["within"] = cells["diff"].abs() <= cells["two_se"]
+    # a cell of one seed has no standard error: neither within nor outside (None, "n/a")
+    cells["within"] = (
+        (cells["diff"].abs() <= cells["two_se"]).astype(object).where(cells["two_se"].notna(), None)
+    )
     attacked = cells[cells["attack"] != "none"]
     rows = []
     for defense, part in attacked.groupby("defense", sort=False):
@@ -94,15 +98,19 @@ def machine(fp32: pd.DataFrame, bf16: pd.DataFrame) -> str:
 
 
 def markdown(cells: pd.DataFrame, rows: pd.DataFrame, seeds: int, about: str = "") -> str:
-    within, total = int(cells["within"].sum()), int(cells["two_se"].notna().sum())
+    within, total = int((cells["within"] == True).sum()), int(cells["two_se"].notna().sum())  # noqa: E712
     equal = int(((cells["sd"] == 0) & (cells["diff"] == 0)).sum())
+    expected = (
+        f"{within_share(seeds):.0%} would if both precisions drew from one distribution (the paired t "
+        f"statistic over {seeds} seeds has {seeds - 1} degrees of freedom)."
+        if seeds > 1
+        else "one seed has no standard error: no cell is within or outside 2 SE (n/a)."
+    )
     lines = [
         f"# bf16 vs fp32 on the quickstart grid ({seeds} seeds)\n",
         "Test accuracy (%), mean over seeds; diff: the mean of the paired differences bf16 - fp32 (same "
         "seed: same split, initial model, batches and dropout masks), 2 SE: twice its standard error. "
-        f"{within} of {total} cells have |diff| <= 2 SE ({equal} of them equal seed for seed); "
-        f"{within_share(seeds):.0%} would if both precisions drew from one distribution (the paired t "
-        f"statistic over {seeds} seeds has {seeds - 1} degrees of freedom). "
+        f"{within} of {total} cells have |diff| <= 2 SE ({equal} of them equal seed for seed); {expected} "
         f"{int(rows['same'].sum())} of {len(rows)} rows keep their worst-case attack.\n",
         *([about + "\n"] if about else []),
         "| defense | attack | fp32 | bf16 | diff | 2 SE | within |",
@@ -110,34 +118,47 @@ def markdown(cells: pd.DataFrame, rows: pd.DataFrame, seeds: int, about: str = "
     ]
     for c in cells.itertuples():
         two_se = "n/a" if math.isnan(c.two_se) else f"{c.two_se:.2f}"
+        within = "n/a" if c.within is None else "yes" if c.within else "no"
         lines.append(f"| {c.defense} | {c.attack} | {c.fp32:.2f} | {c.bf16:.2f} | {c.diff:+.2f} | {two_se} "
-                     f"| {'yes' if c.within else 'no'} |")  # fmt: skip
+                     f"| {within} |")  # fmt: skip
     lines += ["", "| defense | worst attack, fp32 | worst attack, bf16 | same |", "|---|---|---|---|"]
     lines += [f"| {r.defense} | {r.worst_fp32} | {r.worst_bf16} | {'yes' if r.same else 'no'} |"
               for r in rows.itertuples()]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
+def paired_seeds(text: str) -> int:
+    """--seeds: a number of seeds >= 2 (the standard error of a paired difference needs two)."""
+    from prodigy_core.cli import seeds_arg
+
+    if seeds_arg(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 2 seeds (a standard error needs two), e.g. 3")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     from prodigy_core import report
     from prodigy_core import results as store
+    from prodigy_core.cli import jobs_arg
     from prodigy_core.experiments import run_grid
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--jobs", default="auto", help="worker processes (auto: one per core)")
+    p.add_argument("--seeds", type=paired_seeds, default=3, help="seeds 0..S-1, S >= 2")
+    p.add_argument("--jobs", type=jobs_arg, default="auto", help="worker processes (auto: one per core)")
     p.add_argument("--results-dir", type=Path, default=None, help="the store (default: results/)")
     p.add_argument("--out", type=Path, default=ROOT / "figures")
     p.add_argument("--smoke", action="store_true", help="the smoke grid: seconds")
     p.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # tests: fewer rounds
     args = p.parse_args(argv)
-    jobs = args.jobs if args.jobs == "auto" else int(args.jobs)
+    try:  # before hours of training, not after
+        store.check_writable(args.out)
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
     frames, grids = [], experiments(args.seeds, args.smoke, args.rounds)
     for exp in grids:
-        run_grid(exp, jobs=jobs, results_dir=args.results_dir, progress=True)
+        run_grid(exp, jobs=args.jobs, results_dir=args.results_dir, progress=True)
         frames.append(store.load(exp, args.results_dir))
     cells, rows = compare(*frames)
-    args.out.mkdir(parents=True, exist_ok=True)
     cells.merge(rows, on="defense", how="left").to_csv(args.out / "precision_check.csv", index=False)
     provenance = "; ".join(
         f"{p} {report.provenance(e)}" for p, e in zip(("fp32", "bf16"), grids, strict=True)

@@ -600,7 +600,8 @@ def test_table_figures_say_rounds_seeds_and_what_bold_means():
     assert "bold: the worst case over the attacks per defense" in heat
     curves = " ".join(texts_of(report.accuracy_curves(df, LAYOUT, "Quickstart")).split())
     assert "Test accuracy (%) over 70 rounds, one seed" in curves and "bold" not in curves
-    three = fabricated(seeds=(0, 1, 2), momenta=(0.0,)).assign(rounds=lambda x: 20 + 20 * (x.index % 2))
+    # rounds that differ between blocks (a cell's runs differ in the seed only: issue 42, finding 4)
+    three = fabricated(seeds=(0, 1, 2)).assign(rounds=lambda x: 20 + 20 * (x["local_momentum"] > 0))
     assert "after 20-40 rounds, mean over 3 seeds" in " ".join(
         texts_of(report.heatmap(three, LAYOUT, "t")).split()
     )
