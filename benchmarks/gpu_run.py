@@ -393,7 +393,7 @@ class Driver:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        from prodigy_core import groups
+        from prodigy_core import groups, training
 
         if self.elapsed() + PROFILE_S > self.args.deadline:
             self.log("profile: skipped (deadline)")
@@ -407,7 +407,10 @@ class Driver:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             tic = time.monotonic()
             with profile(activities=activities) as prof:
-                groups.run_group(batch)
+                if groups.group_key(batch[0]) is None:  # a run that trains alone (bf16, tf32)
+                    training.run(batch[0], progress=False)
+                else:
+                    groups.run_group(batch)
             averages = prof.key_averages()
             tables = [("CUDA kernels", "self_cuda_time_total")] if cuda else []
             tables.append(("CPU ops", "self_cpu_time_total"))

@@ -279,3 +279,11 @@ def test_import_keeps_the_autotune_and_the_profile_issue_41_finding_6(gpu_run, t
     assert all(
         line.count("/") >= 4 for line in provenance.splitlines() if "| quickstart_digits-smoke |" in line
     )
+
+
+def test_the_drivers_phases_are_the_records(gpu_run):
+    # gpu_run keeps torch out of its import (the import subcommand reads records only), so it names the
+    # record's phases itself: they must be training's, in training's order.
+    from prodigy_core import training
+
+    assert gpu_run.PHASES == training.PHASES

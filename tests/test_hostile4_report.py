@@ -269,7 +269,7 @@ def test_42_19_odd_environment_or_round_times_fields_still_give_a_provenance(
     assert results.check_record(record, Path(name)) is None  # the store accepts it
     gpu_run.import_results(write_tar(tmp_path / "r.tar.gz", [(name, record)]), *roots)
     (row,) = provenance_rows(roots[1])
-    assert len(row) == 14 and row[7] == ("n/a" if field == "round_times" else "0.5")
+    assert len(row) == 15 and row[7] == ("n/a" if field == "round_times" else "0.5")  # 15: with the phases
 
 
 def truncated(tmp_path: Path) -> Path:
@@ -368,7 +368,7 @@ def test_42_35_provenance_takes_the_precision_from_the_key_not_the_environment(g
     record["environment"]["precision"] = "fp32"  # what a record's environment may claim
     gpu_run.import_results(write_tar(tmp_path / "r.tar.gz", [(name, record)]), *roots)
     (row,) = provenance_rows(roots[1])
-    assert row[10] == "bf16"
+    assert row[11] == "bf16"
 
 
 # ---------------------------------------------------------------- 30, 31: the notebooks' parameters
