@@ -343,7 +343,7 @@ def server_round(
         result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
     if on_round is not None:
         on_round(r, updates, momentum, st.pipeline, st.attack)
-    aggregate = st.pipeline(updates)
+    aggregate = st.pipeline(updates, gram=getattr(st.attack, "last_gram", None))  # the search's, if any
     rule = st.pipeline.rule
     if isinstance(rule, ProDiGy) and len(rule.last_scores.weight) == resolved.n_clients:
         zeroed = torch.nonzero(rule.last_scores.weight == 0).flatten().tolist()
