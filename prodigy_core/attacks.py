@@ -390,8 +390,8 @@ class LineSearchAttack(Attack):
             if damage > best_damage:
                 best, best_damage = param, damage
         self._record(best)
-        if grams is not None and best is not None:
-            self.last_gram = grams.gram_at(best)
+        if grams is not None and best is not None and self._owner("rows") is self._owner("line"):
+            self.last_gram = grams.gram_at(best)  # the rows sent lie on the line (a subclass's may not)
         return self.rows(best, stats).expand(f, d).clone()
 
     def _damages(
@@ -457,8 +457,7 @@ class LineSearchAttack(Attack):
         if server.pre:  # the NNM's mixing matrices, from the candidates' Gram matrices on the host, at once
             mixing = server.mixing(grams.grams(grid)).to(honest.device, honest.dtype, non_blocking=True)
         rows = None
-        owner = next(cls for cls in type(self).__mro__ if "rows" in vars(cls))
-        if vars(owner).get("column_rows", False):  # every candidate's row (C, d) from a column (C, 1)
+        if vars(self._owner("rows")).get("column_rows", False):  # every row (C, d) from a column (C, 1)
             column = torch.tensor(grid, dtype=torch.float64)[:, None]
             rows = self.rows(column.to(honest.device, honest.dtype, non_blocking=True), stats)  # pageable
         aggregates = torch.empty((C, d), dtype=honest.dtype, device=honest.device)
@@ -495,6 +494,10 @@ class LineSearchAttack(Attack):
 
     def _record(self, best: Any) -> None:
         self.last_param = best
+
+    def _owner(self, method: str) -> type:
+        """The class of this attack's that defines ``method``."""
+        return next(cls for cls in type(self).__mro__ if method in vars(cls))
 
 
 class _LineGeometry:

@@ -11,7 +11,7 @@ import torch
 
 from prodigy_core import aggregators as agg
 from prodigy_core.aggregators import column_step, geometry, make_aggregator
-from prodigy_core.attacks import make_attack
+from prodigy_core.attacks import FOE, make_attack
 
 FEMNIST = (20, 1_690_046)  # N clients x d parameters of the paper's FEMNIST CNN
 F = 6
@@ -230,3 +230,34 @@ def test_alie_and_foe_rows_from_a_column_equal_each_candidates_to_the_bit():
         stats, grid = attack.statistics(honest, F), attack.grid(20, F)
         column = torch.tensor(grid, dtype=torch.float64)[:, None].to(honest.dtype)
         assert torch.equal(attack.rows(column, stats), torch.stack([attack.rows(p, stats) for p in grid]))
+
+
+@pytest.mark.parametrize("defense", WEIGHTED + ["nnm+trimmed_mean", "nnm+median", "trimmed_mean"])
+def test_an_aggregation_given_its_gram_matrix_equals_the_one_that_computes_it(defense):
+    """``pipeline(G, gram=K)``, K the Gram matrix of [G; reference] that no batch scored (the route of an
+    ALIE ``authors`` search that keeps its typed z), equals ``pipeline(G)`` in float64, state included:
+    ProDiGy's scores, CClip's next start (the reference point is the origin before its first call)."""
+    G = updates(20, 500, 7, torch.float64)
+    given, own = make_aggregator(defense, F), make_aggregator(defense, F)
+    K = geometry(G, origin=True).K
+    torch.testing.assert_close(given(G, gram=K), own(G), rtol=1e-12, atol=1e-15)
+    if defense.endswith("prodigy"):
+        for got, ref in zip(given.rule.last_scores, own.rule.last_scores, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    if defense.endswith("cclip"):
+        torch.testing.assert_close(given.rule.prev, own.rule.prev, rtol=1e-12, atol=1e-15)
+
+
+def test_an_attack_whose_rows_leave_its_line_hands_the_server_no_gram_matrix():
+    """The search's Gram matrix describes rows on the attack's line; a subclass that overrides ``rows``
+    alone may send others, so the server computes its own Gram matrix from what it receives."""
+
+    class Shifted(FOE):
+        def rows(self, eps, stats):
+            return super().rows(eps, stats) + 1.0
+
+    G = updates(20, 300)
+    server = make_aggregator("prodigy", F)
+    for attack, handed in ((FOE(eps=0.1), True), (Shifted(eps=0.1), False)):
+        attack.craft(G[F:], G[:F], server)
+        assert (attack.last_gram is not None) == handed
