@@ -162,24 +162,33 @@ def _ranged_gram(
         return K
     N = len(G)
     diag = K.diagonal()[: N + (0 if extra is None else len(extra))]
-    over = (~torch.isfinite(diag)).nonzero().squeeze(1).tolist()
+    finite = torch.isfinite(diag)
+    over = (~finite).nonzero().squeeze(1).tolist()
     overflow = any(bool(torch.isfinite(G[i] if i < N else extra[i - N]).all()) for i in over)  # type: ignore[index]
-    finite = diag[torch.isfinite(diag)]
+    finite = diag[finite]
     underflow = len(finite) > 0 and float(finite.median()) < _TINY * G.shape[1]
     if overflow or underflow:
         K = _gram(G, extra, origin, centre, bad, wide=True).cpu()
     return K
 
 
+def _diagonal(K: Tensor) -> Tensor:
+    """The diagonal of each matrix of a batch (..., P, P): (..., P)."""
+    return K.diagonal(dim1=-2, dim2=-1)
+
+
 def _distances(K: Tensor, bad: Tensor) -> Tensor:
-    """Squared distances between the first len(bad) points of the Gram matrix K (about any common centre)."""
+    """Squared distances between the first len(bad) points of the Gram matrix K (about any common centre);
+    K may be a batch (..., P, P), with one mask ``bad`` for all."""
     n = len(bad)
-    sq = K.diagonal()[:n]
+    Kn = K[..., :n, :n]
+    sq = _diagonal(Kn)
     # K[i, j] + K[j, i], not 2 K[i, j]: a float32 product G Gᵀ need not be symmetric, and D must be
-    D = (sq[:, None] + sq[None, :] - (K[:n, :n] + K[:n, :n].T)).clamp_(min=0)
+    D = (sq.unsqueeze(-1) + sq.unsqueeze(-2) - (Kn + Kn.mT)).clamp_(min=0)
     if bad.any():
         D.masked_fill_(bad[:, None] | bad[None, :], math.inf)
-    return D.fill_diagonal_(0)
+    _diagonal(D).zero_()
+    return D
 
 
 def _clean(K: Tensor, bad: Tensor) -> Tensor:
@@ -226,17 +235,21 @@ def pairwise_sq_distances(G: Tensor) -> Tensor:
 
 
 def _sort_without_self(D: Tensor) -> tuple[Tensor, Tensor]:
-    self_first = D.clone().fill_diagonal_(-1)  # self sorts first, ahead of a zero distance to a twin
-    values, index = self_first.sort(dim=1, stable=True)
-    return values[:, 1:], index[:, 1:]
+    """Each row of D (..., N, N) sorted without its own entry: values and indices (..., N, N-1)."""
+    self_first = D.clone()
+    _diagonal(self_first).fill_(-1)  # self sorts first, ahead of a zero distance to a twin
+    values, index = self_first.sort(dim=-1, stable=True)
+    return values[..., 1:], index[..., 1:]
 
 
 def _neighbourhood(index: Tensor, m: int, dtype: torch.dtype) -> Tensor:
-    """(N, N) averaging matrix of N_m(k): client k and its m-1 nearest others, each with weight 1/m."""
-    N = index.shape[0]
-    A = torch.zeros(N, N, dtype=dtype, device=index.device)
-    A.scatter_(1, index[:, : m - 1], 1.0 / m)
-    return A.fill_diagonal_(1.0 / m)
+    """(..., N, N) averaging matrix of N_m(k): client k and its m-1 nearest others, each with weight 1/m,
+    from the indices of each client's others by distance (..., N, N-1)."""
+    N = index.shape[-2]
+    A = torch.zeros(*index.shape[:-1], N, dtype=dtype, device=index.device)
+    A.scatter_(-1, index[..., : m - 1], 1.0 / m)
+    _diagonal(A).fill_(1.0 / m)
+    return A
 
 
 def _weighted_sum(G: Tensor, w: Tensor, bad: Tensor | None) -> Tensor:
@@ -249,8 +262,25 @@ def _weighted_sum(G: Tensor, w: Tensor, bad: Tensor | None) -> Tensor:
     return w @ G
 
 
+def _times(M: Tensor, v: Tensor) -> Tensor:
+    """M v for a matrix M (..., P, Q) and a vector v (..., Q), batches included."""
+    return M @ v if v.dim() == 1 else (M @ v.unsqueeze(-1)).squeeze(-1)
+
+
+def _mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for matrices, or for batches of them (C, P, Q) @ (C, Q, R) (by torch.bmm: the same product as
+    ``@``, fewer steps on the host)."""
+    return torch.bmm(a, b) if a.dim() == 3 else a @ b
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """<a, b> over the last axis of (..., P) vectors, (..., 1) for a batch (a scalar for one pair)."""
+    return a @ b if a.dim() == 1 else (a * b).sum(dim=-1, keepdim=True)
+
+
 def _nan_to_inf(G: Tensor) -> Tensor:
-    return torch.where(torch.isnan(G), math.inf, G)  # no test for a NaN first: that would wait for a GPU
+    """G with NaN as +inf (infinities kept): one pass, no test for a NaN first (that would wait for a GPU)."""
+    return torch.nan_to_num(G, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
 # The coordinate-wise helpers below reduce over axis -2 of (..., N, d) values, so that the attack search can
@@ -260,15 +290,12 @@ def _nan_to_inf(G: Tensor) -> Tensor:
 
 def _coordinate_median(values: Tensor) -> Tensor:
     """Coordinate-wise median of (..., N, d) values (no NaN) over N, the mean of the two middle values when N
-    is even."""
+    is even: from one sort (a GPU sorts the N values of a column in one pass; a median or a topk over short
+    columns takes a pass per call)."""
     N = values.shape[-2]
-    lower = values.median(dim=-2).values  # torch returns the lower middle value
-    if N % 2:
-        return lower
-    n_at_most = (values <= lower.unsqueeze(-2)).sum(dim=-2)
-    above = torch.where(values > lower.unsqueeze(-2), values, math.inf).amin(dim=-2)
-    upper = torch.where(n_at_most >= N // 2 + 1, lower, above)
-    return 0.5 * lower + 0.5 * upper  # not (a + b) / 2: no overflow near the float range
+    ordered = values.sort(dim=-2).values
+    lower, upper = ordered[..., (N - 1) // 2, :], ordered[..., N // 2, :]
+    return lower if N % 2 else 0.5 * lower + 0.5 * upper  # not (a + b) / 2: no overflow near the float range
 
 
 def _mean_closest_to_median(values: Tensor, k: int) -> Tensor:
@@ -291,8 +318,8 @@ class Combination(NamedTuple):
 
 
 def _on_inputs(w: Tensor, record: Any = None) -> Combination:
-    """The Combination with weights w (N,) on the inputs and 0 on the reference point."""
-    return Combination(torch.cat([w, w.new_zeros(1)]), record)
+    """The Combination with weights w (..., N) on the inputs and 0 on the reference point."""
+    return Combination(torch.cat([w, w.new_zeros(*w.shape[:-1], 1)], dim=-1), record)
 
 
 class Rule:
@@ -321,8 +348,11 @@ class Rule:
     then cost no pass over G; ``by_weights = True`` uses it when the rule runs alone too, ``reference`` names
     the one extra point it may weigh); ``coordinatewise = True`` says that ``aggregate`` reduces each
     coordinate over axis -2 of (..., N, d) values alone (median, trimmed mean: the attack search then runs
-    all its candidates as one batch); a stateful rule keeps its state in ``commit`` (never in ``peek``) and
-    implements ``reset``, ``state_dict``, ``load_state_dict``, and ``new_round`` if it reads the model.
+    all its candidates as one batch); ``batched = True`` says that ``combine`` also takes a batch of Gram
+    matrices (..., N+1, N+1) with one ``bad`` mask (N,) for all, and returns weights (..., N+1) (the attack
+    search scores all its candidates as one computation); a stateful rule keeps its state in ``commit``
+    (never in ``peek``) and implements ``reset``, ``state_dict``, ``load_state_dict``, and ``new_round`` if
+    it reads the model.
     """
 
     name: str = ""  # what a params file writes (`RULES.register` files the class under it)
@@ -331,6 +361,7 @@ class Rule:
     f: int = 0
     by_weights: bool = False
     coordinatewise: bool = False
+    batched: bool = False
 
     def __call__(self, G: Tensor) -> Tensor:
         out, record = self._run(G)
@@ -359,7 +390,9 @@ class Rule:
         about any common centre ((N+1, N+1), float64, rows and columns of bad vectors zeroed), D the squared
         distances between the inputs (N, N), ``bad`` their mask (N,). None when the rule is not such a
         combination (coordinate-wise rules). This lets NNM + rule run from one Gram matrix, and the attack
-        search evaluate every candidate of a line from one."""
+        search evaluate every candidate of a line from one. A ``batched`` rule takes K (C, N+1, N+1) and D
+        (C, N, N) too and returns weights (C, N+1), a row of NaN where a candidate's output is not such a
+        combination."""
         return None
 
     def commit(self, out: Tensor, record: Any) -> None:
@@ -399,6 +432,7 @@ class Average(Rule):
     name = "average"
     display = "Average"
     presets = {"none": ("No defense", {})}
+    batched = True
 
     def __init__(self, f: int = 0):
         self.f = check_f("Average", f)
@@ -417,8 +451,8 @@ class Average(Rule):
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
         if bad.any():  # the mean of a bad vector is not a finite combination
             return None
-        N = D.shape[0]
-        return _on_inputs(torch.full((N,), 1.0 / N, dtype=torch.float64, device=D.device))
+        N = D.shape[-1]
+        return _on_inputs(torch.full(D.shape[:-1], 1.0 / N, dtype=torch.float64, device=D.device))
 
 
 @RULES.register
@@ -448,12 +482,12 @@ class TrimmedMean(Rule):
     """Coordinate-wise trimmed mean (Yin et al., 2018): drop the f largest and f smallest values, average the
     N-2f others (``variant="paper"``, the paper's text).
 
-    With lo/hi the (f+1)-th smallest/largest value per coordinate (the ends of the kept range), the kept
-    sum is sum_i clamp(g_i, lo, hi) - f (lo + hi): exact with ties, and every term is a kept value, so the
-    dropped values never enter a sum whatever their magnitude (no cancellation). NaN counts as +inf; a
-    coordinate whose kept range reaches an infinity (more than f infinite values on one side) gives lo + hi,
-    the mean of its kept values: that infinity, or NaN when it reaches both. Per coordinate, so no test of
-    the whole input (no wait for a GPU).
+    From one sort per coordinate: the sum of the sorted values f+1 .. N-f over N-2f, so the dropped values
+    never enter a sum whatever their magnitude; 4 kernels on a GPU (the sum of every value clamped to the
+    kept range less f times its two ends, from two topk, took 20; the two differ in the last bits).
+    NaN counts as +inf; a coordinate whose kept range reaches an infinity (more than f infinite values on one
+    side) gives that infinity, or NaN when it reaches both. Per coordinate, so no test of the whole input
+    (no wait for a GPU).
 
     ``variant="authors"`` (the authors' code): per coordinate, the mean of the N-2f values closest to the
     coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step."""
@@ -476,10 +510,7 @@ class TrimmedMean(Rule):
         G = _nan_to_inf(G)
         if self.variant == "authors":
             return _mean_closest_to_median(G, N - 2 * f)
-        hi = G.topk(f + 1, dim=-2).values[..., -1, :]
-        lo = G.topk(f + 1, dim=-2, largest=False).values[..., -1, :]
-        kept = (G.clamp(min=lo.unsqueeze(-2), max=hi.unsqueeze(-2)).sum(dim=-2) - f * (lo + hi)) / (N - 2 * f)
-        return torch.where(torch.isfinite(lo) & torch.isfinite(hi), kept, lo + hi)
+        return G.sort(dim=-2).values[..., f : N - f, :].sum(dim=-2) / (N - 2 * f)
 
 
 @RULES.register
@@ -494,6 +525,7 @@ class GeoMed(Rule):
     display = "GeoMed"
 
     by_weights = True
+    batched = True
 
     def __init__(self, f: int = 0, nu: float = 0.1, R: int = 3):
         self.f = check_f("GeoMed", f)
@@ -506,12 +538,13 @@ class GeoMed(Rule):
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         N = len(bad)  # point N, the reference, is the origin z_0
-        dist = (K.diagonal()[:N] - 2 * K[:N, N] + K[N, N]).clamp(min=0).sqrt()
+        sq = _diagonal(K)[..., :N]
+        dist = (sq - 2 * K[..., :N, N] + K[..., N, N, None]).clamp(min=0).sqrt()
         for _ in range(self.R):
             beta = torch.where(bad, 0.0, 1.0 / dist.clamp(min=self.nu))
-            w = beta / beta.sum()
-            Kw = K[:N, :N] @ w
-            dist = (w @ Kw - 2 * Kw + K.diagonal()[:N]).clamp(min=0).sqrt()
+            w = beta / beta.sum(dim=-1, keepdim=True)
+            Kw = _times(K[..., :N, :N], w)
+            dist = (_dot(w, Kw) - 2 * Kw + sq).clamp(min=0).sqrt()
         return _on_inputs(w)
 
     def __repr__(self) -> str:
@@ -519,8 +552,9 @@ class GeoMed(Rule):
 
 
 def krum_scores(D: Tensor, f: int) -> Tensor:
-    """Krum score of each client: the sum of its N-f-2 smallest squared distances to other clients."""
-    return _sort_without_self(D)[0][:, : D.shape[0] - f - 2].sum(dim=1)
+    """Krum score of each client: the sum of its N-f-2 smallest squared distances to other clients (D may be
+    a batch (..., N, N))."""
+    return _sort_without_self(D)[0][..., : D.shape[-1] - f - 2].sum(dim=-1)
 
 
 @RULES.register
@@ -530,6 +564,7 @@ class Krum(Rule):
 
     name = "krum"
     display = "Krum"
+    batched = True
 
     def __init__(self, f: int):
         self.f = check_f("Krum", f)
@@ -541,8 +576,8 @@ class Krum(Rule):
         return G[int(krum_scores(geometry(G).D, self.f).argmin())].clone()
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
-        w = torch.zeros(D.shape[0], dtype=torch.float64, device=D.device)
-        return _on_inputs(w.index_fill_(0, krum_scores(D, self.f).argmin(), 1.0))
+        w = torch.zeros(D.shape[:-1], dtype=torch.float64, device=D.device)
+        return _on_inputs(w.scatter_(-1, krum_scores(D, self.f).argmin(dim=-1, keepdim=True), 1.0))
 
 
 @RULES.register
@@ -554,6 +589,7 @@ class MultiKrum(Rule):
     display = "Multi-Krum"
 
     by_weights = True
+    batched = True
 
     def __init__(self, f: int, m: int | None = None):
         self.f = check_f("MultiKrum", f)
@@ -567,12 +603,10 @@ class MultiKrum(Rule):
         self.need(1 <= m <= n - self.f, n, f"1 <= m <= N - f, m={m}")
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
-        N = D.shape[0]
-        m = N - self.f if self.m is None else self.m
-        chosen = krum_scores(D, self.f).sort(stable=True).indices[:m]
-        return _on_inputs(
-            torch.zeros(N, dtype=torch.float64, device=D.device).index_fill_(0, chosen, 1.0 / m)
-        )
+        m = D.shape[-1] - self.f if self.m is None else self.m
+        chosen = krum_scores(D, self.f).sort(dim=-1, stable=True).indices[..., :m]
+        w = torch.zeros(D.shape[:-1], dtype=torch.float64, device=D.device)
+        return _on_inputs(w.scatter_(-1, chosen, 1.0 / m))
 
     def __repr__(self) -> str:
         return f"MultiKrum(f={self.f}, m={self.m})"
@@ -627,6 +661,7 @@ class CClip(Rule):
     display = "CClip"
 
     by_weights = True
+    batched = True
 
     def __init__(self, f: int = 0, tau: float = 10.0, L: int = 3, variant: str = "paper"):
         self.f = check_f("CClip", f)
@@ -659,14 +694,14 @@ class CClip(Rule):
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         N = len(bad)
-        w = torch.zeros(N + 1, dtype=torch.float64, device=K.device)
-        w[N] = 1.0  # v = sum_a w_a P_a, always an affine combination (weights sum to 1)
+        w = torch.zeros(K.shape[:-1], dtype=torch.float64, device=K.device)
+        w[..., N] = 1.0  # v = sum_a w_a P_a, always an affine combination (weights sum to 1)
         for _ in range(self.L):
-            Kw = K @ w
-            dist = (w @ Kw - 2 * Kw[:N] + K.diagonal()[:N]).clamp(min=0).sqrt()
+            Kw = _times(K, w)
+            dist = (_dot(w, Kw) - 2 * Kw[..., :N] + _diagonal(K)[..., :N]).clamp(min=0).sqrt()
             scale = torch.where(dist > self.tau, self.tau / dist, 1.0).masked_fill(bad, 0.0)
-            w = w * (1 - scale.sum() / N)
-            w[:N] += scale / N
+            w = w * (1 - scale.sum(dim=-1, keepdim=True) / N)
+            w[..., :N] += scale / N
         return Combination(w)
 
     def commit(self, out: Tensor, record: Any) -> None:
@@ -717,6 +752,7 @@ class ProDiGy(Rule):
     display = "ProDiGy"
 
     by_weights = True
+    batched = True
 
     def __init__(self, f: int):
         if isinstance(f, int) and not isinstance(f, bool) and f < 2:
@@ -733,30 +769,36 @@ class ProDiGy(Rule):
         return ProDiGyScores(*(s.to(G.device) for s in self._scores_from(*geometry(G, origin=True))))
 
     def _scores_from(self, K: Tensor, D: Tensor, bad: Tensor) -> ProDiGyScores:
-        """The scores from the Gram matrix K of [G; 0] (point N is the origin, for ||mu||)."""
-        N, f = D.shape[0], self.f
+        """The scores from the Gram matrix K of [G; 0] (point N is the origin, for ||mu||); K (..., N+1, N+1)
+        and D (..., N, N) may be batches, the scores then (..., N)."""
+        N, f = D.shape[-1], self.f
         delta, index = _sort_without_self(D)
-        spread = delta[:, f - 1 : N - f - 1].sum(dim=1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
+        spread = delta[..., f - 1 : N - f - 1].sum(dim=-1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
+        bad = bad if bad.any() else None  # None: no test of the mask again
         proximity = 1.0 / spread.clamp(min=_floor(spread, bad))
         A = _neighbourhood(index, f, torch.float64)
         D_good = D.masked_fill(torch.isinf(D), 0.0)  # neighbourhoods of good clients hold good clients only
-        sigma = (0.5 * ((A @ D_good) * A).sum(dim=1)).clamp(min=0).sqrt()
-        AK = A @ K[:N]
-        mean_norm = ((AK[:, :N] * A).sum(dim=1) - 2 * AK[:, N] + K[N, N]).clamp(min=0).sqrt()
-        norms = (K.diagonal()[:N] - 2 * K[:N, N] + K[N, N]).clamp(min=0).sqrt()
+        sigma = (0.5 * (_mm(A, D_good) * A).sum(dim=-1)).clamp(min=0).sqrt()
+        AK = _mm(A, K[..., :N, :])
+        to_origin = K[..., :N, N]  # <g_k - centre, 0 - centre>
+        origin = K[..., N, N].unsqueeze(-1)
+        mean_norm = ((AK[..., :N] * A).sum(dim=-1) - 2 * AK[..., N] + origin).clamp(min=0).sqrt()
+        norms = (_diagonal(K[..., :N, :N]) - 2 * to_origin + origin).clamp(min=0).sqrt()
         dissimilarity = sigma / mean_norm.clamp(min=_floor(norms, bad))
-        proximity, dissimilarity = proximity.masked_fill(bad, 0.0), dissimilarity.masked_fill(bad, 0.0)
+        if bad is not None:
+            proximity, dissimilarity = proximity.masked_fill(bad, 0.0), dissimilarity.masked_fill(bad, 0.0)
         composite = proximity * dissimilarity
-        kept = torch.where(composite > composite.kthvalue(f).values, composite, 0.0)
-        total = kept.sum()
+        kept = torch.where(composite > composite.kthvalue(f, dim=-1, keepdim=True).values, composite, 0.0)
+        total = kept.sum(dim=-1, keepdim=True)
         weight = kept / torch.where(total > 0, total, 1.0)
         return ProDiGyScores(proximity, dissimilarity, composite, weight)
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         scores = self._scores_from(K, D, bad)
-        if not scores.weight.sum() > 0:  # every score 0: the median fallback is not a combination
-            return Combination(None, scores)
-        return _on_inputs(scores.weight, scores)
+        some = scores.weight.sum(dim=-1, keepdim=True) > 0  # every score 0: the median fallback, no weights
+        if K.dim() > 2:
+            return Combination(torch.where(some, _on_inputs(scores.weight).weights, math.nan), scores)
+        return _on_inputs(scores.weight, scores) if some else Combination(None, scores)
 
     def aggregate(self, G: Tensor) -> Tensor:
         """The fallback where every kept score is 0 (e.g. all vectors equal): the coordinate-wise median."""
@@ -769,13 +811,16 @@ class ProDiGy(Rule):
         self.last_scores = None
 
 
-def _floor(values: Tensor, bad: Tensor) -> Tensor:
+def _floor(values: Tensor, bad: Tensor | None) -> Tensor:
     """ProDiGy's guard for a division by `values`: `_FLOOR` x their median over the good clients (1 when it
     is 0). A median, not the largest value: with f < N/2 it lies within the honest clients' range, so a
     Byzantine client cannot raise the floor with a huge vector and push every honest score down to its own.
-    A tensor, so the guard runs on any device without a sync."""
-    good = values[~bad]
-    median = good.median() if good.numel() else values.new_tensor(0.0)
+    A tensor, so the guard runs on any device without a sync; (..., 1) for a batch of values (..., N).
+    ``bad=None``: no bad client."""
+    good = values if bad is None else values[..., ~bad]
+    if not good.shape[-1]:
+        return values.new_ones(*values.shape[:-1], 1)
+    median = good.median(dim=-1, keepdim=True).values
     return torch.where(median > 0, _FLOOR * median, 1.0)
 
 
@@ -816,8 +861,9 @@ class NNM(Rule):
         return (A[:, good] @ G[good]).masked_fill(bad[:, None], math.nan)
 
     def mixing(self, D: Tensor) -> Tensor:
-        """The (N, N) float64 averaging matrix A of the mixed vectors A G, from the squared distances D."""
-        return _neighbourhood(_sort_without_self(D)[1], D.shape[0] - self.f, torch.float64)
+        """The (N, N) float64 averaging matrix A of the mixed vectors A G, from the squared distances D; a
+        batch (..., N, N) of each for a batch of D."""
+        return _neighbourhood(_sort_without_self(D)[1], D.shape[-1] - self.f, torch.float64)
 
 
 class Bucketing(Rule):
@@ -866,13 +912,16 @@ class Bucketing(Rule):
 
 def _mixed(gram: Tensor, D: Tensor, mixers: list[NNM]) -> tuple[Tensor, Tensor, Tensor]:
     """Through the mixers (NNMs): from the Gram matrix of [G; p] (any last point p) and G's squared
-    distances D to those of [A G; p] and A G, and the total mixing matrix A (N, N). Every vector finite."""
-    n = gram.shape[0] - 1
-    mix = torch.eye(n, dtype=gram.dtype, device=gram.device)
+    distances D to those of [A G; p] and A G, and the total mixing matrix A (N, N); batches (..., N+1, N+1)
+    of Gram matrices too. Every vector finite."""
+    n = gram.shape[-1] - 1
+    mix = None
     for p in mixers:
         A = p.mixing(D)
-        P = torch.block_diag(A, torch.ones(1, 1, dtype=gram.dtype, device=gram.device))
-        gram, mix = P @ gram @ P.T, A @ mix
+        P = torch.zeros_like(gram)
+        P[..., :n, :n] = A
+        P[..., n, n] = 1.0
+        gram, mix = P @ gram @ P.mT, A if mix is None else A @ mix
         D = _distances(gram, _no_bad(n, gram))
     return gram, D, mix
 
@@ -886,18 +935,28 @@ def _combine_through(rule: Rule, mixers: list[NNM], K: Tensor, D: Tensor, bad: T
     c = rule.combine(K, D, bad)
     if c is None or c.weights is None:
         return c
-    return c._replace(weights=torch.cat([mix.T @ c.weights[:-1], c.weights[-1:]]))
+    return c._replace(weights=torch.cat([_times(mix.mT, c.weights[..., :-1]), c.weights[..., -1:]], dim=-1))
 
 
-def _combined(rule: Rule, G: Tensor, mixers: list[NNM]) -> tuple[Tensor | None, Any]:
+def _combined(
+    rule: Rule, G: Tensor, mixers: list[NNM], gram: Tensor | None = None, known: Combination | None = None
+) -> tuple[Tensor | None, Any]:
     """(rule(mixers(G)), what its call records) from one Gram matrix of [G; rule.reference(G)] and one
-    weighted sum over G: no pass over the mixed vectors A G (N, d), which are never formed. The output is
-    None where the rule gives no weights for this input, or mixers meet a non-finite vector."""
+    weighted sum over G: no pass over the mixed vectors A G (N, d), which are never formed. ``gram``: that
+    Gram matrix when the caller has it (every vector finite), else computed here (`geometry`); ``known``:
+    the Combination it gives, when already scored. The output is None where the rule gives no weights for
+    this input, or mixers meet a non-finite vector."""
     ref = rule.reference(G)
-    K, D, bad = geometry(G, extra=None if ref is None else ref[None], origin=ref is None)
-    if mixers and bad.any():
-        return None, None
-    c = _combine_through(rule, mixers, K, D, bad)
+    if known is not None:
+        c, bad = known, None
+    elif gram is not None:
+        bad = _no_bad(G.shape[0], gram)
+        c, bad = _combine_through(rule, mixers, gram, _distances(gram, bad), bad), None
+    else:
+        K, D, bad = geometry(G, extra=None if ref is None else ref[None], origin=ref is None)
+        if mixers and bad.any():
+            return None, None
+        c = _combine_through(rule, mixers, K, D, bad)
     if c is None or c.weights is None:
         return None, None if c is None else c.record
     out = _weighted_sum(G, c.weights[:-1], None if mixers else bad)  # None: known finite
@@ -912,6 +971,9 @@ class Pipeline:
 
     def __init__(self, name: str, rule: Rule, pre: list[Rule] | None = None):
         self.name, self.rule, self.pre = name, rule, list(pre or [])
+        # The last batch of Gram matrices that `weights` scored and its Combination (the attack search's
+        # candidates): an aggregation given one of them (`Attack.last_gram`) takes its weights from there.
+        self._scored: tuple[Tensor, Combination] | None = None
 
     def check_n(self, n: int) -> None:
         m = n
@@ -923,15 +985,19 @@ class Pipeline:
             via = f" ({m} vectors after {', '.join(map(repr, self.pre))})" if self.pre else ""
             raise ValueError(f"{self.name} with {n} clients{via}: {e}") from None
 
-    def __call__(self, G: Tensor) -> Tensor:
+    def __call__(self, G: Tensor, gram: Tensor | None = None) -> Tensor:
+        """The aggregate, committing the rule's state. ``gram``: the Gram matrix of [G; reference] as
+        `weights` takes it, when the caller already has it (the attack search's `Attack.last_gram`; every
+        vector finite): a pipeline that gives weights, or a leading NNM, then makes no pass over G for it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        out, record = self._one_gram(G)
+        out, record = self._one_gram(G, gram, self._recall(gram))
+        self._scored = None
         if out is not None:
             self.rule.commit(out, record)
             return out
-        for p in self.pre:
-            G = p(G)
+        for i, p in enumerate(self.pre):
+            G = p.peek(G, distances=self._distances(gram)) if i == 0 and self._mixes(gram) else p(G)
         return self.rule(G)
 
     def peek(self, G: Tensor, gram: Tensor | None = None) -> Tensor:
@@ -944,18 +1010,38 @@ class Pipeline:
         if out is not None:
             return out
         for i, p in enumerate(self.pre):
-            if i == 0 and gram is not None and isinstance(p, NNM):
-                G = p.peek(G, distances=self._distances(gram))
-            else:
-                G = p.peek(G)
+            G = p.peek(G, distances=self._distances(gram)) if i == 0 and self._mixes(gram) else p.peek(G)
         return self.rule.peek(G)
 
-    def _one_gram(self, G: Tensor) -> tuple[Tensor | None, Any]:
-        """NNM then a combining rule, from one Gram matrix (`_combined`); (None, None) for other pipelines
+    def _mixes(self, gram: Tensor | None) -> bool:
+        """Whether the first pre-aggregator takes its distances from ``gram`` (a leading NNM)."""
+        return gram is not None and isinstance(self.pre[0], NNM)
+
+    def _one_gram(
+        self, G: Tensor, gram: Tensor | None = None, known: Combination | None = None
+    ) -> tuple[Tensor | None, Any]:
+        """NNM then a combining rule, from one Gram matrix (`_combined`), ``gram`` when given (then a rule
+        that runs by its weights alone too; ``known``: its Combination); (None, None) for other pipelines
         (a rule alone runs its own route)."""
-        if not (self.pre and self._combines):
+        alone = gram is not None and not self.pre and self.rule.by_weights
+        if not ((self.pre and self._combines) or alone):
             return None, None
-        return _combined(self.rule, G, self.pre)
+        return _combined(self.rule, G, self.pre, gram, known)
+
+    def _recall(self, gram: Tensor | None) -> Combination | None:
+        """The Combination of ``gram`` when `weights` scored it, to the bit, in its last batch (the attack
+        search's chosen candidate): the same weights and record without scoring it again. None otherwise,
+        or when that candidate gave no weights."""
+        if gram is None or self._scored is None or self._scored[0].shape[1:] != gram.shape:
+            return None
+        batch, c = self._scored
+        hits = (batch == gram).flatten(1).all(dim=1).nonzero().flatten().tolist()  # on the host: no wait
+        if not hits or c.weights[hits[0]].isnan().any():
+            return None
+        i, record = hits[0], c.record
+        if record is not None:
+            record = type(record)(*(x[i] for x in record))
+        return Combination(c.weights[i], record)
 
     def reference(self, G: Tensor) -> Tensor | None:
         """The reference point of ``weights`` for the client vectors G (CClip: its start v_0); None: the
@@ -978,7 +1064,7 @@ class Pipeline:
     @staticmethod
     def _distances(gram: Tensor) -> Tensor:
         """Squared distances between the first N points of the Gram matrix of N finite vectors and a point."""
-        return _distances(gram, _no_bad(gram.shape[0] - 1, gram))
+        return _distances(gram, _no_bad(gram.shape[-1] - 1, gram))
 
     @property
     def takes_gram(self) -> bool:
@@ -1003,20 +1089,32 @@ class Pipeline:
         """The aggregate of N finite vectors G as weights w (N+1,) on [G; reference], ``peek(G) =
         sum_i w_i g_i + w_N reference`` (`reference`, the origin for every rule but CClip), from ``gram``
         alone: the Gram matrix of [G; reference] about any centre ((N+1, N+1), float64), no pass over G.
-        None when the pipeline is not such a combination (a coordinate-wise rule, Bucketing)."""
-        if not (isinstance(gram, Tensor) and gram.dim() == 2 and gram.shape[0] == gram.shape[1] >= 3):
+        None when the pipeline is not such a combination (a coordinate-wise rule, Bucketing).
+
+        A batch of C Gram matrices (C, N+1, N+1) (the attack search's candidates) gives weights (C, N+1)
+        in one computation (a `Rule.batched` rule; else one at a time), a row of NaN where that input's
+        output is not a combination (ProDiGy's median fallback)."""
+        ok = isinstance(gram, Tensor) and gram.dim() in (2, 3) and gram.shape[-2] == gram.shape[-1] >= 3
+        if not ok:
             shape = tuple(gram.shape) if isinstance(gram, Tensor) else type(gram).__name__
             raise ValueError(
                 f"{self.name}.weights: expected the (N+1, N+1) Gram matrix of [G; reference] with N >= 2 "
                 f"(e.g. geometry(G, extra=reference[None]).K, or geometry(G, origin=True).K for the origin), "
-                f"got {shape}"
+                f"or a batch (C, N+1, N+1) of them, got {shape}"
             )
-        n = gram.shape[0] - 1
+        n = gram.shape[-1] - 1
         self.check_n(n)
         if not self._combines:
             return None
+        if gram.dim() == 3 and not self.rule.batched:  # a plug-in's combine takes one matrix
+            each = [self.weights(g) for g in gram]
+            return torch.stack([gram.new_full((n + 1,), math.nan) if w is None else w for w in each])
         bad = _no_bad(n, gram)
         c = _combine_through(self.rule, self.pre, gram, _distances(gram, bad), bad)
+        if gram.dim() == 3 and (c is None or c.weights is None):
+            return gram.new_full(gram.shape[:-1], math.nan)
+        if gram.dim() == 3 and (c.record is None or isinstance(c.record, tuple)):
+            self._scored = (gram, c)
         return None if c is None else c.weights
 
     def new_round(self, model: Tensor) -> None:

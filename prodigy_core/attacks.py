@@ -141,10 +141,14 @@ class Attack:
     def __init__(self) -> None:
         self.last_param: float | None = None
         self.last_search: list[tuple[Any, float]] = []
+        # The Gram matrix of [crafted rows; honest; the server's reference point] when the attack derived it
+        # (a line search, `LineSearchAttack`), for the server's aggregation of cat[crafted, honest]
+        # (``pipeline(G, gram=...)``): the round then copies one Gram matrix to the host, not two.
+        self.last_gram: Tensor | None = None
 
     def craft(self, honest: Tensor, own: Tensor, server: Server, honest_finite: bool = False) -> Tensor:
         _check_shapes(self.name, honest, own)
-        self.last_param, self.last_search = None, []
+        self.last_param, self.last_search, self.last_gram = None, [], None
         if own.shape[0] == 0:
             return own.new_empty((0, own.shape[1]))
         _check_honest(self.name, honest, honest_finite)
@@ -336,14 +340,19 @@ class LineSearchAttack(Attack):
     """An attack with one parameter chosen per round by maximising norm(server(cat[byzantine, honest]) - mu_H)
     over a grid, through the real server (``peek`` when present). Subclasses give the grid, the per-round
     statistics and the Byzantine rows for a parameter (``rows`` must work on column slices of the
-    statistics). The search scores the candidates from one Gram matrix when it can (`_damages`), runs a
-    coordinate-wise pipeline on all of them at once (`_batched_damages`), else runs the pipeline once per
-    candidate.
+    statistics). The search scores all the candidates from one Gram matrix as one batch when the pipeline
+    gives weights (`_damages`), runs a coordinate-wise pipeline on all of them at once (`_batched_damages`),
+    else runs the pipeline once per candidate. With a line (`line`), ``last_gram`` is the chosen
+    candidate's Gram matrix, for the server's own aggregation.
     """
 
     # False: a non-finite aggregate counts as infinite damage (this package); True: the damage as computed,
     # so a NaN never wins the ``damage > best`` comparison (the authors' code, `ALIE` under ``authors``).
     raw_damage: bool = False
+    # True: ``rows`` also takes a column of parameters (C, 1) and returns every candidate's row (C, d) (ALIE,
+    # FOE), so the batched search forms all the candidates' rows at once. Read from the class that defines
+    # ``rows``: a subclass that overrides ``rows`` says it again, or its rows are formed one by one.
+    column_rows: bool = False
 
     def grid(self, n: int, f: int) -> list[Any]:
         raise NotImplementedError
@@ -358,7 +367,8 @@ class LineSearchAttack(Attack):
         return {"mean": mean, "sigma": sigma}
 
     def rows(self, param: Any, stats: dict[str, Tensor]) -> Tensor:
-        """The Byzantine rows for ``param``: (d,) when all f clients send the same vector, else (f, d)."""
+        """The Byzantine rows for ``param``: (d,) when all f clients send the same vector, else (f, d)
+        (with ``column_rows``, a column (C, 1) of parameters gives (C, d))."""
         raise NotImplementedError
 
     def line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
@@ -380,6 +390,8 @@ class LineSearchAttack(Attack):
             if damage > best_damage:
                 best, best_damage = param, damage
         self._record(best)
+        if grams is not None and best is not None and self._owner("rows") is self._owner("line"):
+            self.last_gram = grams.gram_at(best)  # the rows sent lie on the line (a subclass's may not)
         return self.rows(best, stats).expand(f, d).clone()
 
     def _damages(
@@ -391,25 +403,29 @@ class LineSearchAttack(Attack):
         grams: _LineGeometry | None,
         grid: list[Any],
     ) -> Iterator[float]:
-        """Each candidate's damage in turn: from the line's Gram matrix alone when the pipeline gives weights
-        (`Pipeline.weights`), else by running the pipeline on the candidate (with its Gram matrix when there
-        is one: a leading NNM takes its distances from it)."""
+        """Each candidate's damage: from the line's Gram matrix alone when the pipeline gives weights
+        (`Pipeline.weights`), all candidates as one batch (C, N+1, N+1) on the host; else by running the
+        pipeline on the candidate (with its Gram matrix when there is one: a leading NNM takes its distances
+        from it)."""
         h, d = honest.shape
         evaluate = server.peek if hasattr(server, "peek") else server
-        candidates = None
-        for param in grid:
-            gram = weights = None
-            if grams is not None:
-                gram = grams.gram_at(param)
-                weights = server.weights(gram)
+        candidates = damages = None
+        if grams is not None and grid:
+            weights = server.weights(grams.grams(grid))
             if weights is not None:
-                yield grams.damage(weights)
+                damages = grams.damages(weights).tolist()  # on the host: no wait
+        for c, param in enumerate(grid):
+            if damages is not None and not math.isnan(damages[c]):  # NaN: this candidate gives no weights
+                yield damages[c]
                 continue
             if candidates is None:
                 candidates = torch.empty((f + h, d), dtype=honest.dtype, device=honest.device)
                 candidates[f:] = honest
             candidates[:f] = self.rows(param, stats)
-            aggregate = evaluate(candidates) if gram is None else evaluate(candidates, gram=gram)
+            if grams is None:
+                aggregate = evaluate(candidates)
+            else:
+                aggregate = evaluate(candidates, gram=grams.gram_at(param))
             yield _damage(aggregate, stats["mean"], self.name, raw=self.raw_damage)
 
     def _batched_damages(
@@ -438,20 +454,28 @@ class LineSearchAttack(Attack):
         if C == 0:
             return []
         mixing = None
-        if server.pre:  # the NNM's mixing matrices, from each candidate's Gram matrix on the host
-            mixing = torch.stack([server.mixing(grams.gram_at(t)) for t in grid])
-            mixing = mixing.to(honest.device, honest.dtype)
+        if server.pre:  # the NNM's mixing matrices, from the candidates' Gram matrices on the host, at once
+            mixing = server.mixing(grams.grams(grid)).to(honest.device, honest.dtype, non_blocking=True)
+        rows = None
+        if vars(self._owner("rows")).get("column_rows", False):  # every row (C, d) from a column (C, 1)
+            column = torch.tensor(grid, dtype=torch.float64)[:, None]
+            rows = self.rows(column.to(honest.device, honest.dtype, non_blocking=True), stats)  # pageable
         aggregates = torch.empty((C, d), dtype=honest.dtype, device=honest.device)
         step = column_step(C * n, d, honest.device)
         for start in range(0, d, step):
             columns = slice(start, start + step)
-            part = {k: v[..., columns] for k, v in stats.items()}
-            X = torch.empty((C, n, part["mean"].shape[-1]), dtype=honest.dtype, device=honest.device)
-            X[:, f:] = honest[:, columns]
-            for c, param in enumerate(grid):
-                X[c, :f] = self.rows(param, part)
+            if rows is not None:  # one write of the batch: [each candidate's row f times; honest]
+                w = rows[:, columns].shape[-1]
+                byzantine = rows[:, None, columns].expand(C, f, w)
+                X = torch.cat([byzantine, honest[None, :, columns].expand(C, h, w)], dim=1)
+            else:
+                part = {k: v[..., columns] for k, v in stats.items()}
+                X = torch.empty((C, n, part["mean"].shape[-1]), dtype=honest.dtype, device=honest.device)
+                X[:, f:] = honest[:, columns]
+                for c, param in enumerate(grid):
+                    X[c, :f] = self.rows(param, part)
             if mixing is not None:
-                X = mixing @ X
+                X = torch.bmm(mixing, X)
             aggregates[:, columns] = server.rule.aggregate(X)
         damages = torch.linalg.vector_norm(aggregates - stats["mean"], dim=-1).tolist()  # the one wait
         return damages if self.raw_damage else [x if math.isfinite(x) else math.inf for x in damages]
@@ -471,6 +495,10 @@ class LineSearchAttack(Attack):
     def _record(self, best: Any) -> None:
         self.last_param = best
 
+    def _owner(self, method: str) -> type:
+        """The class of this attack's that defines ``method``."""
+        return next(cls for cls in type(self).__mro__ if method in vars(cls))
+
 
 class _LineGeometry:
     """Every candidate's Gram matrix from one Gram matrix K of the h + 3 base points B = [honest; p0; p1; r],
@@ -485,22 +513,44 @@ class _LineGeometry:
     def __init__(self, K: Tensor, f: int) -> None:
         h = K.shape[0] - 3
         self.K, self.f, self.n = K, f, f + h
-        self.C = torch.zeros(f + h + 1, h + 3, dtype=K.dtype, device=K.device)
-        self.C[f : f + h, :h] = torch.eye(h, dtype=K.dtype, device=K.device)
-        self.C[f + h, h + 2] = 1.0  # the reference point stays itself
-        self.mean = torch.zeros(h + 3, dtype=K.dtype, device=K.device)
-        self.mean[:h] = 1.0 / h
+        # C_t = C_0 + t S: the Byzantine clients at p0 + t (p1 - p0), the honest clients and the reference
+        # point stay themselves
+        eye, kept = torch.eye(h + 3, dtype=K.dtype, device=K.device), list(range(h)) + [h + 2]
+        self.C = eye[[h] * f + kept]
+        self.S = eye[[h + 1] * f + kept] - self.C
+        self.mean = self.C[f : f + h].mean(dim=0)  # 1/h on each honest client
+        self.ts: list[float] = []  # the candidates of the last `grams`, their coefficients and Gram matrices
+        self.coefficients: Tensor | None = None
+        self.batch: Tensor | None = None
+
+    def grams(self, ts: list[float]) -> Tensor:
+        """The Gram matrices C_t K C_t^T (len(ts), N+1, N+1) of [byzantine; honest; r] when the Byzantine
+        clients send (1 - t) p0 + t p1, for each t of ``ts``, as one batch (kept for `gram_at`)."""
+        self.ts, self.coefficients = list(ts), self._coefficients(ts)
+        self.batch = self._sandwich(self.coefficients)
+        return self.batch
 
     def gram_at(self, t: float) -> Tensor:
-        """The Gram matrix of [byzantine; honest; r] when the Byzantine clients send (1 - t) p0 + t p1."""
-        h = self.n - self.f
-        self.C[: self.f, h], self.C[: self.f, h + 1] = 1.0 - t, t
-        return self.C @ self.K @ self.C.T
+        """The Gram matrix of one candidate t: its matrix of the last `grams` when t was one of them."""
+        return self.batch[self.ts.index(t)] if t in self.ts else self._sandwich(self._coefficients([t]))[0]
 
-    def damage(self, weights: Tensor) -> float:
-        """norm(aggregate - honest mean) for the last candidate, whose aggregate is w (N+1,) on its points."""
-        c = weights @ self.C - self.mean
-        return (c @ self.K @ c).clamp(min=0).sqrt().item()
+    def damages(self, weights: Tensor) -> Tensor:
+        """norm(aggregate - honest mean) (C,) for the candidates of the last `grams`, whose aggregates are
+        the weights (C, N+1) on their points (NaN where a row of weights is NaN)."""
+        c = torch.bmm(weights.unsqueeze(-2), self.coefficients) - self.mean  # (C, 1, h+3)
+        return self._sandwich(c).flatten().clamp(min=0).sqrt()
+
+    def _coefficients(self, ts: list[float]) -> Tensor:
+        """C_t for each t of ``ts``, (len(ts), N+1, h+3): 1 - t and t exactly where the Byzantine rows
+        weigh p0 and p1."""
+        t = torch.tensor(ts, dtype=self.K.dtype, device=self.K.device)
+        return self.C + t.view(-1, 1, 1) * self.S
+
+    def _sandwich(self, X: Tensor) -> Tensor:
+        """X K X^T for each matrix of the batch X (C, P, h+3), by batched products over K repeated for each
+        (a view): each candidate's product alone, as one product over all of them would round rows by
+        where they fall, so equal candidates keep equal bits and ties among damages stay ties."""
+        return torch.bmm(torch.bmm(X, self.K.expand(len(X), *self.K.shape)), X.mT)
 
 
 class ALIE(LineSearchAttack):
@@ -518,6 +568,7 @@ class ALIE(LineSearchAttack):
     name = "alie"
     display = "ALIE"
     symbol = "z"
+    column_rows = True
 
     def __init__(self, variant: str = "paper", z: float | None = None) -> None:
         super().__init__()
@@ -548,7 +599,7 @@ class ALIE(LineSearchAttack):
             return own
         return super().send(honest, own, server)
 
-    def rows(self, z: float, stats: dict[str, Tensor]) -> Tensor:
+    def rows(self, z: float | Tensor, stats: dict[str, Tensor]) -> Tensor:
         return stats["mean"] - z * stats["sigma"]
 
     def line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -571,6 +622,7 @@ class FOE(LineSearchAttack):
     display = "FOE"
     symbol = "ε"
     presets = {"foe_0.1": ("FOE ε=0.1", {"eps": 0.1}), "foe_100": ("FOE ε=100", {"eps": 100.0})}
+    column_rows = True
 
     def __init__(self, eps: float, variant: str = "paper") -> None:
         super().__init__()
@@ -587,7 +639,7 @@ class FOE(LineSearchAttack):
             return self.eps, 0.0  # malicious.py lines 120-121: max_dist = 0, best_eps = epsilon
         return super()._start(n, f)
 
-    def rows(self, eps: float, stats: dict[str, Tensor]) -> Tensor:
+    def rows(self, eps: float | Tensor, stats: dict[str, Tensor]) -> Tensor:
         return -eps * stats["mean"]
 
     def line(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

@@ -412,7 +412,7 @@ def server_round(
     if on_round is not None:
         on_round(r, updates, momentum, st.pipeline, st.attack)
     st.timer.lap("rest")
-    aggregate = st.pipeline(updates)
+    aggregate = st.pipeline(updates, gram=getattr(st.attack, "last_gram", None))  # the search's, if any
     st.timer.lap("aggregate")
     rule = st.pipeline.rule
     if isinstance(rule, ProDiGy) and len(rule.last_scores.weight) == resolved.n_clients:

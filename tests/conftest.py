@@ -96,6 +96,7 @@ class _Accelerator(TorchDispatchMode):
         self.on_device: set[int] = set()
         self.waits = 0
         self.kernels = 0  # ops on the device other than views
+        self.host_ops = 0  # ops on the host (views included: each costs a dispatch there)
 
     def place(self, t: torch.Tensor) -> None:
         if id(t) not in self.on_device:
@@ -116,6 +117,7 @@ class _Accelerator(TorchDispatchMode):
         self.waits += device and (name in self.READS or masks)
         view = not func._schema.is_mutable and any(r.alias_info is not None for r in func._schema.returns)
         self.kernels += device and not view
+        self.host_ops += not device
         out = func(*args, **kwargs)
         if device:
             for t in torch.utils._pytree.tree_leaves(out) + list(self._written(func, args, kwargs)):

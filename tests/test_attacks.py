@@ -353,8 +353,9 @@ def test_works_on_every_available_device():
 @pytest.mark.parametrize("name", ["alie", "foe_100"])
 def test_line_search_reads_candidates_from_one_gram_matrix(defense, name, monkeypatch):
     """ALIE and FOE candidates lie on a line: a weighted-combination pipeline is evaluated from one Gram
-    matrix (no peek); a coordinate-wise one runs all candidates as one batch (no peek either), after NNM
-    with each candidate's mixing from that Gram matrix."""
+    matrix (no peek), all candidates' weights as one batch (one call, was one per candidate); a
+    coordinate-wise one runs all candidates as one batch (no peek either), after NNM with each candidate's
+    mixing from that Gram matrix."""
     seen = {"peek": [], "weights": 0, "geometry": 0}
     real_peek, real_weights, real_geometry = Pipeline.peek, Pipeline.weights, attacks.geometry
 
@@ -382,7 +383,8 @@ def test_line_search_reads_candidates_from_one_gram_matrix(defense, name, monkey
     elif defense == "nnm+trimmed_mean":
         assert seen == {"peek": [], "weights": 0, "geometry": 1}
     else:
-        assert seen == {"peek": [], "weights": candidates, "geometry": 1}
+        assert seen == {"peek": [], "weights": 1, "geometry": 1}
+        assert len(attack.last_search) == candidates
 
 
 COORDINATEWISE = ["median", "trimmed_mean", "nnm+median", "nnm+trimmed_mean"]

@@ -12,14 +12,15 @@ from prodigy_core.config import RunConfig
 ROUNDS = 4  # the last ends with an evaluation
 
 
-@pytest.mark.parametrize(("defense", "most"), [("prodigy", 3), ("nnm+trimmed_mean", 4)])
+@pytest.mark.parametrize(("defense", "most"), [("prodigy", 2), ("nnm+trimmed_mean", 3)])
 def test_host_waits_per_round_are_bounded(on_accelerator, defense, most):
     """A round under ALIE on a GPU waits for: the finiteness of the honest momentum (with the last round's
-    model's, when that round had no evaluation), the attack's line Gram matrix, its batch of candidates'
-    damages (coordinate-wise rules), and the aggregation's Gram matrix. A round that ends with an evaluation
-    also reads its model's finiteness and, in one wait, the evaluation's numbers. Before: 5 waits a round for
-    ProDiGy, 36 for NNM + trimmed mean (two per candidate of the search's 15, a second finiteness check,
-    the rule's own all-finite check)."""
+    model's, when that round had no evaluation), the attack's line Gram matrix, which the aggregation takes
+    too (`Attack.last_gram`), and its batch of candidates' damages (coordinate-wise rules). A round that ends
+    with an evaluation also reads its model's finiteness and, in one wait, the evaluation's numbers. Before:
+    3 waits a round for ProDiGy and 4 for NNM + trimmed mean (the aggregation copied its own Gram matrix);
+    before that 5 and 36 (two per candidate of the search's 15, a second finiteness check, the rule's own
+    all-finite check)."""
     config = RunConfig(dataset="digits", n_clients=10, n_byzantine=3, defense=defense, attack="alie",
                        rounds=ROUNDS, eval_every=ROUNDS, local_steps=1, batch_size=16)  # fmt: skip
     st = training.start_run(config, torch.device("cpu"), "batched")
