@@ -176,7 +176,7 @@ def run(
     if engine == "sequential":
         local_steps = _local_steps_sequential
     else:  # one gradient function for the whole run, so that a compiled one compiles once
-        grad_fn = per_client_grad(st.model, compiled=engine == "compiled")
+        grad_fn = per_client_grad(st.model, engine=engine)
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
 
     bar = tqdm(total=resolved.rounds, initial=st.start, disable=not progress, unit="round",
@@ -637,8 +637,16 @@ class ClientGrad:
             ) from e
 
 
-def per_client_grad(model: nn.Module, compiled: bool = False) -> ClientGrad:
-    """The batched engine's gradient function for `model` (see `ClientGrad`)."""
+def per_client_grad(model: nn.Module, compiled: bool = False, engine: str | None = None) -> ClientGrad:
+    """The batched engine's gradient function for `model` (see `ClientGrad`); `engine` (a stacked engine):
+    ``compiled`` the process's compiled one (`step_variants.cached_compiled_grad`), an engine variant its
+    own (`step_variants.make_grad`)."""
+    from prodigy_core import step_variants
+
+    if engine == "compiled":
+        return step_variants.cached_compiled_grad(model)
+    if engine in step_variants.VARIANTS:
+        return step_variants.make_grad(engine, model)
     return ClientGrad(model, compiled)
 
 
@@ -693,6 +701,8 @@ def local_steps_stacked(
     group and no indexing."""
     runs, n = len(models), feds[0].n_clients
     streams = streams or [None] * runs
+    if hasattr(grad_fn, "local_steps"):  # an engine variant with its own loop (`step_variants.StaticSteps`)
+        return grad_fn.local_steps(models, feds, steps, lrs, resolved, rngs, streams)
 
     def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
         return torch.stack([t.detach() for t in tensors]).repeat_interleave(n, dim=0)

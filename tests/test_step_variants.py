@@ -1,0 +1,193 @@
+"""Engine variants of the batched local step (issue 44, `prodigy_core.step_variants`): each is the `batched`
+engine's computation (float64, dropout on, the same streams), its launches per step do not grow with the
+group, the CUDA-only one is refused on a CPU in one line, and a run's record names the variant it ran."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prodigy_core import step_variants, training
+from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.data import load_federation
+from prodigy_core.models import make_model
+from prodigy_core.step_variants import FoldedGrad, StaticSteps, _FoldedBatchNorm, _FoldedConv
+from prodigy_core.streams import ClientStreams
+
+TINY = dict(dataset="digits", n_clients=4, n_byzantine=0, defense="average", attack="none", rounds=2,
+            local_steps=2, batch_size=32, eval_every=2, device="cpu")  # fmt: skip
+
+
+def _float64_federation(distribution: str, n: int = 4):
+    """digits in float64: the images jittered by 1e-3 (digits' constant backgrounds make exact max-pooling
+    ties, which any rounding difference routes to another pixel: tests/test_training.py) and every training
+    batch cast to float64, so the dropout masks are float64 too."""
+    fed = load_federation("digits", n, distribution=distribution, seed=0)
+    jitter = torch.rand(fed.train_images.shape, generator=torch.Generator().manual_seed(2))
+    fed.train_images = fed.train_images + 1e-3 * jitter
+    plain = fed.train_batch
+    fed.train_batch = lambda idx, gens: plain(idx, gens).double()
+    return fed
+
+
+def _steps(fed, grad_fn, model, steps=3, batch_size=32):
+    cfg = RunConfig(**{**TINY, "n_clients": fed.n_clients, "batch_size": batch_size, "weight_decay": 1e-2})
+    rng = ClientStreams(1, fed.n_clients)
+    return training._local_steps_batched(model, fed, steps, 0.05, cfg.resolved(), rng, grad_fn=grad_fn)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = make_model("digits").double().train()
+    assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())  # dropout on
+    return model
+
+
+@pytest.mark.parametrize("distribution", ["iid", "dirichlet"])
+@pytest.mark.parametrize(("conv", "channels_last"), [("grouped", True), ("bmm", False)])
+def test_client_folded_variants_equal_batched_in_float64(distribution, conv, channels_last):
+    """channels_last and bmm_conv: the client-folded layers give the batched engine's pseudo-gradients and
+    BatchNorm buffers to float64 rounding, with one batch width (iid) and several (Dirichlet's small
+    clients)."""
+    fed = _float64_federation(distribution)
+    model = _model()
+    g_ref, buf_ref = _steps(fed, None, model)
+    g, buf = _steps(fed, FoldedGrad(model, conv=conv, channels_last=channels_last), model)
+    assert g.dtype == torch.float64
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    assert buf.keys() == buf_ref.keys() and buf
+    for name in buf_ref:
+        torch.testing.assert_close(buf[name], buf_ref[name], rtol=1e-10, atol=1e-10)
+
+
+def test_static_buffer_steps_are_the_batched_engines_bit_for_bit():
+    """cuda_graphs' static-buffer path (the capture itself is CUDA's): the same kernels on the same values,
+    so the same bits as `batched`, float64 and float32."""
+    for dtype in (torch.float64, torch.float32):
+        fed = _float64_federation("iid") if dtype == torch.float64 else load_federation("digits", 4, seed=0)
+        model = _model().to(dtype)
+        g_ref, buf_ref = _steps(fed, None, model)
+        g, buf = _steps(fed, StaticSteps(training.ClientGrad(model)), model)
+        assert torch.equal(g, g_ref)
+        assert all(torch.equal(buf[k], buf_ref[k]) for k in buf_ref)
+
+
+def test_static_buffer_steps_of_a_group_are_each_runs_own():
+    """Three runs drawn together (`draw_group`: one gather, one mask draw per layer) give each run what it
+    gets alone in the static path, and the steps after the first round reuse the buffers."""
+    fed = load_federation("digits", 4, seed=0)
+    cfg = RunConfig(**TINY).resolved()
+    torch.manual_seed(0)
+    models = [make_model("digits").train() for _ in range(3)]
+    static = StaticSteps(training.ClientGrad(models[0]))
+    for _ in range(2):  # two rounds: the second writes into the first's buffers
+        rngs = [ClientStreams(i, 4) for i in range(3)]
+        together = static.local_steps(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, [None] * 3)
+    for i, model in enumerate(models):
+        ((alone, buf),) = training.local_steps_stacked(
+            [model], [fed], 2, [0.05], cfg, [ClientStreams(i, 4)], training.ClientGrad(model)
+        )
+        assert torch.equal(together[i][0], alone)
+        assert all(torch.equal(together[i][1][k], buf[k]) for k in buf)
+
+
+@pytest.mark.parametrize(("kernel", "padding"), [(5, 2), (3, 1)])  # the FEMNIST and CIFAR-10 convolutions
+@pytest.mark.parametrize(("impl", "channels_last"), [("grouped", True), ("bmm", False)])
+def test_folded_convolution_and_batchnorm_are_each_clients_own(kernel, padding, impl, channels_last):
+    """Against each client's own nn.functional call (float64), forward and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    n, b, c, o = 3, 4, 2, 5
+    x = torch.randn(n, b, c, 9, 9, generator=gen, dtype=torch.float64)
+    conv = nn.Conv2d(c, o, kernel, padding=padding).double()
+    w = torch.randn(n, o, c, kernel, kernel, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(n, o, generator=gen, dtype=torch.float64, requires_grad=True)
+    folded = _FoldedConv(conv, impl, channels_last)
+    out = torch.func.functional_call(folded, {"weight": w, "bias": bias}, (x,))
+    ref = torch.stack([F.conv2d(x[k], w[k], bias[k], padding=padding) for k in range(n)])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (w, bias))
+    refs = torch.autograd.grad(ref.square().sum(), (w, bias))
+    for g, r in zip(grads, refs, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    bn = nn.BatchNorm2d(o).double()
+    state = {k: torch.stack([v] * n) for k, v in bn.state_dict().items()}
+    params = {k: state.pop(k) for k in ("weight", "bias")}
+    y = torch.func.functional_call(_FoldedBatchNorm(bn), (params, state), (out,))
+    for k in range(n):
+        mean, var = torch.zeros(o, dtype=torch.float64), torch.ones(o, dtype=torch.float64)
+        expect = F.batch_norm(out[k], mean, var, params["weight"][k], params["bias"][k], True, 0.1, 1e-5)
+        torch.testing.assert_close(y[k], expect, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(state["running_mean"][k], mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(state["running_var"][k], var, rtol=1e-12, atol=1e-12)
+    assert state["num_batches_tracked"].tolist() == [1] * n
+
+
+def test_cuda_graphs_engine_is_refused_on_a_cpu_in_one_line():
+    with pytest.raises(ConfigError, match=r"^engine='cuda_graphs' .*needs a CUDA device.*engine='batched'"):
+        training.run(RunConfig(**TINY, engine="cuda_graphs"), progress=False)
+
+
+def test_a_run_records_the_variant_it_ran_and_keeps_the_batched_key():
+    """The variant is an engine: named in the record's environment, out of the result key (one key, one
+    computation to float rounding: docs/semantics.md)."""
+    batched = training.run(RunConfig(**TINY, engine="batched"), progress=False)
+    for engine in ("channels_last", "bmm_conv"):
+        config = RunConfig(**TINY, engine=engine)
+        result = training.run(config, progress=False)
+        assert result.environment["engine"] == engine
+        assert config.key() == RunConfig(**TINY, engine="batched").key()
+        assert result.final_accuracy == pytest.approx(batched.final_accuracy, abs=2.0)
+
+
+def test_a_layer_without_a_folded_form_is_refused_in_one_line():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
+    with pytest.raises(ValueError, match=r"^the model's Tanh layers have no client-folded form; use engine="):
+        FoldedGrad(model)
+
+
+def test_the_compiled_step_is_built_once_per_process_and_architecture():
+    a, b = make_model("digits"), make_model("digits")
+    assert step_variants.cached_compiled_grad(a) is step_variants.cached_compiled_grad(b)
+    assert training.per_client_grad(a, engine="compiled") is step_variants.cached_compiled_grad(a)
+    assert step_variants.cached_compiled_grad(a.double()) is not step_variants.cached_compiled_grad(b)
+
+
+# ------------------------------------------------------------------------------------ launches per step
+def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool) -> int:
+    """Device kernels of one local step of a group of `runs` digits runs (4 clients each), on the emulated
+    accelerator: a round of 2 steps minus a round of 1 (the per-round stacking and outputs cancel)."""
+    fed = load_federation("digits", 4, distribution="iid", seed=0)
+    fed._cpu_sizes = fed._cpu_sizes.clone()  # the host's copy of the client sizes (test_host_waits.py)
+    data = [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
+    cfg = RunConfig(**{**TINY, "batch_size": 16}).resolved()
+    torch.manual_seed(0)
+    models = [make_model("digits").train() for _ in range(runs)]
+    grad_fn = StaticSteps(training.ClientGrad(models[0])) if static else training.ClientGrad(models[0])
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
+    counts = []
+    with on_accelerator(*tensors, *data) as accelerator:
+        to = torch.Tensor.to
+
+        def to_device(t, *args, **kwargs):  # a host tensor copied to the device lives there
+            out = to(t, *args, **kwargs)
+            if any(isinstance(a, torch.device) for a in (*args, *kwargs.values())):
+                accelerator.place(out)
+            return out
+
+        monkeypatch.setattr(torch.Tensor, "to", to_device)
+        for steps in (1, 2):
+            rngs = [ClientStreams(i, 4) for i in range(runs)]
+            before = accelerator.kernels
+            training.local_steps_stacked(models, [fed] * runs, steps, [0.05] * runs, cfg, rngs, grad_fn)
+            counts.append(accelerator.kernels - before)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+    return counts[1] - counts[0]
+
+
+def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch):
+    """The static-buffer step draws all R runs' batches and masks at once: its device kernels per local step
+    are the same at R = 1, 4 and 16. (The plain loop draws run by run: it grows with R.)"""
+    static = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static=True) for r in (1, 4, 16)}
+    assert static[1] == static[4] == static[16] > 0
+    plain = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static=False) for r in (1, 4)}
+    assert plain[4] > plain[1]
