@@ -191,3 +191,38 @@ def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerato
     assert static[1] == static[4] == static[16] > 0
     plain = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static=False) for r in (1, 4)}
     assert plain[4] > plain[1]
+
+
+# ------------------------------------------------------------------------------------ the autotune's choice
+def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
+    """On the CPU of `gpu_run.py --simulate`, given the variants (`engine_candidates("cpu")`) and a timer
+    that makes bmm_conv the fastest (whatever this CPU measures): the gate trains it (fp32, the batched
+    computation to rounding) against the reference, accepts it, and the autotune chooses it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import autotune
+    from prodigy_core.experiments import load_experiment
+
+    assert autotune.engine_candidates("cpu") == ("batched", "channels_last", "bmm_conv", "compiled")
+    assert "cuda_graphs" in autotune.CANDIDATES["cuda"]["engine"]
+    space = {"precision": ("fp32",), "size": (1,), "engine": autotune.engine_candidates("cpu")}
+    monkeypatch.setitem(autotune.CANDIDATES, "cpu", space)
+    speed = {"bmm_conv": 4.0, "channels_last": 2.0, "batched": 1.0, "compiled": 0.5}
+    timed = []
+
+    def timer(resolved, fed, precision, engine, size):
+        timed.append(engine)
+        return 1.0 / speed[engine]
+
+    config = load_experiment("quickstart_digits", scale="smoke").configs[0]
+    config = config.replace(device="cpu", distribution="iid", engine="batched")
+    fed = training._load_federation(config.resolved(), torch.device("cpu"))
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    tune = report["datasets"]["digits"]
+    assert timed == list(autotune.engine_candidates("cpu"))
+    verdicts = {(g["engine"], g["accepted"]) for g in tune["gate"]}
+    assert verdicts == {("bmm_conv", True), ("channels_last", True)}
+    assert all(0 < g["measures"]["param_rel"] < 1e-3 for g in tune["gate"])  # rounding, not bits
+    assert tune["chosen"] == {"precision": "fp32", "engine": "bmm_conv"}
