@@ -226,3 +226,24 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
     assert verdicts == {("bmm_conv", True), ("channels_last", True)}
     assert all(0 < g["measures"]["param_rel"] < 1e-3 for g in tune["gate"])  # rounding, not bits
     assert tune["chosen"] == {"precision": "fp32", "engine": "bmm_conv"}
+
+
+def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsys):
+    """benchmarks/throughput.py --smoke on the CPU: the measured peak, then per engine its images/s, TFLOP/s,
+    share of the peak and warm-up seconds; cuda_graphs refused in its row with the reason."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import throughput
+
+    assert throughput.main(["--smoke"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("device: CPU") and "TFLOP/s (float32 128^3 matrix product)" in out[0]
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in out if line.startswith("digits | fp32")}
+    assert set(rows) == {"batched", *step_variants.VARIANTS}
+    for engine in ("batched", "channels_last", "bmm_conv"):
+        images, tflops, share, first = rows[engine][4:]
+        assert float(images.replace(",", "")) > 0 and float(tflops) > 0 and share.endswith("%")
+        assert float(first) >= -0.5  # wall clock less the timed steps: noise can make it a little negative
+    assert rows["cuda_graphs"][4].startswith("refused: ConfigError: engine='cuda_graphs'")
