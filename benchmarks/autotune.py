@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
+from torch.utils.flop_counter import FlopCounterMode
 
 from prodigy_core import step_variants, training
 from prodigy_core.config import RunConfig
@@ -190,10 +191,11 @@ def autotune(
     """Per dataset (`configs`: one run of each dataset the window trains, `feds`: their loaded data): the
     timings, the gate and the choice, as `autotune.json` holds them:
 
-    {dataset: {"timings": [{precision, engine, size, step_s, images_per_s} or {..., error}],
+    {dataset: {"timings": [{precision, engine, size, step_s, images_per_s, tflops, peak_share} or {error}],
                "gate": [{precision, engine, defense, measures, accepted}], "chosen": {precision, engine},
                "step_s": {size: seconds of one local step of the chosen candidate},
-               "server_s": seconds of one run's server side per round (the gate's slowest)}}
+               "server_s": seconds of one run's server side per round (the gate's slowest),
+               "gflop_per_image"}, "peak": {tflops, measured}} (`add_rates`: TFLOP/s and share of the peak)
 
     A candidate that raises (no compiler, no bf16 kernels) is left out with its error. `timer`: the timing
     function (tests give a fake one to make a candidate fastest)."""
@@ -258,8 +260,58 @@ def autotune(
                              + ("ok" if g["accepted"] else "refused") for g in gate)  # fmt: skip
         log(f"autotune {dataset}: images/s {speeds}; gate {verdicts or 'nothing to gate'}; "
             f"chosen {chosen[0]}/{chosen[1]}")  # fmt: skip
+    add_rates(report, configs, feds)
     report["seconds"] = time.perf_counter() - tic
     return report
 
 
-__all__ = ["CANDIDATES", "TOLERANCES", "autotune", "compare", "engine_candidates", "time_step", "trajectory"]
+# ------------------------------------------------------------------ rates (issue 44): TFLOP/s, share of peak
+PEAK_SIZE = {"cuda": 8192, "cpu": 512}  # the peak's matrix size per device type (a CPU's is indicative)
+
+
+def flops_per_image(dataset: str, image_shape: tuple[int, ...], batch: int = 64) -> float:
+    """FLOPs of one training pass (forward + backward) per image, as torch.utils.flop_counter counts them."""
+    model = make_model(dataset).train()
+    x = torch.randn(batch, *image_shape)
+    y = torch.zeros(batch, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    return counter.get_total_flops() / batch
+
+
+def peak_tflops(device: torch.device, size: int) -> tuple[float, str]:
+    """The device's dense rate, measured: TFLOP/s of a size^3 matrix product, bf16 on CUDA (tensor cores),
+    fp32 on a CPU; the best of 5 after a warm-up. Returns (TFLOP/s, what was measured)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        tic = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - tic)
+    return 2 * size**3 / best / 1e12, f"{str(dtype).split('.')[-1]} {size}^3 matrix product"
+
+
+def add_rates(report: dict[str, Any], configs: dict[str, RunConfig], feds: dict[str, Federation]) -> None:
+    """Into `autotune`'s report: the device's measured peak (`peak_tflops`, report["peak"]) and, in every
+    timed row, its TFLOP/s (images/s x `flops_per_image`) and share of that peak, as throughput.py prints
+    them."""
+    if not configs:
+        return
+    device = resolve_device(next(iter(configs.values())).device)
+    peak, what = peak_tflops(device, PEAK_SIZE["cuda" if device.type == "cuda" else "cpu"])
+    report["peak"] = {"tflops": peak, "measured": what}
+    for dataset, tune in report["datasets"].items():
+        flops = flops_per_image(dataset, feds[dataset].image_shape)
+        tune["gflop_per_image"] = flops / 1e9
+        for row in tune["timings"]:
+            if "images_per_s" in row:
+                row["tflops"] = row["images_per_s"] * flops / 1e12
+                row["peak_share"] = row["tflops"] / peak
+
+
+__all__ = ["CANDIDATES", "TOLERANCES", "add_rates", "autotune", "compare", "engine_candidates",
+           "flops_per_image", "peak_tflops", "time_step", "trajectory"]  # fmt: skip

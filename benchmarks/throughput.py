@@ -22,15 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.autotune import CANDIDATES, sync, time_step  # noqa: E402
+from benchmarks.autotune import CANDIDATES, flops_per_image, peak_tflops, time_step  # noqa: E402
 from prodigy_core.config import RunConfig  # noqa: E402
-from prodigy_core.models import make_model  # noqa: E402
 
 SETTINGS = {  # the paper's client side (digits: the quickstart's)
     "digits": dict(dataset="digits", distribution="iid", n_clients=10, n_byzantine=3),
@@ -38,32 +35,6 @@ SETTINGS = {  # the paper's client side (digits: the quickstart's)
                     femnist_min_writer_samples=350),
     "cifar10": dict(dataset="cifar10", distribution="iid", n_clients=10, n_byzantine=3),
 }  # fmt: skip
-
-
-def flops_per_image(dataset: str, image_shape: tuple[int, ...], batch: int = 64) -> float:
-    """FLOPs of one training pass (forward + backward) per image, as torch.utils.flop_counter counts them."""
-    model = make_model(dataset).train()
-    x = torch.randn(batch, *image_shape)
-    y = torch.zeros(batch, dtype=torch.long)
-    with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(x), y).backward()
-    return counter.get_total_flops() / batch
-
-
-def peak_tflops(device: torch.device, size: int) -> tuple[float, str]:
-    """The device's dense rate, measured: TFLOP/s of a size^3 matrix product, bf16 on CUDA (tensor cores),
-    fp32 on a CPU; the best of 5 after a warm-up. Returns (TFLOP/s, what was measured)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        tic = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - tic)
-    return 2 * size**3 / best / 1e12, f"{str(dtype).split('.')[-1]} {size}^3 matrix product"
 
 
 def engines_for(device: torch.device) -> tuple[str, ...]:

@@ -226,6 +226,10 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
     assert verdicts == {("bmm_conv", True), ("channels_last", True)}
     assert all(0 < g["measures"]["param_rel"] < 1e-3 for g in tune["gate"])  # rounding, not bits
     assert tune["chosen"] == {"precision": "fp32", "engine": "bmm_conv"}
+    assert report["peak"]["tflops"] > 0 and tune["gflop_per_image"] > 0  # autotune.json's rates
+    for row in tune["timings"]:
+        assert row["tflops"] == pytest.approx(row["images_per_s"] * tune["gflop_per_image"] / 1e3)
+        assert row["peak_share"] == pytest.approx(row["tflops"] / report["peak"]["tflops"])
 
 
 def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsys):
