@@ -439,9 +439,12 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     - ``sequential``: the reference, one model copy trained client after client on exactly its valid
       entries, its dropout layers multiplying by the same masks.
     - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
-      run (the first round pays the compilation; a new batch width, e.g. a small client's, may recompile).
+      process and architecture (`step_variants.cached_compiled_grad`: the first round of the first run pays
+      the compilation; a new batch width, e.g. a small client's, may recompile).
       It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
+    - ``channels_last``, ``bmm_conv``, ``cuda_graphs``: variants of batched's kernels, the same computation,
+      for the GPU window's autotune (`prodigy_core.step_variants`; cuda_graphs is refused off CUDA).
     - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
       (`AUTO_CPU_ENGINE`).
     """
