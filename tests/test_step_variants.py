@@ -251,3 +251,38 @@ def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsy
         assert float(images.replace(",", "")) > 0 and float(tflops) > 0 and share.endswith("%")
         assert float(first) >= -0.5  # wall clock less the timed steps: noise can make it a little negative
     assert rows["cuda_graphs"][4].startswith("refused: ConfigError: engine='cuda_graphs'")
+
+
+# ------------------------------------------------------------------------------------------------ groups
+@pytest.mark.parametrize(
+    ("engine", "distribution"),
+    [("channels_last", "dirichlet"), ("bmm_conv", "dirichlet"), ("cuda_graphs", "iid")],
+)
+def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeypatch, engine, distribution):
+    """tests/test_groups.py's four runs (CClip + ALIE, ProDiGy + LF: its own labels, NNM + TM + SF at another
+    lr, average) in float64, grouped under a variant, against each alone under `batched`: the same models,
+    momentum, attack parameters and zeroed clients after 2 rounds. cuda_graphs runs its static-buffer path
+    uncaptured (the capture is CUDA's), on iid data (one batch width: Dirichlet's fall back to the loop)."""
+    import test_groups as tg
+
+    from prodigy_core.data import Federation
+
+    normalise = Federation.normalise
+    monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
+    draws = []
+    if engine == "cuda_graphs":
+        monkeypatch.setattr(step_variants, "make_grad", lambda e, m: StaticSteps(training.ClientGrad(m)))
+        draw = step_variants.draw_group
+        monkeypatch.setattr(step_variants, "draw_group", lambda *a: draws.append(len(a[0])) or draw(*a))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        configs = [c.replace(distribution=distribution) for c in tg.CONFIGS]
+        solo = tg._solo_states(configs, tmp_path / "solo")
+        grouped = tg._group_states([c.replace(engine=engine) for c in configs], tmp_path / "group")
+    finally:
+        torch.set_default_dtype(previous)
+    for config in configs:
+        tg._assert_same_run(grouped[config.key()], solo[config.key()])
+        assert grouped[config.key()]["result"]["environment"]["engine"] == engine
+    assert draws == ([4] * 2 * tg.STOP if engine == "cuda_graphs" else [])  # the static path drew the steps
