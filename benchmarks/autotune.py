@@ -191,7 +191,8 @@ def autotune(
     """Per dataset (`configs`: one run of each dataset the window trains, `feds`: their loaded data): the
     timings, the gate and the choice, as `autotune.json` holds them:
 
-    {dataset: {"timings": [{precision, engine, size, step_s, images_per_s, tflops, peak_share} or {error}],
+    {dataset: {"timings": [{precision, engine, size, step_s, wall_s, images_per_s, tflops, peak_share}
+                           or {precision, engine, size, error}],
                "gate": [{precision, engine, defense, measures, accepted}], "chosen": {precision, engine},
                "step_s": {size: seconds of one local step of the chosen candidate},
                "server_s": seconds of one run's server side per round (the gate's slowest),
@@ -217,7 +218,10 @@ def autotune(
                     if over and (precision, engine, size) != (*REFERENCE, 1):
                         break  # out of time: the rest of this candidate's sizes are not tried
                     try:
+                        started = time.perf_counter()
                         row["step_s"] = timer(resolved, fed, precision, engine, size)
+                        # the whole timing, warm-up step included: compiled's compilation, a graph's capture
+                        row["wall_s"] = time.perf_counter() - started
                         row["images_per_s"] = size * resolved.n_clients * resolved.batch_size / row["step_s"]
                     except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not chosen
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -228,6 +228,7 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
     assert tune["chosen"] == {"precision": "fp32", "engine": "bmm_conv"}
     assert report["peak"]["tflops"] > 0 and tune["gflop_per_image"] > 0  # autotune.json's rates
     for row in tune["timings"]:
+        assert row["wall_s"] >= 0  # the timing's wall clock, warm-up (compilation) included
         assert row["tflops"] == pytest.approx(row["images_per_s"] * tune["gflop_per_image"] / 1e3)
         assert row["peak_share"] == pytest.approx(row["tflops"] / report["peak"]["tflops"])
 
