@@ -30,10 +30,13 @@ def _float64_federation(distribution: str, n: int = 4):
     return fed
 
 
-def _steps(fed, grad_fn, model, steps=3, batch_size=32):
+def _steps(fed, grad_fn, model, steps=3, batch_size=32, authors=False):
     cfg = RunConfig(**{**TINY, "n_clients": fed.n_clients, "batch_size": batch_size, "weight_decay": 1e-2})
     rng = ClientStreams(1, fed.n_clients)
-    return training._local_steps_batched(model, fed, steps, 0.05, cfg.resolved(), rng, grad_fn=grad_fn)
+    stream = training.AuthorsBatchStream(fed, batch_size) if authors else None
+    return training._local_steps_batched(
+        model, fed, steps, 0.05, cfg.resolved(), rng, grad_fn=grad_fn, stream=stream
+    )
 
 
 def _model():
@@ -60,14 +63,15 @@ def test_client_folded_variants_equal_batched_in_float64(distribution, conv, cha
         torch.testing.assert_close(buf[name], buf_ref[name], rtol=1e-10, atol=1e-10)
 
 
-def test_static_buffer_steps_are_the_batched_engines_bit_for_bit():
+@pytest.mark.parametrize("authors", [False, True])  # the authors' batch stream: drawn run by run
+def test_static_buffer_steps_are_the_batched_engines_bit_for_bit(authors):
     """cuda_graphs' static-buffer path (the capture itself is CUDA's): the same kernels on the same values,
     so the same bits as `batched`, float64 and float32."""
     for dtype in (torch.float64, torch.float32):
         fed = _float64_federation("iid") if dtype == torch.float64 else load_federation("digits", 4, seed=0)
         model = _model().to(dtype)
-        g_ref, buf_ref = _steps(fed, None, model)
-        g, buf = _steps(fed, StaticSteps(training.ClientGrad(model)), model)
+        g_ref, buf_ref = _steps(fed, None, model, authors=authors)
+        g, buf = _steps(fed, StaticSteps(training.ClientGrad(model)), model, authors=authors)
         assert torch.equal(g, g_ref)
         assert all(torch.equal(buf[k], buf_ref[k]) for k in buf_ref)
 
