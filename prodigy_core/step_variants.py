@@ -16,9 +16,11 @@ by float rounding only) and named in the record's `environment["engine"]`. `auto
   clients (`FoldedGrad`), instead of a grouped convolution with R N groups.
 - ``cuda_graphs``: the batched step with every per-step input (images, labels, dropout masks, the clients'
   weights and BatchNorm buffers) in static buffers, the step captured once in a CUDA graph per shape and
-  step size and replayed at every later step (`StaticSteps`); the batches and masks of all R runs are
-  drawn in one go (`draw_group`), so a step's device work does not grow with R. CUDA only: on a CPU the
-  engine is refused in one line; the static-buffer path itself runs there without capture (tested).
+  step size and replayed at every later step (`StaticSteps`). CUDA only: on a CPU the engine is refused in
+  one line; the static-buffer path itself runs there without capture (tested).
+- every stacked engine with one batch width draws the batches and dropout masks of all R runs in one go
+  (`draw_group`, also used by `training.local_steps_stacked`): the same values as run by run, and a
+  step's device kernels do not grow with R.
 - ``compiled`` (not a variant of this module, `training.ClientGrad`): `cached_compiled_grad` keeps one
   compiled step per process and architecture, so torch.compile pays once per process and shape.
 

@@ -33,6 +33,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from tqdm.auto import tqdm
 
 import prodigy_core
+from prodigy_core import step_variants
 from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
 from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import ConfigError, RunConfig
@@ -644,8 +645,6 @@ def per_client_grad(model: nn.Module, compiled: bool = False, engine: str | None
     """The batched engine's gradient function for `model` (see `ClientGrad`); `engine` (a stacked engine):
     ``compiled`` the process's compiled one (`step_variants.cached_compiled_grad`), an engine variant its
     own (`step_variants.make_grad`)."""
-    from prodigy_core import step_variants
-
     if engine == "compiled":
         return step_variants.cached_compiled_grad(model)
     if engine in step_variants.VARIANTS:
@@ -701,7 +700,8 @@ def local_steps_stacked(
     the engine or the device (`prodigy_core.streams`). Clients with fewer than batch_size samples
     form one vmapped group per batch width, so that every client trains on exactly its b_k valid samples
     (padding would enter BatchNorm's batch statistics); with IID data or large clients there is a single
-    group and no indexing."""
+    group and no indexing, and the R runs' batches and masks are drawn at once (`step_variants.draw_group`:
+    the same values, device kernels per step independent of R)."""
     runs, n = len(models), feds[0].n_clients
     streams = streams or [None] * runs
     if hasattr(grad_fn, "local_steps"):  # an engine variant with its own loop (`step_variants.StaticSteps`)
@@ -720,15 +720,19 @@ def local_steps_stacked(
     # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
     per_run = len(set(lrs)) > 1
     for _ in range(steps):
-        parts = []  # per run, per width group: (images, labels, dropout masks)
-        for i in range(runs):
-            x, y, _ = _draw_batch(feds[i], resolved.batch_size, rngs[i], streams[i])
-            sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
-            parts.append([(xg, yg, _train_masks(grad_fn.net, rngs[i], clients, xg, rngs[i].step))
-                          for (xg, yg), clients in zip(sub, members, strict=True)])  # fmt: skip
-            rngs[i].step += 1
+        if stacked == [None]:  # one batch width: every run's batches and masks drawn at once, same values
+            batches = [step_variants.draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)]
+        else:
+            parts = []  # per run, per width group: (images, labels, dropout masks)
+            for i in range(runs):
+                x, y, _ = _draw_batch(feds[i], resolved.batch_size, rngs[i], streams[i])
+                sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
+                parts.append([(xg, yg, _train_masks(grad_fn.net, rngs[i], clients, xg, rngs[i].step))
+                              for (xg, yg), clients in zip(sub, members, strict=True)])  # fmt: skip
+                rngs[i].step += 1
+            batches = [_cat_runs([run[g] for run in parts]) for g in range(len(stacked))]
         for g, ids in enumerate(stacked):
-            xs, ys, ms = _cat_runs([run[g] for run in parts])
+            xs, ys, ms = batches[g]
             if ids is None:
                 p, b = params, buffers
             else:
