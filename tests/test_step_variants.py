@@ -68,10 +68,16 @@ def test_static_buffer_steps_are_the_batched_engines_bit_for_bit(authors):
     """cuda_graphs' static-buffer path (the capture itself is CUDA's): the same kernels on the same values,
     so the same bits as `batched`, float64 and float32."""
     for dtype in (torch.float64, torch.float32):
-        fed = _float64_federation("iid") if dtype == torch.float64 else load_federation("digits", 4, seed=0)
+        fed = (
+            _float64_federation("iid")
+            if dtype == torch.float64
+            else load_federation("digits", 4, distribution="iid", seed=0)
+        )
         model = _model().to(dtype)
         g_ref, buf_ref = _steps(fed, None, model, authors=authors)
-        g, buf = _steps(fed, StaticSteps(training.ClientGrad(model)), model, authors=authors)
+        static = StaticSteps(training.ClientGrad(model))
+        g, buf = _steps(fed, static, model, authors=authors)
+        assert static.static["x"].dtype == dtype  # the static path, not the loop of several batch widths
         assert torch.equal(g, g_ref)
         assert all(torch.equal(buf[k], buf_ref[k]) for k in buf_ref)
 
@@ -79,7 +85,7 @@ def test_static_buffer_steps_are_the_batched_engines_bit_for_bit(authors):
 def test_static_buffer_steps_of_a_group_are_each_runs_own():
     """Three runs drawn together (`draw_group`: one gather, one mask draw per layer) give each run what it
     gets alone in the static path, and the steps after the first round reuse the buffers."""
-    fed = load_federation("digits", 4, seed=0)
+    fed = load_federation("digits", 4, distribution="iid", seed=0)
     cfg = RunConfig(**TINY).resolved()
     torch.manual_seed(0)
     models = [make_model("digits").train() for _ in range(3)]
@@ -87,6 +93,7 @@ def test_static_buffer_steps_of_a_group_are_each_runs_own():
     for _ in range(2):  # two rounds: the second writes into the first's buffers
         rngs = [ClientStreams(i, 4) for i in range(3)]
         together = static.local_steps(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, [None] * 3)
+    assert len(static.static["x"]) == 3 * 4  # the static path
     for i, model in enumerate(models):
         ((alone, buf),) = training.local_steps_stacked(
             [model], [fed], 2, [0.05], cfg, [ClientStreams(i, 4)], training.ClientGrad(model)
@@ -296,3 +303,48 @@ def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeyp
         tg._assert_same_run(grouped[config.key()], solo[config.key()])
         assert grouped[config.key()]["result"]["environment"]["engine"] == engine
     assert static_rows == ([4 * 6] * 2 * tg.STOP if engine == "cuda_graphs" else [])  # static steps taken
+
+
+# ------------------------------------------------------------------------- on a GPU (skipped without one)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+
+
+@cuda
+def test_cuda_graph_replays_take_the_batched_engines_steps():
+    """Captured once, replayed: two rounds of 3 steps (the first: a warm-up step, the capture, replays; the
+    second: replays only) give the batched engine's pseudo-gradients and buffers."""
+    fed = load_federation("digits", 4, distribution="iid", seed=0, device=torch.device("cuda"))
+    torch.manual_seed(0)
+    model = make_model("digits").cuda().train()
+    cfg = RunConfig(**{**TINY, "device": "cuda"}).resolved()
+    static = step_variants.make_grad("cuda_graphs", model)
+    for _ in range(2):
+        (ref,), (got,) = (
+            training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
+            for grad_fn in (training.ClientGrad(model), static)
+        )
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+        for k in ref[1]:
+            torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-5, atol=1e-6)
+    assert any(isinstance(g, torch.cuda.CUDAGraph) for g in static.graphs.values())
+
+
+@cuda
+@pytest.mark.parametrize("engine", ["channels_last", "bmm_conv"])
+def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
+    fed = load_federation("digits", 4, distribution="iid", seed=0, device=torch.device("cuda"))
+    plain = fed.train_batch
+    fed.train_batch = lambda idx, gens: plain(idx, gens).double()
+    torch.manual_seed(0)
+    model = make_model("digits").double().cuda().train()
+    g_ref, buf_ref = _steps(fed, None, model)
+    g, buf = _steps(fed, step_variants.make_grad(engine, model), model)
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    for k in buf_ref:
+        torch.testing.assert_close(buf[k], buf_ref[k], rtol=1e-10, atol=1e-10)
+
+
+@cuda
+def test_a_cuda_graphs_run_trains_and_records_its_engine():
+    result = training.run(RunConfig(**{**TINY, "device": "cuda", "engine": "cuda_graphs"}), progress=False)
+    assert result.environment["engine"] == "cuda_graphs" and not result.diverged
