@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector
+from torch.utils.flop_counter import FlopCounterMode
 
-from prodigy_core import training
+from prodigy_core import step_variants, training
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.groups import GROUPED_PRECISIONS
@@ -38,10 +39,25 @@ from prodigy_core.streams import ClientStreams
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What is tried, per device type: engines cheapest first (compiled pays its compilation, so it goes last and
-# only while the budget lasts); tf32 exists only on CUDA.
+
+def engine_candidates(device_type: str) -> tuple[str, ...]:
+    """Issue 44: the engines that can be timed on `device_type`: batched, its variants that run there
+    (`step_variants.VARIANTS`; cuda_graphs only on CUDA), compiled last (it pays its compilation, so it
+    goes last and only while the budget lasts). Each is the batched computation to float rounding; the gate
+    judges the fastest ones like any precision."""
+    cuda_only = () if device_type == "cuda" else step_variants.CUDA_ONLY
+    variants = [v for v in step_variants.VARIANTS if v not in cuda_only]
+    return ("batched", *variants, "compiled")
+
+
+# What is tried, per device type: engines cheapest first (`engine_candidates`); tf32 exists only on CUDA. The
+# CPU of `--simulate` times batched alone (tests give it `engine_candidates("cpu")` to choose among them).
 CANDIDATES = {
-    "cuda": {"precision": ("fp32", "tf32", "bf16"), "engine": ("batched", "compiled"), "size": (1, 4, 8, 16)},
+    "cuda": {
+        "precision": ("fp32", "tf32", "bf16"),
+        "engine": engine_candidates("cuda"),
+        "size": (1, 4, 8, 16),
+    },
     "cpu": {"precision": ("fp32", "bf16"), "engine": ("batched",), "size": (1, 2)},
 }
 REFERENCE = ("fp32", "batched")  # today's exact mode; accepted by definition
@@ -57,7 +73,8 @@ FLOOR_FACTOR = 2.0  # a measure's bound: max(its tolerance, this x the measure b
 # The code whose speed and numbers the autotune measures: a report is reused only while their hash is equal.
 TUNED_CODE = ("prodigy_core/training.py", "prodigy_core/groups.py", "prodigy_core/aggregators.py",
               "prodigy_core/attacks.py", "prodigy_core/models.py", "prodigy_core/seeding.py",
-              "prodigy_core/streams.py", "benchmarks/autotune.py")  # fmt: skip
+              "prodigy_core/streams.py", "prodigy_core/step_variants.py", "prodigy_core/data.py",
+              "benchmarks/autotune.py")  # fmt: skip
 TEST_IMAGES = 2000  # the gate's test accuracy: the first 2,000 test images
 LOSS_SAMPLES = 256  # a client's loss: the final server model on its first 256 training samples
 # The gate's bounds, candidate vs fp32 after GATE_ROUNDS rounds from the same state. They ask for "the same
@@ -96,7 +113,7 @@ def time_step(
     resolved = config.resolved()
     torch.manual_seed(0)
     models = [make_model(resolved.dataset).to(device).train() for _ in range(size)]
-    grad_fn = training.per_client_grad(models[0], compiled=engine == "compiled")
+    grad_fn = training.per_client_grad(models[0], engine=engine)
     streams = [ClientStreams(i, resolved.n_clients) for i in range(size)]
 
     def step() -> None:
@@ -133,7 +150,7 @@ def trajectory(
     if other_stream:
         st.streams = ClientStreams(st.resolved.seed + 1, st.resolved.n_clients)
     theta0 = parameters_to_vector(st.model.parameters()).detach().clone()
-    grad_fn = training.per_client_grad(st.model, compiled=engine == "compiled")
+    grad_fn = training.per_client_grad(st.model, engine=engine)
     server: list[float] = []
     for r in range(1, rounds + 1):
         gamma = st.resolved.lr_at(r - 1)
@@ -228,13 +245,15 @@ def autotune(
     """Per dataset (`configs`: one run of each dataset the window trains, `feds`: their loaded data): the
     timings, the gate and the choice, as `autotune.json` holds them:
 
-    {dataset: {"timings": [{precision, engine, size, step_s, images_per_s} or {..., error}],
+    {dataset: {"timings": [{precision, engine, size, step_s, wall_s, images_per_s, tflops, peak_share}
+                           or {precision, engine, size, error}],
                "gate": [{precision, engine, defense, measures, bounds, accepted}],
                "floor": {defense: the measures between the two fp32 references},
                "chosen": {precision, engine},
                "step_s": {size: seconds of one local step of the chosen candidate},
-               "server_s": {"<defense>/alie": one run's server side per round in steady state}},
-     "fingerprint": `fingerprint`}
+               "server_s": {"<defense>/alie": one run's server side per round in steady state},
+               "gflop_per_image"},
+     "fingerprint": `fingerprint`, "peak": {tflops, measured}} (`add_rates`: TFLOP/s and share of the peak)
 
     A candidate that raises (no compiler, no bf16 kernels) is left out with its error. `timer`: the timing
     function (tests give a fake one to make a candidate fastest)."""
@@ -259,7 +278,10 @@ def autotune(
                     if over and (precision, engine, size) != (*REFERENCE, 1):
                         break  # out of time: the rest of this candidate's sizes are not tried
                     try:
+                        started = time.perf_counter()
                         row["step_s"] = timer(resolved, fed, precision, engine, size)
+                        # the whole timing, warm-up step included: compiled's compilation, a graph's capture
+                        row["wall_s"] = time.perf_counter() - started
                         row["images_per_s"] = size * resolved.n_clients * resolved.batch_size / row["step_s"]
                     except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not chosen
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -312,9 +334,59 @@ def autotune(
         floor = ", ".join(f"{d} {m['param_rel']:.3f}" for d, m in floors.items())
         log(f"autotune {dataset}: images/s {speeds}; gate {verdicts or 'nothing to gate'} (param_rel floor "
             f"{floor}); chosen {chosen[0]}/{chosen[1]}")  # fmt: skip
+    add_rates(report, configs, feds)
     report["seconds"] = time.perf_counter() - tic
     return report
 
 
-__all__ = ["CANDIDATES", "TOLERANCES", "autotune", "bounds", "compare", "fingerprint", "mismatch",
-           "time_step", "trajectory"]  # fmt: skip
+# ------------------------------------------------------------------ rates (issue 44): TFLOP/s, share of peak
+PEAK_SIZE = {"cuda": 8192, "cpu": 512}  # the peak's matrix size per device type (a CPU's is indicative)
+
+
+def flops_per_image(dataset: str, image_shape: tuple[int, ...], batch: int = 64) -> float:
+    """FLOPs of one training pass (forward + backward) per image, as torch.utils.flop_counter counts them."""
+    model = make_model(dataset).train()
+    x = torch.randn(batch, *image_shape)
+    y = torch.zeros(batch, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    return counter.get_total_flops() / batch
+
+
+def peak_tflops(device: torch.device, size: int) -> tuple[float, str]:
+    """The device's dense rate, measured: TFLOP/s of a size^3 matrix product, bf16 on CUDA (tensor cores),
+    fp32 on a CPU; the best of 5 after a warm-up. Returns (TFLOP/s, what was measured)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        tic = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - tic)
+    return 2 * size**3 / best / 1e12, f"{str(dtype).split('.')[-1]} {size}^3 matrix product"
+
+
+def add_rates(report: dict[str, Any], configs: dict[str, RunConfig], feds: dict[str, Federation]) -> None:
+    """Into `autotune`'s report: the device's measured peak (`peak_tflops`, report["peak"]) and, in every
+    timed row, its TFLOP/s (images/s x `flops_per_image`) and share of that peak, as throughput.py prints
+    them."""
+    if not configs:
+        return
+    device = resolve_device(next(iter(configs.values())).device)
+    peak, what = peak_tflops(device, PEAK_SIZE["cuda" if device.type == "cuda" else "cpu"])
+    report["peak"] = {"tflops": peak, "measured": what}
+    for dataset, tune in report["datasets"].items():
+        flops = flops_per_image(dataset, feds[dataset].image_shape)
+        tune["gflop_per_image"] = flops / 1e9
+        for row in tune["timings"]:
+            if "images_per_s" in row:
+                row["tflops"] = row["images_per_s"] * flops / 1e12
+                row["peak_share"] = row["tflops"] / peak
+
+
+__all__ = ["CANDIDATES", "TOLERANCES", "add_rates", "autotune", "bounds", "compare",
+           "engine_candidates", "fingerprint", "flops_per_image", "mismatch", "peak_tflops", "time_step",
+           "trajectory"]  # fmt: skip

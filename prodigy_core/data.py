@@ -454,12 +454,19 @@ class Federation:
         from its own CPU generator `generators[k]`, so the same on every device); the rest repeat a valid
         index of the same client and have mask False.
         """
+        pos, mask = self.sample_positions(batch_size, generators)
+        return self._index_table.gather(1, pos.to(self.device)), mask.to(self.device)
+
+    def sample_positions(
+        self, batch_size: int, generators: Sequence[torch.Generator]
+    ) -> tuple[Tensor, Tensor]:
+        """`sample_batch`'s draw on the host: (positions (N, B) into each client's row of the index table,
+        mask (N, B)), both CPU tensors (`step_variants` gathers several runs' at once)."""
         width = min(batch_size, self._index_table.shape[1])
         pos = torch.zeros(self.n_clients, width, dtype=torch.int64)
         for k, (n, gen) in enumerate(zip(self._cpu_sizes.tolist(), generators, strict=True)):
             pos[k, : min(width, n)] = torch.randperm(n, generator=gen)[:width]
-        mask = torch.arange(width) < self._cpu_sizes.clamp(max=batch_size)[:, None]
-        return self._index_table.gather(1, pos.to(self.device)), mask.to(self.device)
+        return pos, torch.arange(width) < self._cpu_sizes.clamp(max=batch_size)[:, None]
 
     def normalise(self, images: Tensor) -> Tensor:
         """Raw images stored like `train_images` (uint8, or float in [0, 1]) -> float32 (x - mean) / std."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from prodigy_core import training
+from prodigy_core import step_variants, training
 from prodigy_core.config import RunConfig
 from prodigy_core.seeding import precision_mode, resolve_device
 
@@ -61,7 +61,7 @@ def group_key(config: RunConfig) -> tuple | None:
     except ValueError:  # the run alone reports it
         return None
     engine = training.pick_engine(resolved.engine, device, resolved.dataset)
-    if engine not in ("batched", "compiled"):
+    if engine not in step_variants.STACKED_ENGINES:
         return None
     # which RNG draws the split (`data.load_federation`): numpy's under ``authors``, except FEMNIST's writers
     split_rng = "numpy" if resolved.variant == "authors" and resolved.distribution != "natural" else "torch"
@@ -212,13 +212,14 @@ def iter_group(
         )
     first = configs[0].resolved()
     device = resolve_device(first.device)
+    engine = training.pick_engine(first.engine, device, first.dataset)  # the records' environment names it
     outside = training._get_rng_states()  # restored when the group is done
     members: list[_Member] = []
     try:
         fed = training._load_federation(first, device)
         for i, config in enumerate(configs):
             try:
-                st = training.start_run(config, device, "batched", checkpoint_dir, fed=fed)
+                st = training.start_run(config, device, engine, checkpoint_dir, fed=fed)
             except training.ClientTooSmallError as e:  # an authors member that cannot start; the others can
                 yield i, e
                 continue
@@ -226,8 +227,7 @@ def iter_group(
             members.append(_Member(i, st, training._get_rng_states(), st.start + 1))
         if not members:
             return
-        compiled = training.pick_engine(first.engine, device, first.dataset) == "compiled"  # one per group
-        grad_fn = training.per_client_grad(members[0].st.model, compiled=compiled)
+        grad_fn = training.per_client_grad(members[0].st.model, engine=engine)
         eval_net = training.FunctionalNet(members[0].st.model)
         steps = max(m.st.resolved.rounds - m.st.start for m in members)
         bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"group of {len(configs)}")

@@ -33,6 +33,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from tqdm.auto import tqdm
 
 import prodigy_core
+from prodigy_core import step_variants
 from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
 from prodigy_core.attacks import Attack, make_attack
 from prodigy_core.config import ConfigError, RunConfig
@@ -238,7 +239,7 @@ def run(
     if engine == "sequential":
         local_steps = _local_steps_sequential
     else:  # one gradient function for the whole run (a compiled one: for every run of this process)
-        grad_fn = per_client_grad(st.model, compiled=engine == "compiled")
+        grad_fn = per_client_grad(st.model, engine=engine)
         local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
 
     bar = tqdm(total=resolved.rounds, initial=st.start, disable=not progress, unit="round",
@@ -516,10 +517,12 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     - ``sequential``: the reference, one model copy trained client after client on exactly its valid
       entries, its dropout layers multiplying by the same masks.
     - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
-      process and architecture (`per_client_grad`: the first run pays the compilation, later runs of the
-      same shapes reuse it; a new batch width, e.g. a small client's, may recompile).
+      process and architecture (`step_variants.cached_compiled_grad`: the first run pays the compilation,
+      later runs of the same shapes reuse it; a new batch width, e.g. a small client's, may recompile).
       It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
+    - ``channels_last``, ``bmm_conv``, ``cuda_graphs``: variants of batched's kernels, the same computation,
+      for the GPU window's autotune (`prodigy_core.step_variants`; cuda_graphs is refused off CUDA).
     - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
       (`AUTO_CPU_ENGINE`).
     """
@@ -719,25 +722,16 @@ class ClientGrad:
             ) from e
 
 
-# One compiled step per process and architecture, reused by every run of it (`per_client_grad`).
-_COMPILED_STEPS: dict[tuple, ClientGrad] = {}
-
-
-def per_client_grad(model: nn.Module, compiled: bool = False) -> ClientGrad:
-    """The batched engine's gradient function for `model` (see `ClientGrad`).
-
-    A compiled one is built once per process for each architecture (the module tree, the parameters' and
-    buffers' names, shapes, dtypes and device, the training mode) and reused by every later run of it: a
-    worker compiles once, not once per run, and runs of the same shapes reuse the compiled code. Its
-    template's weights are never read (every call passes the run's own parameters and buffers)."""
-    if not compiled:
-        return ClientGrad(model)
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    shapes = tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in tensors)
-    key = (repr(model), model.training, shapes)
-    if key not in _COMPILED_STEPS:
-        _COMPILED_STEPS[key] = ClientGrad(model, compiled=True)
-    return _COMPILED_STEPS[key]
+def per_client_grad(model: nn.Module, compiled: bool = False, engine: str | None = None) -> ClientGrad:
+    """The batched engine's gradient function for `model` (see `ClientGrad`); `engine` (a stacked engine):
+    ``compiled`` (or `compiled`) the process's compiled one for this architecture, built once and reused by
+    every later run of it (`step_variants.cached_compiled_grad`), an engine variant its own
+    (`step_variants.make_grad`)."""
+    if compiled or engine == "compiled":
+        return step_variants.cached_compiled_grad(model)
+    if engine in step_variants.VARIANTS:
+        return step_variants.make_grad(engine, model)
+    return ClientGrad(model)
 
 
 def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:
@@ -788,9 +782,12 @@ def local_steps_stacked(
     the engine or the device (`prodigy_core.streams`). Clients with fewer than batch_size samples
     form one vmapped group per batch width, so that every client trains on exactly its b_k valid samples
     (padding would enter BatchNorm's batch statistics); with IID data or large clients there is a single
-    group and no indexing."""
+    group and no indexing, and the R runs' batches and masks are drawn at once (`step_variants.draw_group`:
+    the same values, device kernels per step independent of R)."""
     runs, n = len(models), feds[0].n_clients
     streams = streams or [None] * runs
+    if hasattr(grad_fn, "local_steps"):  # an engine variant with its own loop (`step_variants.StaticSteps`)
+        return grad_fn.local_steps(models, feds, steps, lrs, resolved, rngs, streams)
 
     def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
         return torch.stack([t.detach() for t in tensors]).repeat_interleave(n, dim=0)
@@ -805,15 +802,19 @@ def local_steps_stacked(
     # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
     per_run = len(set(lrs)) > 1
     for _ in range(steps):
-        parts = []  # per run, per width group: (images, labels, dropout masks)
-        for i in range(runs):
-            x, y, _ = _draw_batch(feds[i], resolved.batch_size, rngs[i], streams[i])
-            sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
-            parts.append([(xg, yg, _train_masks(grad_fn.net, rngs[i], clients, xg, rngs[i].step))
-                          for (xg, yg), clients in zip(sub, members, strict=True)])  # fmt: skip
-            rngs[i].step += 1
+        if stacked == [None]:  # one batch width: every run's batches and masks drawn at once, same values
+            batches = [step_variants.draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)]
+        else:
+            parts = []  # per run, per width group: (images, labels, dropout masks)
+            for i in range(runs):
+                x, y, _ = _draw_batch(feds[i], resolved.batch_size, rngs[i], streams[i])
+                sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
+                parts.append([(xg, yg, _train_masks(grad_fn.net, rngs[i], clients, xg, rngs[i].step))
+                              for (xg, yg), clients in zip(sub, members, strict=True)])  # fmt: skip
+                rngs[i].step += 1
+            batches = [_cat_runs([run[g] for run in parts]) for g in range(len(stacked))]
         for g, ids in enumerate(stacked):
-            xs, ys, ms = _cat_runs([run[g] for run in parts])
+            xs, ys, ms = batches[g]
             if ids is None:
                 p, b = params, buffers
             else:

@@ -126,7 +126,7 @@ def test_compiled_engine_without_a_compiler_says_what_to_do():
     torch._dynamo.reset()
     try:
         with torch._inductor.config.patch(no_compiler):
-            grad_fn = training.per_client_grad(model, compiled=True)
+            grad_fn = training.ClientGrad(model, compiled=True)  # a new one: the process's may be compiled
             with pytest.raises(RuntimeError, match=r"engine='compiled'.*C\+\+ compiler.*engine='batched'"):
                 training._local_steps_batched(model, fed, 1, 0.05, cfg, ClientStreams(0, 2), grad_fn=grad_fn)
     finally:

@@ -1,0 +1,395 @@
+"""Engine variants of the batched local step (issue 44): other ways to compute the E local SGD steps of R x N
+clients of `training.local_steps_stacked`, for the GPU window's autotune to time and gate
+(`benchmarks/autotune.py`).
+
+Every variant is the `batched` engine's computation: the same batches, augmentation and dropout masks (the
+clients' streams, `prodigy_core.streams`), the same loss, the same SGD step; only the kernels that compute
+it differ, so a variant agrees with `batched` to float rounding, as `sequential` and `compiled` do
+(tests/test_step_variants.py: float64, dropout on). A variant is an engine (`RunConfig.engine`): out of the
+result key like every engine (docs/semantics.md, "one key names one computation": engines and devices differ
+by float rounding only) and named in the record's `environment["engine"]`. `auto` never picks one.
+
+- ``channels_last``: the clients folded into the convolutions' channels (a grouped convolution over R N
+  groups, what vmap's batching rule makes of a per-client convolution), in channels-last memory format, with
+  the client-folded layers below instead of vmap (`FoldedGrad`).
+- ``bmm_conv``: every client's convolution as one batched matrix product, unfold + `baddbmm` over the R N
+  clients (`FoldedGrad`), instead of a grouped convolution with R N groups.
+- ``cuda_graphs``: the batched step with every per-step input (images, labels, dropout masks, the clients'
+  weights and BatchNorm buffers) in static buffers, the step captured once in a CUDA graph per shape and
+  step size and replayed at every later step (`StaticSteps`). CUDA only: on a CPU the engine is refused in
+  one line; the static-buffer path itself runs there without capture (tested).
+- every stacked engine with one batch width draws the batches and dropout masks of all R runs in one go
+  (`draw_group`, also used by `training.local_steps_stacked`): the same values as run by run, and a
+  step's device kernels do not grow with R.
+- ``compiled`` (not a variant of this module, `training.ClientGrad`): `cached_compiled_grad` keeps one
+  compiled step per process and architecture, so torch.compile pays once per process and shape.
+
+Client-folded layers (`FoldedGrad`): activations keep a leading client axis, (R N, B, C, H, W) in the
+convolutional part and (R N, B, F) in the linear one; convolutions, BatchNorm (per-client statistics and
+running buffers), max-pooling, flatten and linear layers are replaced by client-folded forms of the same
+function; the clients' gradients are those of the sum of their losses (the clients are independent).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from prodigy_core.config import ConfigError
+from prodigy_core.streams import _signed, mix
+
+# engine name -> one line on what it changes (module docstring)
+VARIANTS = {
+    "channels_last": "grouped convolutions over the clients in channels-last memory format",
+    "bmm_conv": "every client's convolution as one batched matrix product (unfold + baddbmm)",
+    "cuda_graphs": "the step in static buffers, captured once in a CUDA graph and replayed (CUDA only)",
+}
+# the engines that stack the clients (and runs) in one step: `groups.group_key` groups runs of these
+STACKED_ENGINES = ("batched", "compiled", *VARIANTS)
+CUDA_ONLY = ("cuda_graphs",)
+
+
+def make_grad(engine: str, model: nn.Module) -> Callable:
+    """The gradient function of engine variant `engine` for `model`'s architecture, with the interface of
+    `training.ClientGrad` (`.net`, `(params, buffers, x, y, masks) -> grads`); ``cuda_graphs``' also has
+    `.local_steps`, which `training.local_steps_stacked` hands the whole E steps to. A CUDA-only engine on
+    another device raises a one-line `ConfigError`."""
+    from prodigy_core.training import ClientGrad
+
+    device = next(model.parameters()).device
+    if engine in CUDA_ONLY and device.type != "cuda":
+        raise ConfigError(
+            f"engine={engine!r} captures the local steps in CUDA graphs and needs a CUDA device (this run's "
+            f"is {device}); use engine='batched': the same computation, uncaptured"
+        )
+    if engine == "channels_last":
+        return FoldedGrad(model, conv="grouped", channels_last=True)
+    if engine == "bmm_conv":
+        return FoldedGrad(model, conv="bmm")
+    if engine == "cuda_graphs":
+        return StaticSteps(ClientGrad(model), capture=True)
+    raise ValueError(f"engine={engine!r} is not an engine variant; valid: {', '.join(VARIANTS)}")
+
+
+# ------------------------------------------------------------------------------------- compiled, cached
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def cached_compiled_grad(model: nn.Module) -> Callable:
+    """The ``compiled`` engine's gradient function for `model`'s architecture, one per process: every run
+    and every timing of the same architecture (the module tree, the parameters' and buffers' names, shapes,
+    dtypes and device, the training mode) shares one torch.compile'd step, whose compiled graphs torch keeps
+    per input shape, so compilation is paid once per process and shape. Its template's weights are never
+    read: every call passes the run's own parameters and buffers."""
+    from prodigy_core.training import ClientGrad
+
+    named = [*model.named_parameters(), *model.named_buffers()]
+    shapes = tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in named)
+    key = (repr(model), model.training, shapes)
+    if key not in _COMPILED:
+        _COMPILED[key] = ClientGrad(model, compiled=True)
+    return _COMPILED[key]
+
+
+# ----------------------------------------------------------------------------------- client-folded layers
+def _per_channel(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """fn (a per-image, per-channel 4-D op: pooling) on x (clients, B, C, H, W), folded without a copy where
+    x's strides allow: clients into the channels (the grouped convolution's layout) or into the batch."""
+    n, b, c = x.shape[:3]
+    t = x.transpose(0, 1)
+    if t.stride(1) == c * t.stride(2):  # (B, n C, H, W) is a view
+        out = fn(t.reshape(b, n * c, *x.shape[3:]))
+        return out.reshape(b, n, c, *out.shape[2:]).transpose(0, 1)
+    out = fn(x.reshape(n * b, c, *x.shape[3:]))
+    return out.reshape(n, b, c, *out.shape[2:])
+
+
+class _FoldedConv(nn.Module):
+    """nn.Conv2d of every client at once, weight (clients, O, C, k, k), x (clients, B, C, H, W)."""
+
+    def __init__(self, conv: nn.Conv2d, impl: str, channels_last: bool) -> None:
+        super().__init__()
+        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ValueError(f"{conv}: only zero-padded, ungrouped convolutions have a client-folded form")
+        self.weight, self.bias = conv.weight, conv.bias
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.impl, self.channels_last = impl, channels_last
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._bmm(x) if self.impl == "bmm" else self._grouped(x)
+
+    def _grouped(self, x: Tensor) -> Tensor:
+        n, b, c = x.shape[:3]
+        w = self.weight.reshape(-1, *self.weight.shape[2:])  # (n O, C, k, k)
+        xi = x.transpose(0, 1).reshape(b, n * c, *x.shape[3:])
+        if self.channels_last:
+            xi = xi.contiguous(memory_format=torch.channels_last)
+            w = w.contiguous(memory_format=torch.channels_last)
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        out = F.conv2d(xi, w, bias, self.stride, self.padding, self.dilation, groups=n)
+        return out.reshape(b, n, -1, *out.shape[2:]).transpose(0, 1)
+
+    def _bmm(self, x: Tensor) -> Tensor:
+        n, b, c, h, w = x.shape
+        o, k = self.weight.shape[1], self.weight.shape[3:]
+        geometry = zip((h, w), self.padding, self.dilation, k, self.stride, strict=True)
+        size = [(s + 2 * p - d * (kk - 1) - 1) // st + 1 for s, p, d, kk, st in geometry]
+        # (n b, C kk, L) -> (n, b L, C kk)
+        cols = F.unfold(x.reshape(n * b, c, h, w), k, self.dilation, self.padding, self.stride)
+        cols = cols.view(n, b, cols.shape[1], -1).transpose(2, 3).reshape(n, -1, cols.shape[1])
+        weight = self.weight.reshape(n, o, -1).transpose(1, 2)  # (n, C kk, O)
+        if self.bias is None:
+            out = torch.bmm(cols, weight)
+        else:
+            out = torch.baddbmm(self.bias[:, None, :], cols, weight)
+        return out.view(n, b, *size, o).permute(0, 1, 4, 2, 3)  # (n, b, O, H', W'), channels last per image
+
+
+class _FoldedBatchNorm(nn.Module):
+    """models.BatchNorm2d in training mode with every client's own batch statistics and running buffers
+    (clients, C): one F.batch_norm over the clients' channels side by side."""
+
+    def __init__(self, bn: nn.BatchNorm2d) -> None:
+        super().__init__()
+        if bn.momentum is None or not bn.track_running_stats or not bn.affine:
+            raise ValueError(f"{bn}: only affine BatchNorm with a momentum and running buffers is folded")
+        self.weight, self.bias, self.momentum, self.eps = bn.weight, bn.bias, bn.momentum, bn.eps
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            self.register_buffer(name, getattr(bn, name))
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, b, c = x.shape[:3]
+        xi = x.transpose(0, 1).reshape(b, n * c, *x.shape[3:])
+        xi = xi.float() if xi.dtype in (torch.bfloat16, torch.float16) else xi  # as models.BatchNorm2d
+        self.num_batches_tracked.add_(1)
+        out = F.batch_norm(xi, self.running_mean.view(-1), self.running_var.view(-1), self.weight.reshape(-1),
+                           self.bias.reshape(-1), True, self.momentum, self.eps)  # fmt: skip
+        return out.reshape(b, n, c, *out.shape[2:]).transpose(0, 1)
+
+
+class _FoldedMaxPool(nn.Module):
+    def __init__(self, pool: nn.MaxPool2d) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _per_channel(self.pool, x)
+
+
+class _FoldedFlatten(nn.Module):
+    def __init__(self, flatten: nn.Flatten) -> None:
+        super().__init__()
+        if (flatten.start_dim, flatten.end_dim) != (1, -1):
+            raise ValueError(f"{flatten}: only Flatten() of the whole sample has a client-folded form")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.reshape(*x.shape[:2], -1)
+
+
+class _FoldedLinear(nn.Module):
+    """nn.Linear of every client at once, weight (clients, O, I), x (clients, B, I)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None:
+            return torch.bmm(x, self.weight.transpose(1, 2))
+        return torch.baddbmm(self.bias[:, None, :], x, self.weight.transpose(1, 2))
+
+
+class FoldedGrad:
+    """`training.ClientGrad`'s function, (params, buffers, x, y, masks) stacked over clients -> every
+    client's gradient of its mean cross-entropy (BatchNorm buffers updated in place), computed by the
+    client-folded layers above instead of vmap: `conv` "grouped" (optionally `channels_last`) or "bmm".
+    The masks are `FunctionalNet.masks` of `net`, as the batched engine's. Layers other than Conv2d,
+    BatchNorm2d, MaxPool2d, Flatten, Linear, ReLU and dropout are refused in one line."""
+
+    def __init__(self, model: nn.Module, conv: str = "grouped", channels_last: bool = False) -> None:
+        from prodigy_core.training import FunctionalNet, _MaskedDropout
+
+        self.net = FunctionalNet(model)
+        self.folded = copy.deepcopy(self.net.template).train()
+        keep = (nn.ReLU, _MaskedDropout, nn.Sequential)
+        for name, m in list(self.folded.named_modules()):
+            if isinstance(m, nn.Conv2d):
+                self.folded.set_submodule(name, _FoldedConv(m, conv, channels_last))
+            elif isinstance(m, nn.BatchNorm2d):
+                self.folded.set_submodule(name, _FoldedBatchNorm(m))
+            elif isinstance(m, nn.MaxPool2d):
+                self.folded.set_submodule(name, _FoldedMaxPool(m))
+            elif isinstance(m, nn.Flatten):
+                self.folded.set_submodule(name, _FoldedFlatten(m))
+            elif isinstance(m, nn.Linear):
+                self.folded.set_submodule(name, _FoldedLinear(m))
+            elif name and not isinstance(m, keep) and next(m.children(), None) is None:
+                raise ValueError(f"the model's {type(m).__name__} layers have no client-folded form; use "
+                                 "engine='batched'")  # fmt: skip
+        self.compiled = False
+
+    def __call__(self, params: dict, buffers: dict, x: Tensor, y: Tensor, masks: dict) -> dict:
+        leaves = {name: v.detach().requires_grad_() for name, v in params.items()}
+        out = functional_call(self.folded, (leaves, buffers, masks), (x,))  # (clients, B, classes)
+        n, b = y.shape
+        per_sample = F.cross_entropy(out.reshape(n * b, -1), y.reshape(-1), reduction="none")
+        # the clients are independent: the gradient of the sum is each one's of its own loss
+        loss = per_sample.view(n, b).mean(dim=1).sum()
+        return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+
+
+# ----------------------------------------------------------------------------------------- static buffers
+def draw_group(
+    feds: list, batch_size: int, rngs: list, streams: list, net
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """One local step's images (R N, B, C, H, W), labels (R N, B) and dropout masks of R runs, the values
+    `training._draw_batch` and `training._train_masks` give run by run, drawn for all runs at once where
+    they share their federation's tensors: the indices on the host (every client's own CPU generator, in
+    its own order), one copy to the device and one gather; the augmentation in one call; each layer's
+    masks in one call from the R N clients' keys. Runs with their own label table (label flipping), image
+    store or batch stream (``authors``) are drawn run by run. Every run's step counter then advances."""
+    from prodigy_core.training import _draw_batch
+
+    first, device = feds[0], feds[0].device
+    shared = all(f._index_table is first._index_table and f.train_images is first.train_images for f in feds)
+    if shared and all(s is None for s in streams):
+        pos = torch.cat([f.sample_positions(batch_size, r.gens)[0] for f, r in zip(feds, rngs, strict=True)])
+        n, length = first.n_clients, first._index_table.shape[1]
+        flat = pos + (torch.arange(len(pos)) % n * length)[:, None]
+        idx = first._index_table.view(-1)[flat.to(device)]
+        x = first.train_batch(idx, [g for r in rngs for g in r.gens])
+        labels = {id(f.train_labels): f.train_labels for f in feds}
+        if len(labels) == 1:
+            y = first.train_labels[idx]
+        else:  # label-flipped members: one gather per run
+            y = torch.cat([f.train_labels[idx[i * n : (i + 1) * n]] for i, f in enumerate(feds)])
+    else:
+        parts = [_draw_batch(f, batch_size, r, s)[:2] for f, r, s in zip(feds, rngs, streams, strict=True)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def keys(layer: int) -> Tensor:
+        rows = [_signed(mix(k, r.step, layer)) for r in rngs for k in r.client_keys]
+        return torch.tensor(rows, dtype=torch.int64).to(device)
+
+    masks = net.masks(x, keys)
+    for r in rngs:
+        r.step += 1
+    return x, y, masks
+
+
+def _alike(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
+
+
+class StaticSteps:
+    """The E local steps of R runs with every per-step input in static buffers: the clients' weights and
+    BatchNorm buffers (R N, ...) written once a round from the server models, each step's images, labels
+    and dropout masks (`draw_group`) copied into the same tensors, and the step (gradient, weight decay,
+    SGD update in place) reading and writing only those. ``capture`` (CUDA): the step is run eagerly once
+    (on a side stream, its warm-up), captured in a CUDA graph at its next use and replayed from then on, one
+    graph per input shape and step sizes (a decayed lr is a second graph). Without capture (a CPU: the
+    tests) the same step runs eagerly: the static-buffer path, the `batched` engine's numbers bit for bit.
+    Clients of several batch widths (small clients, ``paper``) take `training.local_steps_stacked`'s loop."""
+
+    def __init__(self, grad_fn: Callable, capture: bool = False) -> None:
+        self.grad_fn, self.net, self.capture, self.compiled = grad_fn, grad_fn.net, capture, False
+        self.static: dict[str, object] = {}
+        self.graphs: dict[tuple, object] = {}
+
+    def __call__(self, params: dict, buffers: dict, x: Tensor, y: Tensor, masks: dict) -> dict:
+        return self.grad_fn(params, buffers, x, y, masks)
+
+    def local_steps(
+        self, models: list, feds: list, steps: int, lrs: list[float], resolved, rngs: list, streams: list
+    ) -> list[tuple[Tensor, dict[str, Tensor]]]:
+        from prodigy_core.training import _width_groups, local_steps_stacked
+
+        if _width_groups(feds[0], resolved.batch_size)[0][1] is not None:  # several widths: the plain loop
+            return local_steps_stacked(models, feds, steps, lrs, resolved, rngs, self.grad_fn, streams)
+        runs, n = len(models), feds[0].n_clients
+        st = self._load(models, n)
+        for _ in range(steps):
+            x, y, masks = draw_group(feds, resolved.batch_size, rngs, streams, self.net)
+            st = self._inputs(st, x, y, masks)
+            step = functools.partial(self._step, st, lrs, resolved.weight_decay, runs)
+            self._run((tuple(lrs), tuple(x.shape)), step)
+        end = torch.cat([p.reshape(runs * n, -1) for p in st["params"].values()], dim=1)
+        out = []
+        for i, model in enumerate(models):
+            start = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+            rows = slice(i * n, (i + 1) * n)
+            out.append(((start - end[rows]) / lrs[i], {k: v[rows].clone() for k, v in st["buffers"].items()}))
+        return out
+
+    def _load(self, models: list, n: int) -> dict:
+        """The static weights and buffers, (R N, ...), set to the server models' (allocated at first use)."""
+        st = self.static
+        for kind, named in (("params", [dict(m.named_parameters()) for m in models]),
+                            ("buffers", [dict(m.named_buffers()) for m in models])):  # fmt: skip
+            fresh = {k: torch.stack([d[k].detach() for d in named]).repeat_interleave(n, dim=0)
+                     for k in named[0]}  # fmt: skip
+            old = st.get(kind)
+            fits = old is not None and all(_alike(old[k], v) for k, v in fresh.items())
+            if not fits:
+                st[kind], self.graphs = fresh, {}  # new shapes: new buffers, new graphs
+            else:
+                for k, v in fresh.items():
+                    old[k].copy_(v)
+        return st
+
+    def _inputs(self, st: dict, x: Tensor, y: Tensor, masks: dict) -> dict:
+        """This step's images, labels and masks copied into the static ones (allocated at first use)."""
+        if "x" not in st or not _alike(st["x"], x):
+            st["x"], st["y"], self.graphs = x.clone(), y.clone(), {}
+            st["masks"] = {k: m.clone() for k, m in masks.items()}
+            return st
+        st["x"].copy_(x)
+        st["y"].copy_(y)
+        for k, m in masks.items():
+            st["masks"][k].copy_(m)
+        return st
+
+    def _step(self, st: dict, lrs: list[float], weight_decay: float, runs: int) -> None:
+        """One SGD step on the static buffers, as `training.local_steps_stacked` takes it."""
+        p, b = st["params"], st["buffers"]
+        grads, weights = list(self.grad_fn(p, b, st["x"], st["y"], st["masks"]).values()), list(p.values())
+        per_run = len(set(lrs)) > 1
+        rows = len(weights[0]) // runs
+        for i, lr in enumerate(lrs if per_run else lrs[:1]):
+            sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
+            g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
+            if weight_decay:
+                torch._foreach_add_(g_i, w_i, alpha=weight_decay)
+            torch._foreach_add_(w_i, g_i, alpha=-lr)
+
+    def _run(self, key: tuple, step: Callable[[], None]) -> None:
+        """step() eagerly, or (capture) its CUDA graph for `key`: warm-up, capture, then replays."""
+        if not self.capture:
+            step()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:  # warm-up on a side stream: a real step, eager
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graphs[key] = "warm"
+        elif graph == "warm":  # capture (records, runs nothing), then the replay takes this step
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            self.graphs[key] = graph
+            graph.replay()
+        else:
+            graph.replay()
+
+
+__all__ = ["VARIANTS", "STACKED_ENGINES", "FoldedGrad", "StaticSteps", "cached_compiled_grad", "draw_group",
+           "make_grad"]  # fmt: skip

@@ -1,0 +1,350 @@
+"""Engine variants of the batched local step (issue 44, `prodigy_core.step_variants`): each is the `batched`
+engine's computation (float64, dropout on, the same streams), its launches per step do not grow with the
+group, the CUDA-only one is refused on a CPU in one line, and a run's record names the variant it ran."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prodigy_core import step_variants, training
+from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.data import load_federation
+from prodigy_core.models import make_model
+from prodigy_core.step_variants import FoldedGrad, StaticSteps, _FoldedBatchNorm, _FoldedConv
+from prodigy_core.streams import ClientStreams
+
+TINY = dict(dataset="digits", n_clients=4, n_byzantine=0, defense="average", attack="none", rounds=2,
+            local_steps=2, batch_size=32, eval_every=2, device="cpu")  # fmt: skip
+
+
+def _float64_federation(distribution: str, n: int = 4):
+    """digits in float64: the images jittered by 1e-3 (digits' constant backgrounds make exact max-pooling
+    ties, which any rounding difference routes to another pixel: tests/test_training.py) and every training
+    batch cast to float64, so the dropout masks are float64 too."""
+    fed = load_federation("digits", n, distribution=distribution, seed=0)
+    jitter = torch.rand(fed.train_images.shape, generator=torch.Generator().manual_seed(2))
+    fed.train_images = fed.train_images + 1e-3 * jitter
+    plain = fed.train_batch
+    fed.train_batch = lambda idx, gens: plain(idx, gens).double()
+    return fed
+
+
+def _steps(fed, grad_fn, model, steps=3, batch_size=32, authors=False):
+    cfg = RunConfig(**{**TINY, "n_clients": fed.n_clients, "batch_size": batch_size, "weight_decay": 1e-2})
+    rng = ClientStreams(1, fed.n_clients)
+    stream = training.AuthorsBatchStream(fed, batch_size) if authors else None
+    return training._local_steps_batched(
+        model, fed, steps, 0.05, cfg.resolved(), rng, grad_fn=grad_fn, stream=stream
+    )
+
+
+def _model():
+    torch.manual_seed(0)
+    model = make_model("digits").double().train()
+    assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())  # dropout on
+    return model
+
+
+@pytest.mark.parametrize("distribution", ["iid", "dirichlet"])
+@pytest.mark.parametrize(("conv", "channels_last"), [("grouped", True), ("bmm", False)])
+def test_client_folded_variants_equal_batched_in_float64(distribution, conv, channels_last):
+    """channels_last and bmm_conv: the client-folded layers give the batched engine's pseudo-gradients and
+    BatchNorm buffers to float64 rounding, with one batch width (iid) and several (Dirichlet's small
+    clients)."""
+    fed = _float64_federation(distribution)
+    model = _model()
+    g_ref, buf_ref = _steps(fed, None, model)
+    g, buf = _steps(fed, FoldedGrad(model, conv=conv, channels_last=channels_last), model)
+    assert g.dtype == torch.float64
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    assert buf.keys() == buf_ref.keys() and buf
+    for name in buf_ref:
+        torch.testing.assert_close(buf[name], buf_ref[name], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("authors", [False, True])  # the authors' batch stream: drawn run by run
+def test_static_buffer_steps_are_the_batched_engines_bit_for_bit(authors):
+    """cuda_graphs' static-buffer path (the capture itself is CUDA's): the same kernels on the same values,
+    so the same bits as `batched`, float64 and float32."""
+    for dtype in (torch.float64, torch.float32):
+        fed = (
+            _float64_federation("iid")
+            if dtype == torch.float64
+            else load_federation("digits", 4, distribution="iid", seed=0)
+        )
+        model = _model().to(dtype)
+        g_ref, buf_ref = _steps(fed, None, model, authors=authors)
+        static = StaticSteps(training.ClientGrad(model))
+        g, buf = _steps(fed, static, model, authors=authors)
+        assert static.static["x"].dtype == dtype  # the static path, not the loop of several batch widths
+        assert torch.equal(g, g_ref)
+        assert all(torch.equal(buf[k], buf_ref[k]) for k in buf_ref)
+
+
+def test_static_buffer_steps_of_a_group_are_each_runs_own():
+    """Three runs drawn together (`draw_group`: one gather, one mask draw per layer) give each run what it
+    gets alone in the static path, and the steps after the first round reuse the buffers."""
+    fed = load_federation("digits", 4, distribution="iid", seed=0)
+    cfg = RunConfig(**TINY).resolved()
+    torch.manual_seed(0)
+    models = [make_model("digits").train() for _ in range(3)]
+    static = StaticSteps(training.ClientGrad(models[0]))
+    for _ in range(2):  # two rounds: the second writes into the first's buffers
+        rngs = [ClientStreams(i, 4) for i in range(3)]
+        together = static.local_steps(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, [None] * 3)
+    assert len(static.static["x"]) == 3 * 4  # the static path
+    for i, model in enumerate(models):
+        ((alone, buf),) = training.local_steps_stacked(
+            [model], [fed], 2, [0.05], cfg, [ClientStreams(i, 4)], training.ClientGrad(model)
+        )
+        assert torch.equal(together[i][0], alone)
+        assert all(torch.equal(together[i][1][k], buf[k]) for k in buf)
+
+
+@pytest.mark.parametrize(("kernel", "padding"), [(5, 2), (3, 1)])  # the FEMNIST and CIFAR-10 convolutions
+@pytest.mark.parametrize(("impl", "channels_last"), [("grouped", True), ("bmm", False)])
+def test_folded_convolution_and_batchnorm_are_each_clients_own(kernel, padding, impl, channels_last):
+    """Against each client's own nn.functional call (float64), forward and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    n, b, c, o = 3, 4, 2, 5
+    x = torch.randn(n, b, c, 9, 9, generator=gen, dtype=torch.float64)
+    conv = nn.Conv2d(c, o, kernel, padding=padding).double()
+    w = torch.randn(n, o, c, kernel, kernel, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(n, o, generator=gen, dtype=torch.float64, requires_grad=True)
+    folded = _FoldedConv(conv, impl, channels_last)
+    out = torch.func.functional_call(folded, {"weight": w, "bias": bias}, (x,))
+    ref = torch.stack([F.conv2d(x[k], w[k], bias[k], padding=padding) for k in range(n)])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (w, bias))
+    refs = torch.autograd.grad(ref.square().sum(), (w, bias))
+    for g, r in zip(grads, refs, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    bn = nn.BatchNorm2d(o).double()
+    state = {k: torch.stack([v] * n) for k, v in bn.state_dict().items()}
+    params = {k: state.pop(k) for k in ("weight", "bias")}
+    y = torch.func.functional_call(_FoldedBatchNorm(bn), (params, state), (out,))
+    for k in range(n):
+        mean, var = torch.zeros(o, dtype=torch.float64), torch.ones(o, dtype=torch.float64)
+        expect = F.batch_norm(out[k], mean, var, params["weight"][k], params["bias"][k], True, 0.1, 1e-5)
+        torch.testing.assert_close(y[k], expect, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(state["running_mean"][k], mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(state["running_var"][k], var, rtol=1e-12, atol=1e-12)
+    assert state["num_batches_tracked"].tolist() == [1] * n
+
+
+def test_cuda_graphs_engine_is_refused_on_a_cpu_in_one_line():
+    with pytest.raises(ConfigError, match=r"^engine='cuda_graphs' .*needs a CUDA device.*engine='batched'"):
+        training.run(RunConfig(**TINY, engine="cuda_graphs"), progress=False)
+
+
+def test_a_run_records_the_variant_it_ran_and_keeps_the_batched_key():
+    """The variant is an engine: named in the record's environment, out of the result key (one key, one
+    computation to float rounding: docs/semantics.md)."""
+    batched = training.run(RunConfig(**TINY, engine="batched"), progress=False)
+    for engine in ("channels_last", "bmm_conv"):
+        config = RunConfig(**TINY, engine=engine)
+        result = training.run(config, progress=False)
+        assert result.environment["engine"] == engine
+        assert config.key() == RunConfig(**TINY, engine="batched").key()
+        assert result.final_accuracy == pytest.approx(batched.final_accuracy, abs=2.0)
+
+
+def test_a_layer_without_a_folded_form_is_refused_in_one_line():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
+    with pytest.raises(ValueError, match=r"^the model's Tanh layers have no client-folded form; use engine="):
+        FoldedGrad(model)
+
+
+def test_the_compiled_step_is_built_once_per_process_and_architecture():
+    a, b = make_model("digits"), make_model("digits")
+    assert step_variants.cached_compiled_grad(a) is step_variants.cached_compiled_grad(b)
+    assert training.per_client_grad(a, engine="compiled") is step_variants.cached_compiled_grad(a)
+    assert step_variants.cached_compiled_grad(a.double()) is not step_variants.cached_compiled_grad(b)
+
+
+# ------------------------------------------------------------------------------------ launches per step
+def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool) -> int:
+    """Device kernels of one local step of a group of `runs` digits runs (4 clients each), on the emulated
+    accelerator: a round of 2 steps minus a round of 1 (the per-round stacking and outputs cancel)."""
+    fed = load_federation("digits", 4, distribution="iid", seed=0)
+    fed._cpu_sizes = fed._cpu_sizes.clone()  # the host's copy of the client sizes (test_host_waits.py)
+    data = [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
+    cfg = RunConfig(**{**TINY, "batch_size": 16}).resolved()
+    torch.manual_seed(0)
+    models = [make_model("digits").train() for _ in range(runs)]
+    grad_fn = StaticSteps(training.ClientGrad(models[0])) if static else training.ClientGrad(models[0])
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
+    counts = []
+    with on_accelerator(*tensors, *data) as accelerator:
+        to = torch.Tensor.to
+
+        def to_device(t, *args, **kwargs):  # a host tensor copied to the device lives there
+            out = to(t, *args, **kwargs)
+            if any(isinstance(a, torch.device) for a in (*args, *kwargs.values())):
+                accelerator.place(out)
+            return out
+
+        monkeypatch.setattr(torch.Tensor, "to", to_device)
+        for steps in (1, 2):
+            rngs = [ClientStreams(i, 4) for i in range(runs)]
+            before = accelerator.kernels
+            training.local_steps_stacked(models, [fed] * runs, steps, [0.05] * runs, cfg, rngs, grad_fn)
+            counts.append(accelerator.kernels - before)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+    return counts[1] - counts[0]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch, static):
+    """The batched step (and the static-buffer one) draws all R runs' batches and masks at once
+    (`step_variants.draw_group`): its device kernels per local step are the same at R = 1, 4 and 16. Before,
+    every run drew its own: 111 kernels a step at R = 1, 189 at R = 4."""
+    kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static) for r in (1, 4, 16)}
+    assert kernels[1] == kernels[4] == kernels[16] > 0
+
+
+# ------------------------------------------------------------------------------------ the autotune's choice
+def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
+    """On the CPU of `gpu_run.py --simulate`, given the variants (`engine_candidates("cpu")`) and a timer
+    that makes bmm_conv the fastest (whatever this CPU measures): the gate trains it (fp32, the batched
+    computation to rounding) against the reference, accepts it, and the autotune chooses it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import autotune
+    from prodigy_core.experiments import load_experiment
+
+    assert autotune.engine_candidates("cpu") == ("batched", "channels_last", "bmm_conv", "compiled")
+    assert "cuda_graphs" in autotune.CANDIDATES["cuda"]["engine"]
+    space = {"precision": ("fp32",), "size": (1,), "engine": autotune.engine_candidates("cpu")}
+    monkeypatch.setitem(autotune.CANDIDATES, "cpu", space)
+    speed = {"bmm_conv": 4.0, "channels_last": 2.0, "batched": 1.0, "compiled": 0.5}
+    timed = []
+
+    def timer(resolved, fed, precision, engine, size):
+        timed.append(engine)
+        return 1.0 / speed[engine]
+
+    config = load_experiment("quickstart_digits", scale="smoke").configs[0]
+    config = config.replace(device="cpu", distribution="iid", engine="batched")
+    fed = training._load_federation(config.resolved(), torch.device("cpu"))
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    tune = report["datasets"]["digits"]
+    assert timed == list(autotune.engine_candidates("cpu"))
+    verdicts = {(g["engine"], g["accepted"]) for g in tune["gate"]}
+    assert verdicts == {("bmm_conv", True), ("channels_last", True)}
+    assert all(0 < g["measures"]["param_rel"] < 1e-3 for g in tune["gate"])  # rounding, not bits
+    assert tune["chosen"] == {"precision": "fp32", "engine": "bmm_conv"}
+    assert report["peak"]["tflops"] > 0 and tune["gflop_per_image"] > 0  # autotune.json's rates
+    for row in tune["timings"]:
+        assert row["wall_s"] >= 0  # the timing's wall clock, warm-up (compilation) included
+        assert row["tflops"] == pytest.approx(row["images_per_s"] * tune["gflop_per_image"] / 1e3)
+        assert row["peak_share"] == pytest.approx(row["tflops"] / report["peak"]["tflops"])
+
+
+def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsys):
+    """benchmarks/throughput.py --smoke on the CPU: the measured peak, then per engine its images/s, TFLOP/s,
+    share of the peak and warm-up seconds; cuda_graphs refused in its row with the reason."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import throughput
+
+    assert throughput.main(["--smoke"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("device: CPU") and "TFLOP/s (float32 128^3 matrix product)" in out[0]
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in out if line.startswith("digits | fp32")}
+    assert set(rows) == {"batched", *step_variants.VARIANTS}
+    for engine in ("batched", "channels_last", "bmm_conv"):
+        images, tflops, share, first = rows[engine][4:]
+        assert float(images.replace(",", "")) > 0 and float(tflops) > 0 and share.endswith("%")
+        assert float(first) >= -0.5  # wall clock less the timed steps: noise can make it a little negative
+    assert rows["cuda_graphs"][4].startswith("refused: ConfigError: engine='cuda_graphs'")
+
+
+# ------------------------------------------------------------------------------------------------ groups
+@pytest.mark.parametrize(
+    ("engine", "distribution"),
+    [("channels_last", "dirichlet"), ("bmm_conv", "dirichlet"), ("cuda_graphs", "iid")],
+)
+def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeypatch, engine, distribution):
+    """tests/test_groups.py's four runs (CClip + ALIE, ProDiGy + LF: its own labels, NNM + TM + SF at another
+    lr, average) in float64, grouped under a variant, against each alone under `batched`: the same models,
+    momentum, attack parameters and zeroed clients after 2 rounds. cuda_graphs runs its static-buffer path
+    uncaptured (the capture is CUDA's), on iid data (one batch width: Dirichlet's fall back to the loop)."""
+    import test_groups as tg
+
+    from prodigy_core.data import Federation
+
+    normalise = Federation.normalise
+    monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
+    static_rows = []
+    if engine == "cuda_graphs":
+        monkeypatch.setattr(step_variants, "make_grad", lambda e, m: StaticSteps(training.ClientGrad(m)))
+        step = StaticSteps._step
+
+        def counted(self, st, *args):
+            static_rows.append(len(st["x"]))  # the rows of one static step: 4 runs x 6 clients
+            step(self, st, *args)
+
+        monkeypatch.setattr(StaticSteps, "_step", counted)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        configs = [c.replace(distribution=distribution) for c in tg.CONFIGS]
+        solo = tg._solo_states(configs, tmp_path / "solo")
+        grouped = tg._group_states([c.replace(engine=engine) for c in configs], tmp_path / "group")
+    finally:
+        torch.set_default_dtype(previous)
+    for config in configs:
+        tg._assert_same_run(grouped[config.key()], solo[config.key()])
+        assert grouped[config.key()]["result"]["environment"]["engine"] == engine
+    assert static_rows == ([4 * 6] * 2 * tg.STOP if engine == "cuda_graphs" else [])  # static steps taken
+
+
+# ------------------------------------------------------------------------- on a GPU (skipped without one)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+
+
+@cuda
+def test_cuda_graph_replays_take_the_batched_engines_steps():
+    """Captured once, replayed: two rounds of 3 steps (the first: a warm-up step, the capture, replays; the
+    second: replays only) give the batched engine's pseudo-gradients and buffers."""
+    fed = load_federation("digits", 4, distribution="iid", seed=0, device=torch.device("cuda"))
+    torch.manual_seed(0)
+    model = make_model("digits").cuda().train()
+    cfg = RunConfig(**{**TINY, "device": "cuda"}).resolved()
+    static = step_variants.make_grad("cuda_graphs", model)
+    for _ in range(2):
+        (ref,), (got,) = (
+            training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
+            for grad_fn in (training.ClientGrad(model), static)
+        )
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+        for k in ref[1]:
+            torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-5, atol=1e-6)
+    assert any(isinstance(g, torch.cuda.CUDAGraph) for g in static.graphs.values())
+
+
+@cuda
+@pytest.mark.parametrize("engine", ["channels_last", "bmm_conv"])
+def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
+    fed = load_federation("digits", 4, distribution="iid", seed=0, device=torch.device("cuda"))
+    plain = fed.train_batch
+    fed.train_batch = lambda idx, gens: plain(idx, gens).double()
+    torch.manual_seed(0)
+    model = make_model("digits").double().cuda().train()
+    g_ref, buf_ref = _steps(fed, None, model)
+    g, buf = _steps(fed, step_variants.make_grad(engine, model), model)
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    for k in buf_ref:
+        torch.testing.assert_close(buf[k], buf_ref[k], rtol=1e-10, atol=1e-10)
+
+
+@cuda
+def test_a_cuda_graphs_run_trains_and_records_its_engine():
+    result = training.run(RunConfig(**{**TINY, "device": "cuda", "engine": "cuda_graphs"}), progress=False)
+    assert result.environment["engine"] == "cuda_graphs" and not result.diverged
