@@ -230,7 +230,9 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
     config = load_experiment("quickstart_digits", scale="smoke").configs[0]
     config = config.replace(device="cpu", distribution="iid", engine="batched")
     fed = training._load_federation(config.resolved(), torch.device("cpu"))
-    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    # a budget with room for compiled's compilation (the default 45 s leaves it out: autotune.COMPILE_S)
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None,
+                               budget_s=1000.0)  # fmt: skip
     tune = report["datasets"]["digits"]
     assert timed == list(autotune.engine_candidates("cpu"))
     verdicts = {(g["engine"], g["accepted"]) for g in tune["gate"]}
