@@ -47,7 +47,7 @@ from prodigy_core.streams import ClientStreams, dropout_mask
 # engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
 # benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
 # that path.
-AUTO_CPU_ENGINE = {"digits": "sequential", "femnist": "sequential", "cifar10": "sequential"}
+AUTO_CPU_ENGINE = {"digits": "channels_last", "femnist": "sequential", "cifar10": "sequential"}
 # Test batch size of the paper variant: eval mode gives every batch size the same numbers. (The authors' test
 # loader takes the clients' batch size: `eval_settings`.)
 EVAL_BATCH_SIZE = 1000
