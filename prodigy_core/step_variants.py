@@ -19,10 +19,12 @@ by float rounding only) and named in the record's `environment["engine"]`. `auto
   step size and replayed at every later step (`StaticSteps`). CUDA only: on a CPU the engine is refused in
   one line; the static-buffer path itself runs there without capture (tested).
 - every stacked engine with one batch width draws the batches and dropout masks of all R runs in one go
-  (`draw_group`, also used by `training.local_steps_stacked`): the same values as run by run, and a
-  step's device kernels do not grow with R.
-- ``compiled`` (not a variant of this module, `training.ClientGrad`): `cached_compiled_grad` keeps one
-  compiled step per process and architecture, so torch.compile pays once per process and shape.
+  (`training.draw_group`): the same values as run by run, and a step's device kernels do not grow with R.
+- ``compiled`` (not a variant of this module): `training.cached_compiled_grad` keeps one compiled step per
+  process and architecture, so torch.compile pays once per process and shape.
+
+This module sits beside `training` and below it: it never imports it (the run's pieces come in as
+arguments: the batched engine's gradient function, its `FunctionalNet`, `training.draw_group`).
 
 Client-folded layers (`FoldedGrad`): activations keep a leading client axis, (R N, B, C, H, W) in the
 convolutional part and (R N, B, F) in the linear one; convolutions, BatchNorm (per-client statistics and
@@ -35,6 +37,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +45,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from prodigy_core.config import ConfigError
-from prodigy_core.streams import _signed, mix
 
 # engine name -> one line on what it changes (module docstring)
 VARIANTS = {
@@ -55,46 +57,24 @@ STACKED_ENGINES = ("batched", "compiled", *VARIANTS)
 CUDA_ONLY = ("cuda_graphs",)
 
 
-def make_grad(engine: str, model: nn.Module) -> Callable:
-    """The gradient function of engine variant `engine` for `model`'s architecture, with the interface of
-    `training.ClientGrad` (`.net`, `(params, buffers, x, y, masks) -> grads`); ``cuda_graphs``' also has
-    `.local_steps`, which `training.local_steps_stacked` hands the whole E steps to. A CUDA-only engine on
-    another device raises a one-line `ConfigError`."""
-    from prodigy_core.training import ClientGrad
-
-    device = next(model.parameters()).device
+def make_grad(engine: str, base: Callable) -> Callable:
+    """The gradient function of engine variant `engine`, from `base`, the batched engine's uncompiled one
+    for the run's model (`training.ClientGrad`: `.net`, `(params, buffers, x, y, masks) -> grads`), with the
+    same interface; ``cuda_graphs``' also has `.local_steps`, which `training.local_steps_stacked` hands the
+    whole E steps to. A CUDA-only engine on another device raises a one-line `ConfigError`."""
+    device = next(base.net.template.parameters()).device
     if engine in CUDA_ONLY and device.type != "cuda":
         raise ConfigError(
             f"engine={engine!r} captures the local steps in CUDA graphs and needs a CUDA device (this run's "
             f"is {device}); use engine='batched': the same computation, uncaptured"
         )
     if engine == "channels_last":
-        return FoldedGrad(model, conv="grouped", channels_last=True)
+        return FoldedGrad(base.net, conv="grouped", channels_last=True)
     if engine == "bmm_conv":
-        return FoldedGrad(model, conv="bmm")
+        return FoldedGrad(base.net, conv="bmm")
     if engine == "cuda_graphs":
-        return StaticSteps(ClientGrad(model), capture=True)
+        return StaticSteps(base, capture=True)
     raise ValueError(f"engine={engine!r} is not an engine variant; valid: {', '.join(VARIANTS)}")
-
-
-# ------------------------------------------------------------------------------------- compiled, cached
-_COMPILED: dict[tuple, Callable] = {}
-
-
-def cached_compiled_grad(model: nn.Module) -> Callable:
-    """The ``compiled`` engine's gradient function for `model`'s architecture, one per process: every run
-    and every timing of the same architecture (the module tree, the parameters' and buffers' names, shapes,
-    dtypes and device, the training mode) shares one torch.compile'd step, whose compiled graphs torch keeps
-    per input shape, so compilation is paid once per process and shape. Its template's weights are never
-    read: every call passes the run's own parameters and buffers."""
-    from prodigy_core.training import ClientGrad
-
-    named = [*model.named_parameters(), *model.named_buffers()]
-    shapes = tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in named)
-    key = (repr(model), model.training, shapes)
-    if key not in _COMPILED:
-        _COMPILED[key] = ClientGrad(model, compiled=True)
-    return _COMPILED[key]
 
 
 # ----------------------------------------------------------------------------------- client-folded layers
@@ -209,16 +189,17 @@ class FoldedGrad:
     """`training.ClientGrad`'s function, (params, buffers, x, y, masks) stacked over clients -> every
     client's gradient of its mean cross-entropy (BatchNorm buffers updated in place), computed by the
     client-folded layers above instead of vmap: `conv` "grouped" (optionally `channels_last`) or "bmm".
-    The masks are `FunctionalNet.masks` of `net`, as the batched engine's. Layers other than Conv2d,
-    BatchNorm2d, MaxPool2d, Flatten, Linear, ReLU and dropout are refused in one line."""
+    `net`: the run's `training.FunctionalNet`; the masks are its `masks`, as the batched engine's. Layers
+    other than Conv2d, BatchNorm2d, MaxPool2d, Flatten, Linear, ReLU and dropout are refused in one line."""
 
-    def __init__(self, model: nn.Module, conv: str = "grouped", channels_last: bool = False) -> None:
-        from prodigy_core.training import FunctionalNet, _MaskedDropout
-
-        self.net = FunctionalNet(model)
+    def __init__(self, net: Any, conv: str = "grouped", channels_last: bool = False) -> None:
+        self.net = net  # training.FunctionalNet: the template and its dropout layers, "<name>.mask"
         self.folded = copy.deepcopy(self.net.template).train()
-        keep = (nn.ReLU, _MaskedDropout, nn.Sequential)
+        dropouts = {key.removesuffix(".mask") for key in net.dropouts}
+        keep = (nn.ReLU, nn.Sequential)
         for name, m in list(self.folded.named_modules()):
+            if name in dropouts:
+                continue
             if isinstance(m, nn.Conv2d):
                 self.folded.set_submodule(name, _FoldedConv(m, conv, channels_last))
             elif isinstance(m, nn.BatchNorm2d):
@@ -245,44 +226,6 @@ class FoldedGrad:
 
 
 # ----------------------------------------------------------------------------------------- static buffers
-def draw_group(
-    feds: list, batch_size: int, rngs: list, streams: list, net
-) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """One local step's images (R N, B, C, H, W), labels (R N, B) and dropout masks of R runs, the values
-    `training._draw_batch` and `training._train_masks` give run by run, drawn for all runs at once where
-    they share their federation's tensors: the indices on the host (every client's own CPU generator, in
-    its own order), one copy to the device and one gather; the augmentation in one call; each layer's
-    masks in one call from the R N clients' keys. Runs with their own label table (label flipping), image
-    store or batch stream (``authors``) are drawn run by run. Every run's step counter then advances."""
-    from prodigy_core.training import _draw_batch
-
-    first, device = feds[0], feds[0].device
-    shared = all(f._index_table is first._index_table and f.train_images is first.train_images for f in feds)
-    if shared and all(s is None for s in streams):
-        pos = torch.cat([f.sample_positions(batch_size, r.gens)[0] for f, r in zip(feds, rngs, strict=True)])
-        n, length = first.n_clients, first._index_table.shape[1]
-        flat = pos + (torch.arange(len(pos)) % n * length)[:, None]
-        idx = first._index_table.view(-1)[flat.to(device)]
-        x = first.train_batch(idx, [g for r in rngs for g in r.gens])
-        labels = {id(f.train_labels): f.train_labels for f in feds}
-        if len(labels) == 1:
-            y = first.train_labels[idx]
-        else:  # label-flipped members: one gather per run
-            y = torch.cat([f.train_labels[idx[i * n : (i + 1) * n]] for i, f in enumerate(feds)])
-    else:
-        parts = [_draw_batch(f, batch_size, r, s)[:2] for f, r, s in zip(feds, rngs, streams, strict=True)]
-        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-    def keys(layer: int) -> Tensor:
-        rows = [_signed(mix(k, r.step, layer)) for r in rngs for k in r.client_keys]
-        return torch.tensor(rows, dtype=torch.int64).to(device)
-
-    masks = net.masks(x, keys)
-    for r in rngs:
-        r.step += 1
-    return x, y, masks
-
-
 def _alike(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype
 
@@ -295,7 +238,8 @@ class StaticSteps:
     (on a side stream, its warm-up), captured in a CUDA graph at its next use and replayed from then on, one
     graph per input shape and step sizes (a decayed lr is a second graph). Without capture (a CPU: the
     tests) the same step runs eagerly: the static-buffer path, the `batched` engine's numbers bit for bit.
-    Clients of several batch widths (small clients, ``paper``) take `training.local_steps_stacked`'s loop."""
+    Clients of several batch widths (small clients, ``paper``) take `training.local_steps_stacked`'s loop,
+    which calls this object as the plain gradient function."""
 
     def __init__(self, grad_fn: Callable, capture: bool = False) -> None:
         self.grad_fn, self.net, self.capture, self.compiled = grad_fn, grad_fn.net, capture, False
@@ -306,16 +250,22 @@ class StaticSteps:
         return self.grad_fn(params, buffers, x, y, masks)
 
     def local_steps(
-        self, models: list, feds: list, steps: int, lrs: list[float], resolved, rngs: list, streams: list
+        self,
+        models: list,
+        feds: list,
+        steps: int,
+        lrs: list[float],
+        resolved,
+        rngs: list,
+        streams: list,
+        draw: Callable,
     ) -> list[tuple[Tensor, dict[str, Tensor]]]:
-        from prodigy_core.training import _width_groups, local_steps_stacked
-
-        if _width_groups(feds[0], resolved.batch_size)[0][1] is not None:  # several widths: the plain loop
-            return local_steps_stacked(models, feds, steps, lrs, resolved, rngs, self.grad_fn, streams)
+        """The E steps of R runs whose clients share one batch width (`training.local_steps_stacked` takes
+        the others); `draw`: `training.draw_group`, every run's batches and masks of one step."""
         runs, n = len(models), feds[0].n_clients
         st = self._load(models, n)
         for _ in range(steps):
-            x, y, masks = draw_group(feds, resolved.batch_size, rngs, streams, self.net)
+            x, y, masks = draw(feds, resolved.batch_size, rngs, streams, self.net)
             st = self._inputs(st, x, y, masks)
             step = functools.partial(self._step, st, lrs, resolved.weight_decay, runs)
             self._run((tuple(lrs), tuple(x.shape)), step)
@@ -391,5 +341,4 @@ class StaticSteps:
             graph.replay()
 
 
-__all__ = ["VARIANTS", "STACKED_ENGINES", "FoldedGrad", "StaticSteps", "cached_compiled_grad", "draw_group",
-           "make_grad"]  # fmt: skip
+__all__ = ["VARIANTS", "STACKED_ENGINES", "FoldedGrad", "StaticSteps", "make_grad"]

@@ -42,7 +42,7 @@ from prodigy_core.models import make_model
 from prodigy_core.registry import label, loaded_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, precision_mode, resolve_device, seed_everything
-from prodigy_core.streams import ClientStreams, dropout_mask
+from prodigy_core.streams import ClientStreams, _signed, dropout_mask, mix
 
 # engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
 # benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
@@ -517,7 +517,7 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     - ``sequential``: the reference, one model copy trained client after client on exactly its valid
       entries, its dropout layers multiplying by the same masks.
     - ``compiled``: the batched engine with its vmapped gradient step under `torch.compile`, built once per
-      process and architecture (`step_variants.cached_compiled_grad`: the first run pays the compilation,
+      process and architecture (`cached_compiled_grad`: the first run pays the compilation,
       later runs of the same shapes reuse it; a new batch width, e.g. a small client's, may recompile).
       It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
@@ -722,16 +722,68 @@ class ClientGrad:
             ) from e
 
 
+_COMPILED_STEPS: dict[tuple, Callable] = {}
+
+
+def cached_compiled_grad(model: nn.Module) -> Callable:
+    """The ``compiled`` engine's gradient function for `model`'s architecture, one per process: every run
+    and every timing of the same architecture (the module tree, the parameters' and buffers' names, shapes,
+    dtypes and device, the training mode) shares one torch.compile'd step, whose compiled graphs torch keeps
+    per input shape, so compilation is paid once per process and shape. Its template's weights are never
+    read: every call passes the run's own parameters and buffers."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    shapes = tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in named)
+    key = (repr(model), model.training, shapes)
+    if key not in _COMPILED_STEPS:
+        _COMPILED_STEPS[key] = ClientGrad(model, compiled=True)
+    return _COMPILED_STEPS[key]
+
+
 def per_client_grad(model: nn.Module, compiled: bool = False, engine: str | None = None) -> ClientGrad:
     """The batched engine's gradient function for `model` (see `ClientGrad`); `engine` (a stacked engine):
-    ``compiled`` (or `compiled`) the process's compiled one for this architecture, built once and reused by
-    every later run of it (`step_variants.cached_compiled_grad`), an engine variant its own
-    (`step_variants.make_grad`)."""
+    ``compiled`` (or `compiled`) the process's compiled one for this architecture (`cached_compiled_grad`),
+    an engine variant its own (`step_variants.make_grad`)."""
     if compiled or engine == "compiled":
-        return step_variants.cached_compiled_grad(model)
+        return cached_compiled_grad(model)
     if engine in step_variants.VARIANTS:
-        return step_variants.make_grad(engine, model)
+        return step_variants.make_grad(engine, ClientGrad(model))
     return ClientGrad(model)
+
+
+def draw_group(
+    feds: list, batch_size: int, rngs: list, streams: list, net
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """One local step's images (R N, B, C, H, W), labels (R N, B) and dropout masks of R runs, the values
+    `_draw_batch` and `_train_masks` give run by run, drawn for all runs at once where
+    they share their federation's tensors: the indices on the host (every client's own CPU generator, in
+    its own order), one copy to the device and one gather; the augmentation in one call; each layer's
+    masks in one call from the R N clients' keys. Runs with their own label table (label flipping), image
+    store or batch stream (``authors``) are drawn run by run. Every run's step counter then advances."""
+    first, device = feds[0], feds[0].device
+    shared = all(f._index_table is first._index_table and f.train_images is first.train_images for f in feds)
+    if shared and all(s is None for s in streams):
+        pos = torch.cat([f.sample_positions(batch_size, r.gens)[0] for f, r in zip(feds, rngs, strict=True)])
+        n, length = first.n_clients, first._index_table.shape[1]
+        flat = pos + (torch.arange(len(pos)) % n * length)[:, None]
+        idx = first._index_table.view(-1)[flat.to(device)]
+        x = first.train_batch(idx, [g for r in rngs for g in r.gens])
+        labels = {id(f.train_labels): f.train_labels for f in feds}
+        if len(labels) == 1:
+            y = first.train_labels[idx]
+        else:  # label-flipped members: one gather per run
+            y = torch.cat([f.train_labels[idx[i * n : (i + 1) * n]] for i, f in enumerate(feds)])
+    else:
+        parts = [_draw_batch(f, batch_size, r, s)[:2] for f, r, s in zip(feds, rngs, streams, strict=True)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def keys(layer: int) -> Tensor:
+        rows = [_signed(mix(k, r.step, layer)) for r in rngs for k in r.client_keys]
+        return torch.tensor(rows, dtype=torch.int64).to(device)
+
+    masks = net.masks(x, keys)
+    for r in rngs:
+        r.step += 1
+    return x, y, masks
 
 
 def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | None]]:
@@ -782,12 +834,13 @@ def local_steps_stacked(
     the engine or the device (`prodigy_core.streams`). Clients with fewer than batch_size samples
     form one vmapped group per batch width, so that every client trains on exactly its b_k valid samples
     (padding would enter BatchNorm's batch statistics); with IID data or large clients there is a single
-    group and no indexing, and the R runs' batches and masks are drawn at once (`step_variants.draw_group`:
+    group and no indexing, and the R runs' batches and masks are drawn at once (`draw_group`:
     the same values, device kernels per step independent of R)."""
     runs, n = len(models), feds[0].n_clients
     streams = streams or [None] * runs
-    if hasattr(grad_fn, "local_steps"):  # an engine variant with its own loop (`step_variants.StaticSteps`)
-        return grad_fn.local_steps(models, feds, steps, lrs, resolved, rngs, streams)
+    solo = _width_groups(feds[0], resolved.batch_size)
+    if hasattr(grad_fn, "local_steps") and solo[0][1] is None:  # `step_variants.StaticSteps`' own loop
+        return grad_fn.local_steps(models, feds, steps, lrs, resolved, rngs, streams, draw_group)
 
     def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
         return torch.stack([t.detach() for t in tensors]).repeat_interleave(n, dim=0)
@@ -796,14 +849,13 @@ def local_steps_stacked(
     params = {name: stack([p[name] for p in named]) for name in named[0]}
     named = [dict(m.named_buffers()) for m in models]
     buffers = {name: stack([b[name] for b in named]) for name in named[0]}
-    solo = _width_groups(feds[0], resolved.batch_size)
     members = [list(range(n)) if ids is None else ids.tolist() for _, ids in solo]
     stacked = [None if ids is None else torch.cat([ids + i * n for i in range(runs)]) for _, ids in solo]
     # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
     per_run = len(set(lrs)) > 1
     for _ in range(steps):
         if stacked == [None]:  # one batch width: every run's batches and masks drawn at once, same values
-            batches = [step_variants.draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)]
+            batches = [draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)]
         else:
             parts = []  # per run, per width group: (images, labels, dropout masks)
             for i in range(runs):
@@ -1183,4 +1235,6 @@ __all__ = [
     "server_input",
     "pick_engine",
     "AUTO_CPU_ENGINE",
+    "cached_compiled_grad",
+    "draw_group",
 ]

@@ -35,7 +35,13 @@ FLOORS = [
     set(GROUND),
     {"aggregators", "attacks", "models", "data"},  # the library
     {"config"},
-    {"training", "groups", "results", "flower"},  # runs (flower: the optional Flower strategy)
+    {
+        "step_variants",
+        "training",
+        "groups",
+        "results",
+        "flower",
+    },  # runs (flower: the optional Flower strategy)
     {"experiments", "report", "explorer"},  # grids and outputs
     {"reproduce", "cli"},  # entry points
 ]

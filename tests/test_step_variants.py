@@ -55,7 +55,9 @@ def test_client_folded_variants_equal_batched_in_float64(distribution, conv, cha
     fed = _float64_federation(distribution)
     model = _model()
     g_ref, buf_ref = _steps(fed, None, model)
-    g, buf = _steps(fed, FoldedGrad(model, conv=conv, channels_last=channels_last), model)
+    g, buf = _steps(
+        fed, FoldedGrad(training.FunctionalNet(model), conv=conv, channels_last=channels_last), model
+    )
     assert g.dtype == torch.float64
     torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
     assert buf.keys() == buf_ref.keys() and buf
@@ -83,8 +85,8 @@ def test_static_buffer_steps_are_the_batched_engines_bit_for_bit(authors):
 
 
 def test_static_buffer_steps_of_a_group_are_each_runs_own():
-    """Three runs drawn together (`draw_group`: one gather, one mask draw per layer) give each run what it
-    gets alone in the static path, and the steps after the first round reuse the buffers."""
+    """Three runs drawn together (`training.draw_group`: one gather, one mask draw per layer) give each run
+    what it gets alone in the static path, and the steps after the first round reuse the buffers."""
     fed = load_federation("digits", 4, distribution="iid", seed=0)
     cfg = RunConfig(**TINY).resolved()
     torch.manual_seed(0)
@@ -92,7 +94,8 @@ def test_static_buffer_steps_of_a_group_are_each_runs_own():
     static = StaticSteps(training.ClientGrad(models[0]))
     for _ in range(2):  # two rounds: the second writes into the first's buffers
         rngs = [ClientStreams(i, 4) for i in range(3)]
-        together = static.local_steps(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, [None] * 3)
+        together = static.local_steps(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, [None] * 3,
+                                      training.draw_group)  # fmt: skip
     assert len(static.static["x"]) == 3 * 4  # the static path
     for i, model in enumerate(models):
         ((alone, buf),) = training.local_steps_stacked(
@@ -153,14 +156,14 @@ def test_a_run_records_the_variant_it_ran_and_keeps_the_batched_key():
 def test_a_layer_without_a_folded_form_is_refused_in_one_line():
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
     with pytest.raises(ValueError, match=r"^the model's Tanh layers have no client-folded form; use engine="):
-        FoldedGrad(model)
+        FoldedGrad(training.FunctionalNet(model))
 
 
 def test_the_compiled_step_is_built_once_per_process_and_architecture():
     a, b = make_model("digits"), make_model("digits")
-    assert step_variants.cached_compiled_grad(a) is step_variants.cached_compiled_grad(b)
-    assert training.per_client_grad(a, engine="compiled") is step_variants.cached_compiled_grad(a)
-    assert step_variants.cached_compiled_grad(a.double()) is not step_variants.cached_compiled_grad(b)
+    assert training.cached_compiled_grad(a) is training.cached_compiled_grad(b)
+    assert training.per_client_grad(a, engine="compiled") is training.cached_compiled_grad(a)
+    assert training.cached_compiled_grad(a.double()) is not training.cached_compiled_grad(b)
 
 
 # ------------------------------------------------------------------------------------ launches per step
@@ -198,7 +201,7 @@ def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool) -> i
 @pytest.mark.parametrize("static", [False, True])
 def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch, static):
     """The batched step (and the static-buffer one) draws all R runs' batches and masks at once
-    (`step_variants.draw_group`): its device kernels per local step are the same at R = 1, 4 and 16. Before,
+    (`training.draw_group`): its device kernels per local step are the same at R = 1, 4 and 16. Before,
     every run drew its own: 111 kernels a step at R = 1, 189 at R = 4."""
     kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static) for r in (1, 4, 16)}
     assert kernels[1] == kernels[4] == kernels[16] > 0
@@ -285,7 +288,7 @@ def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeyp
     monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
     static_rows = []
     if engine == "cuda_graphs":
-        monkeypatch.setattr(step_variants, "make_grad", lambda e, m: StaticSteps(training.ClientGrad(m)))
+        monkeypatch.setattr(step_variants, "make_grad", lambda e, base: StaticSteps(base))
         step = StaticSteps._step
 
         def counted(self, st, *args):
@@ -319,7 +322,7 @@ def test_cuda_graph_replays_take_the_batched_engines_steps():
     torch.manual_seed(0)
     model = make_model("digits").cuda().train()
     cfg = RunConfig(**{**TINY, "device": "cuda"}).resolved()
-    static = step_variants.make_grad("cuda_graphs", model)
+    static = step_variants.make_grad("cuda_graphs", training.ClientGrad(model))
     for _ in range(2):
         (ref,), (got,) = (
             training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
@@ -340,7 +343,7 @@ def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
     torch.manual_seed(0)
     model = make_model("digits").double().cuda().train()
     g_ref, buf_ref = _steps(fed, None, model)
-    g, buf = _steps(fed, step_variants.make_grad(engine, model), model)
+    g, buf = _steps(fed, step_variants.make_grad(engine, training.ClientGrad(model)), model)
     torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
     for k in buf_ref:
         torch.testing.assert_close(buf[k], buf_ref[k], rtol=1e-10, atol=1e-10)
