@@ -455,14 +455,21 @@ def _flatten(record: dict[str, Any]) -> dict[str, Any]:
     row = as_row(record.get("config", {}))
     if isinstance(row.get("record_distances_at"), list):
         row["record_distances_at"] = tuple(row["record_distances_at"])  # hashable, like RunConfig's
+    config_fields = set(field_names())
     for name, value in record.items():
         if name == "config":
             continue
         if name == "environment" and isinstance(value, dict):
             row.update({f"env_{k}": v for k, v in value.items()})
         else:
+            if name in config_fields:  # a result field named as a config field (attack_params: per round)
+                row[SHADOWED + name] = row.get(name)
             row[name] = value
     return row
+
+
+# The column that keeps a config field's value where a result field of the same name takes its column.
+SHADOWED = "config."
 
 
 def data_source_of(df: pd.DataFrame | None) -> str | None:
@@ -509,7 +516,8 @@ def check_one_setting_per_cell(df: pd.DataFrame, cell: list[str], fix: str) -> N
     groups = [df[c].map(repr) for c in cell]
     for field in fields:
         missing = repr(MISSING_MEANS[field]) if field in MISSING_MEANS else None
-        shown = df[field].map(lambda v, m=missing: m if _missing(v) else repr(v))
+        column = df[SHADOWED + field] if SHADOWED + field in df.columns else df[field]
+        shown = column.map(lambda v, m=missing: m if _missing(v) else repr(v))
         counts = shown.groupby(groups, sort=False).nunique() if groups else pd.Series([shown.nunique()])
         if (counts > 1).any():
             values = ", ".join(sorted(set(shown.dropna()))[:6])

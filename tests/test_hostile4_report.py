@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from prodigy_core import report, results
-from prodigy_core.config import ConfigError
+from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.experiments import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -467,3 +467,20 @@ def test_42_4_d_a_record_without_the_precision_field_is_fp32_and_is_not_averaged
     with pytest.raises(ValueError, match="differ in precision"):
         report.to_markdown(df, LAYOUT, "t")
     assert results.precisions_in(df) == ["fp32", "bf16"]
+
+
+def test_42_4_e_a_result_field_named_as_a_config_field_is_not_a_setting():
+    # A record's `attack_params` is the parameter the attack chose each round; its config's is the attack's
+    # setting. Three seeds' line searches choose differently: the cell is still one setting. A setting
+    # that differs (FOE's eps) is still refused.
+    def record(seed, chosen, eps=0.1):
+        config = RunConfig(attack="foe", attack_params={"eps": eps}, seed=seed, data_source="digits")
+        return {"key": config.key(), "config": config.to_dict(), "final_accuracy": 50.0,
+                "attack_params": chosen}  # fmt: skip
+
+    frame = pd.DataFrame([results._flatten(record(s, [0.1, 0.08 * s])) for s in range(3)])
+    assert frame["attack_params"].map(repr).nunique() == 3  # the per-round choices, as the report reads them
+    results.check_one_setting_per_cell(frame, ["defense", "attack"], "fix")  # one setting: nothing raised
+    mixed = pd.DataFrame([results._flatten(record(s, [0.1], eps=[0.1, 0.2][s % 2])) for s in range(3)])
+    with pytest.raises(ValueError, match="differ in attack"):
+        results.check_one_setting_per_cell(mixed, ["defense"], "fix")
