@@ -1,8 +1,9 @@
 """The quickstart's cost: FLOPs per training image of the digits model (before/after), a round's time
 against its compute floor, aten ops per local step, and the wall time of `prodigy-fl quickstart` (training
-and report) on this machine. Run it on an idle machine, at one thread (what `--jobs auto` gives each run).
+and report) on this machine. Run it on an idle machine; the floor and the timed rounds run at one thread
+(what `--jobs auto` gives each run), whatever the process's thread count.
 
-    OMP_NUM_THREADS=1 python benchmarks/quickstart.py [--seeds N] [--flops-only] [--floor-only] [--rounds R]
+    python benchmarks/quickstart.py [--seeds N] [--flops-only] [--floor-only] [--rounds R]
 
 The floor: a round's local training FLOPs (every client's E local steps, each on its own batch width: the
 quickstart's first round drawn from its real split) over the best GFLOP/s the same CNN reaches on one
@@ -178,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.flops_only:
         return 0
-    print("\n".join(floor_report(args.rounds)), f"\n{machine()}", flush=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the floor and the rounds at one thread, as `--jobs auto` runs each run
+    try:
+        print("\n".join(floor_report(args.rounds)), f"\n{machine()}", flush=True)
+    finally:
+        torch.set_num_threads(threads)
     if args.floor_only:
         return 0
     with tempfile.TemporaryDirectory(prefix="quickstart-bench-") as tmp:
