@@ -87,7 +87,7 @@ def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[
             if key is not None:
                 open_groups[key] = group
         group.append(config)
-    alone = sorted({c.precision for c in configs if c.precision != "fp32"})
+    alone = sorted({c.precision for c in configs if c.precision not in GROUPED_PRECISIONS})
     if size not in ("auto", 1) and alone:
         warnings.warn(
             f"precision={', '.join(alone)} runs train one at a time, never in a group: stacked, their "
@@ -198,7 +198,7 @@ def iter_group(
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
         return
-    alone = sorted({c.precision for c in configs if c.precision != "fp32"})
+    alone = sorted({c.precision for c in configs if c.precision not in GROUPED_PRECISIONS})
     if len(configs) > 1 and alone:
         raise ValueError(
             f"run_group: precision={', '.join(alone)} runs never share a group (stacked, their kernels round "

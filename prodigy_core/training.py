@@ -42,7 +42,7 @@ from prodigy_core.models import make_model
 from prodigy_core.registry import label, loaded_hash
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, precision_mode, resolve_device, seed_everything
-from prodigy_core.streams import ClientStreams, _signed, dropout_mask, mix
+from prodigy_core.streams import ClientStreams, dropout_mask
 
 # engine="auto" on a CPU, per dataset: the faster engine by benchmarks/training.py (its numbers:
 # benchmarks/README.md, "training.py: the `auto` engine on a CPU"). Tests pin engine="batched" where they test
@@ -777,8 +777,7 @@ def draw_group(
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def keys(layer: int) -> Tensor:
-        rows = [_signed(mix(k, r.step, layer)) for r in rngs for k in r.client_keys]
-        return torch.tensor(rows, dtype=torch.int64).to(device)
+        return torch.cat([ClientStreams.keys(r.client_keys, r.step, layer, device) for r in rngs])
 
     masks = net.masks(x, keys)
     for r in rngs:
