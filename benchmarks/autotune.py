@@ -61,10 +61,13 @@ CANDIDATES = {
     "cpu": {"precision": ("fp32", "bf16"), "engine": ("batched",), "size": (1, 2)},
 }
 REFERENCE = ("fp32", "batched")  # today's exact mode; accepted by definition
+# The group size each candidate is timed at first: 4 for a grouped precision (the size with the most images/s
+# of fp32 in both 2026-11-27 windows, FEMNIST and CIFAR-10), the first size otherwise (`probe_size`)
+PROBE_SIZE = 4
 BUDGET_S = 45.0  # the whole autotune, timing and gate, per GPU window (issue 41: at most 45 s)
 # Of the budget for the timings; the gate gets the rest: its references always run (the floor, the server
 # side), a candidate's trajectory only while the budget lasts (one left out is not accepted)
-TIMING_SHARE = 0.4
+TIMING_SHARE = 0.55
 TIMED_STEPS = 3  # timed local steps per configuration, after one warm-up step (which pays compilation)
 COMPILE_S = 40.0  # torch.compile's warm-up step, about: a compiled size starts only with this much left
 GATE_ROUNDS = 3
@@ -96,6 +99,14 @@ TOLERANCES = {
     # refuse seed noise; 2 points is well under a typical one
     "accuracy_points": 2.0,
 }
+
+
+def probe_size(space: dict[str, Any], precision: str) -> int:
+    """The group size a candidate is timed at first: `PROBE_SIZE` (or the largest size below it) for the
+    precisions that share groups (`groups.GROUPED_PRECISIONS`), 1 (the first size) for the others."""
+    if precision not in GROUPED_PRECISIONS:
+        return space["size"][0]
+    return max((z for z in space["size"] if z <= PROBE_SIZE), default=space["size"][0])
 
 
 def sync(device: torch.device) -> None:
@@ -136,6 +147,23 @@ def time_step(
     for _ in range(steps):
         step()
     return (time.perf_counter() - tic) / steps
+
+
+def time_row(
+    timer: Callable[..., float], resolved: RunConfig, fed: Federation, precision: str, engine: str, size: int
+) -> dict[str, Any]:
+    """One row of the autotune's `timings`: `timer`'s seconds of a local step of `size` stacked runs, the
+    wall seconds of the whole timing (warm-up included: compiled's compilation, a graph's capture) and
+    training images/s; or the error of a candidate that cannot run (no compiler, no bf16 kernels)."""
+    row: dict[str, Any] = {"precision": precision, "engine": engine, "size": size}
+    try:
+        started = time.perf_counter()
+        row["step_s"] = timer(resolved, fed, precision, engine, size)
+        row["wall_s"] = time.perf_counter() - started
+        row["images_per_s"] = size * resolved.n_clients * resolved.batch_size / row["step_s"]
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not chosen
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return row
 
 
 def trajectory(
@@ -267,27 +295,42 @@ def autotune(
         fed, resolved = feds[dataset], config.resolved()
         timings: list[dict[str, Any]] = []
         budget = budget_s * TIMING_SHARE * (list(configs).index(dataset) + 1) / len(configs)
+
+        # Breadth first (the 2026-11-27 windows: precision by precision, the timing share ran out before
+        # any engine variant and before CIFAR-10's tf32 and bf16): every candidate once at its probe size,
+        # then the other sizes of the grouped candidates, the reference first, then the fastest: the smaller
+        # ones, and the larger ones up to the size whose rate stops rising. A candidate the budget leaves out
+        # is listed as not timed.
+        def room(precision: str, engine: str, budget: float = budget) -> bool:
+            """Time left for one more timing (compiled's needs its compilation); the reference's first size
+            is always timed: without it nothing can be chosen."""
+            needed = COMPILE_S if engine == "compiled" else 0.0
+            return (precision, engine) == REFERENCE or time.perf_counter() - tic + needed <= budget
+
+        rate: dict[tuple[str, str], float] = {}
         for engine in space["engine"]:
             for precision in space["precision"]:
-                # bf16 and tf32 runs never share a group (groups.GROUPED_PRECISIONS): timed alone
-                sizes = space["size"] if precision in GROUPED_PRECISIONS else space["size"][:1]
-                for size in sizes:
-                    row: dict[str, Any] = {"precision": precision, "engine": engine, "size": size}
-                    needed = COMPILE_S if engine == "compiled" else 0.0
-                    over = time.perf_counter() - tic + needed > budget
-                    if over and (precision, engine, size) != (*REFERENCE, 1):
-                        break  # out of time: the rest of this candidate's sizes are not tried
-                    try:
-                        started = time.perf_counter()
-                        row["step_s"] = timer(resolved, fed, precision, engine, size)
-                        # the whole timing, warm-up step included: compiled's compilation, a graph's capture
-                        row["wall_s"] = time.perf_counter() - started
-                        row["images_per_s"] = size * resolved.n_clients * resolved.batch_size / row["step_s"]
-                    except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not chosen
-                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                        timings.append(row)
-                        break
-                    timings.append(row)
+                size = probe_size(space, precision)
+                if not room(precision, engine):
+                    timings.append({"precision": precision, "engine": engine, "size": size,
+                                    "error": "not timed: the timing budget was spent"})  # fmt: skip
+                    continue
+                timings.append(row := time_row(timer, resolved, fed, precision, engine, size))
+                if "step_s" in row:
+                    rate[precision, engine] = row["images_per_s"]
+        for precision, engine in sorted(rate, key=lambda k: (k != REFERENCE, -rate[k])):
+            if precision not in GROUPED_PRECISIONS:  # bf16 and tf32 runs never share a group: timed alone
+                continue
+            # every smaller group (the driver's estimate of a small group needs its own step time), then
+            # larger ones while the rate still rises
+            probe, last = probe_size(space, precision), rate[precision, engine]
+            for size in [z for z in space["size"] if z != probe]:
+                if not room("", engine):
+                    break
+                timings.append(row := time_row(timer, resolved, fed, precision, engine, size))
+                if size > probe and ("step_s" not in row or row["images_per_s"] < last):
+                    break  # failed, or past the fastest size
+                last = row.get("images_per_s", last) if size > probe else last
         best: dict[tuple[str, str], float] = {}
         for row in timings:
             if "step_s" in row:
@@ -388,5 +431,5 @@ def add_rates(report: dict[str, Any], configs: dict[str, RunConfig], feds: dict[
 
 
 __all__ = ["CANDIDATES", "TOLERANCES", "add_rates", "autotune", "bounds", "compare",
-           "engine_candidates", "fingerprint", "flops_per_image", "mismatch", "peak_tflops", "time_step",
-           "trajectory"]  # fmt: skip
+           "engine_candidates", "fingerprint", "flops_per_image", "mismatch", "peak_tflops", "probe_size",
+           "time_step", "trajectory"]  # fmt: skip

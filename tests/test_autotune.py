@@ -261,3 +261,85 @@ def test_the_gate_stops_gating_candidates_once_the_budget_is_spent(digits, monke
         not g["accepted"] and "budget" in g["measures"]["error"] for g in tune["gate"]
     )
     assert tune["chosen"]["precision"] == "fp32" and set(tune["floor"]) == set(autotune.GATE_DEFENSES)
+
+
+class FakeClock:
+    """autotune's clock: each timing costs `per_timing` seconds, nothing else advances it."""
+
+    def __init__(self, per_timing: float) -> None:
+        self.now, self.per_timing = 0.0, per_timing
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def grouped_rates(precision, engine, size):
+    """images/s by candidate and group size: fp32 rises to 4 runs and falls beyond (what both 2026-11-27
+    windows measured); bf16 is timed alone; bmm_conv is the fastest engine."""
+    by_size = {1: 100.0, 2: 150.0, 4: 200.0, 8: 120.0, 16: 110.0}[size]
+    return (
+        by_size
+        * {"batched": 1.0, "channels_last": 0.8, "bmm_conv": 2.0}[engine]
+        * (1.5 if precision == "bf16" else 1.0)
+    )
+
+
+@pytest.fixture
+def grouped_space(monkeypatch):
+    space = {"precision": ("fp32", "bf16"), "engine": ("batched", "channels_last", "bmm_conv"),
+             "size": (1, 2, 4, 8, 16)}  # fmt: skip
+    monkeypatch.setitem(autotune.CANDIDATES, "cpu", space)
+    return space
+
+
+def test_every_candidate_is_timed_once_before_any_group_size_is_explored(digits, grouped_space, monkeypatch):
+    """The 2026-11-27 window timed precision by precision: fp32's four sizes took the timing share, and no
+    engine variant, nor CIFAR-10's tf32 and bf16, was ever timed. Breadth first: every (precision, engine)
+    at its probe size (4 for fp32, 1 for bf16, which runs alone), then the reference's other sizes and the
+    fastest grouped candidate's, the smaller ones all, the larger ones until the rate falls."""
+    config, fed = digits
+    clock, calls = FakeClock(0.01), []
+    monkeypatch.setattr(autotune, "time", clock)
+    monkeypatch.setattr(autotune, "add_rates", lambda *args: None)  # its peak needs a real clock
+
+    def timer(resolved, fed, precision, engine, size):
+        calls.append((precision, engine, size))
+        clock.now += clock.per_timing
+        return size * resolved.n_clients * resolved.batch_size / grouped_rates(precision, engine, size)
+
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    probes = [(p, e, 4 if p == "fp32" else 1) for e in grouped_space["engine"] for p in ("fp32", "bf16")]
+    assert calls[: len(probes)] == probes
+    explored = calls[len(probes) :]
+    # the reference, then the fp32 candidates by rate (bmm_conv, batched is the reference, channels_last)
+    assert explored == [("fp32", e, z) for e in ("batched", "bmm_conv", "channels_last") for z in (1, 2, 8)]
+    tune = report["datasets"]["digits"]
+    assert tune["chosen"]["engine"] == "bmm_conv"  # accepted: bmm_conv is batched's computation
+    assert tune["step_s"] == {z: pytest.approx(z * 10 * 64 / grouped_rates(tune["chosen"]["precision"],
+                              "bmm_conv", z)) for z in ((1, 2, 4, 8) if tune["chosen"]["precision"] == "fp32"
+                              else (1,))}  # fmt: skip
+
+
+def test_a_candidate_the_timing_budget_leaves_out_is_listed_as_not_timed(digits, grouped_space, monkeypatch):
+    """A budget with room for three timings: the first three candidates at their probe size, the other three
+    listed with the reason, no size explored; the reference's probe is timed whatever the budget."""
+    config, fed = digits
+    budget_s = 1.0
+    clock = FakeClock(budget_s * autotune.TIMING_SHARE / 2.5)  # room after two timings, not after three
+    monkeypatch.setattr(autotune, "time", clock)
+    monkeypatch.setattr(autotune, "add_rates", lambda *args: None)  # its peak needs a real clock
+    monkeypatch.setattr(autotune, "trajectory", lambda *a, **k: pytest.fail("no gate in this test"))
+
+    def timer(resolved, fed, precision, engine, size):
+        clock.now += clock.per_timing
+        return 1.0
+
+    monkeypatch.setattr(autotune, "GATE_DEFENSES", ())
+    report = autotune.autotune({"digits": config}, {"digits": fed}, budget_s=budget_s, timer=timer,
+                               log=lambda line: None)  # fmt: skip
+    rows = report["datasets"]["digits"]["timings"]
+    assert [(r["precision"], r["engine"], r["size"], "step_s" in r) for r in rows] == [
+        ("fp32", "batched", 4, True), ("bf16", "batched", 1, True), ("fp32", "channels_last", 4, True),
+        ("bf16", "channels_last", 1, False), ("fp32", "bmm_conv", 4, False), ("bf16", "bmm_conv", 1, False),
+    ]  # fmt: skip
+    assert all(r["error"] == "not timed: the timing budget was spent" for r in rows[3:])
