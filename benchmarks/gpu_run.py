@@ -681,6 +681,8 @@ def run(args: argparse.Namespace) -> int:
                 target.write_bytes(content)
             else:
                 earlier[name] = content
+        if "profile.txt" in earlier:  # kept unless this command profiles anew (--no-profile: it does not)
+            (work / "profile.txt").write_bytes(earlier["profile.txt"])
         keep_earlier_commands(work, earlier, args.resume)
         driver.log(f"resumed from {args.resume}: {len(list((work / 'results').rglob('*.json')))} records")
     if not args.simulate:

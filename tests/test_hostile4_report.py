@@ -196,6 +196,19 @@ def test_42_9_resume_keeps_the_earlier_commands_log_env_summary_and_autotune(gpu
     assert "resumed from" in chained.split("===== an earlier command")[2]  # the first resume's own log
 
 
+def test_41_a_resumed_command_that_makes_no_profile_carries_the_earlier_one(gpu_run, tmp_path, monkeypatch):
+    """The second command of the 2026-11-27 window (--resume, --no-profile) brought home a tarball without the
+    first command's profile.txt: the resumed tarball's profile now travels on until a command profiles
+    anew."""
+    earlier = [("log.txt", "trained run A\n"), ("profile.txt", "top 25 CUDA kernels: conv\n"),
+               *quick("fp32", n=1)]  # fmt: skip
+    out = resume_without_training(
+        gpu_run, monkeypatch, tmp_path / "1", write_tar(tmp_path / "a.tar.gz", earlier)
+    )
+    with tarfile.open(out) as tar:
+        assert tar.extractfile("profile.txt").read().decode() == "top 25 CUDA kernels: conv\n"
+
+
 def test_42_10_a_duplicated_member_is_imported_once_with_a_warning(gpu_run, tmp_path, roots, capsys):
     ((name, record),) = quick("fp32", n=1, accuracy=40.0)
     tarball = write_tar(tmp_path / "r.tar.gz", [(name, record), (name, {**record, "final_accuracy": 99.0})])
