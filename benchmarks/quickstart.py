@@ -132,12 +132,26 @@ def ops_per_step(config) -> float:  # noqa: ANN001
     return sum(counter.ops.values()) / (resolved.n_clients * resolved.local_steps)
 
 
-def round_seconds(config, rounds: int) -> float:  # noqa: ANN001
-    """The median round time (record's round_times, the first left out) of a `rounds`-round run."""
+def minor_faults() -> int:
+    """The process's minor page faults so far (0 where `resource` does not exist: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def round_seconds(config, rounds: int) -> tuple[float, float]:  # noqa: ANN001
+    """The median round time (record's round_times, the first left out) of a `rounds`-round run, and its
+    minor page faults a round after the first (`training.keep_freed_memory`: a few dozen; glibc's defaults:
+    thousands)."""
     from prodigy_core import training
 
-    result = training.run(config.replace(rounds=rounds, eval_every=rounds), progress=False)
-    return statistics.median(result.round_times[1:])
+    faults: list[int] = []
+    result = training.run(config.replace(rounds=rounds, eval_every=rounds), progress=False,
+                          on_round=lambda *args: faults.append(minor_faults()))  # fmt: skip
+    per_round = (faults[-1] - faults[0]) / max(len(faults) - 1, 1)
+    return statistics.median(result.round_times[1:]), per_round
 
 
 def floor_report(rounds: int) -> list[str]:
@@ -152,10 +166,10 @@ def floor_report(rounds: int) -> list[str]:
              f"{rate / 1e9:.1f} GFLOP/s (DigitsCNN training step, batch {batch}, "
              f"{torch.get_num_threads()} thread(s)): {floor:.3f} s a round"]  # fmt: skip
     for (defense, attack), config in configs.items():
-        seconds = round_seconds(config, rounds)
+        seconds, faults = round_seconds(config, rounds)
         ratio = floor_ratio(seconds, flops, rate)
         lines.append(f"round time {defense}/{attack}: {seconds:.3f} s = {ratio:.2f}x the floor (median of "
-                     f"rounds 2-{rounds})")  # fmt: skip
+                     f"rounds 2-{rounds}); {faults:,.0f} minor page faults a round")  # fmt: skip
     lines.append(f"aten ops per local step (one client): {ops_per_step(configs[FLOOR_CASES[0]]):.0f}")
     return lines
 
