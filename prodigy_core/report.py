@@ -1123,18 +1123,29 @@ def provenance(experiment: Any) -> str:
     return f"runs {runs} ({len(keys)} in the grid), code {code_hash()}"
 
 
-def markdown_cells(markdown: str) -> dict[tuple[str, str], str]:
-    """{(row, column): cell text} of every pipe table in a Markdown report written by :func:`to_markdown`."""
-    table: dict[tuple[str, str], str] = {}
+def pipe_tables(markdown: str) -> Iterator[tuple[list[str], list[list[str]]]]:
+    """Every pipe table of a Markdown text, in order: (its header's cells, its rows' cells), the separator
+    row left out; a table ends at the first line that is not a table row."""
     header: list[str] = []
-    for line in markdown.splitlines():
+    rows: list[list[str]] = []
+    for line in [*markdown.splitlines(), ""]:
         if not line.startswith("|"):
-            header = []
+            if header:
+                yield header, rows
+            header, rows = [], []
             continue
         parts = [p.strip() for p in line.strip("|").split("|")]
         if not header:
             header = parts
         elif not re.fullmatch(r":?-+:?", parts[0]):
+            rows.append(parts)
+
+
+def markdown_cells(markdown: str) -> dict[tuple[str, str], str]:
+    """{(row, column): cell text} of every pipe table in a Markdown report written by :func:`to_markdown`."""
+    table: dict[tuple[str, str], str] = {}
+    for header, rows in pipe_tables(markdown):
+        for parts in rows:
             table.update({(parts[0], col): text for col, text in zip(header[1:], parts[1:], strict=False)})
     return table
 
@@ -1210,19 +1221,10 @@ _OLD_DETECTION_COLUMNS = {"precision": "detection precision", "recall": "detecti
 
 def detection_rows(markdown: str) -> list[dict[str, str]]:
     """The rows of a report's detection table ({column: cell text}; [] when it has no detection section)."""
-    header: list[str] = []
-    rows: list[dict[str, str]] = []
-    for line in split_detection(markdown)[1].splitlines():
-        if not line.startswith("|"):
-            if rows:
-                break
-            continue
-        parts = [p.strip() for p in line.strip("|").split("|")]
-        if not header:
-            header = [_OLD_DETECTION_COLUMNS.get(p, p) for p in parts]
-        elif not re.fullmatch(r":?-+:?", parts[0]):
-            rows.append(dict(zip(header, parts, strict=False)))
-    return rows
+    for header, rows in pipe_tables(split_detection(markdown)[1]):
+        header = [_OLD_DETECTION_COLUMNS.get(p, p) for p in header]
+        return [dict(zip(header, parts, strict=False)) for parts in rows]
+    return []
 
 
 def compare_detection_with_reference(markdown: str, reference: str, digits: int = 2) -> tuple[str, int, int]:

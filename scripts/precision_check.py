@@ -81,19 +81,19 @@ def within_share(seeds: int) -> float:
 
 
 def machine(fp32: pd.DataFrame, bf16: pd.DataFrame) -> str:
-    """Where the runs trained (the records' environment) and what bf16 cost: the ratio of the summed round
-    times."""
+    """Where the runs trained (the records' environment: `report.machine`, and the engine) and what bf16
+    cost: the ratio of the summed round times."""
+    from prodigy_core import report
 
-    def values(column: str) -> str:
-        both = pd.concat([fp32[column], bf16[column]])
-        return "/".join(str(v) for v in dict.fromkeys(both.astype(str)))
-
+    both = pd.concat([fp32, bf16])
+    found = report.machine(both)
+    engine = "/".join(sorted({str(v) for v in both["env_engine"].dropna()})) or "unknown"
     seconds = {
         name: float(frame["round_times"].map(sum).sum()) for name, frame in (("fp32", fp32), ("bf16", bf16))
     }
     return (
-        f"Trained on {values('env_device')} ({values('env_cpu_capability')}), torch {values('env_torch')}, "
-        f"{values('env_threads')} thread(s) a run, engine {values('env_engine')}; training time (the runs' "
+        f"Trained on {found['device']} ({found['cpu_capability']}), torch {found['torch']}, "
+        f"{found['threads']} thread(s) a run, engine {engine}; training time (the runs' "
         f"summed round times) bf16 / fp32 = {seconds['bf16'] / seconds['fp32']:.2f}x."
     )
 
