@@ -188,6 +188,26 @@ def test_a_group_sized_from_the_measured_costs_fits_the_time_left(gpu_run, tmp_p
         assert batch == [] and estimate == pytest.approx(by_hand(todo[:1]))
 
 
+@pytest.mark.parametrize("pair_timed", [True, False])
+def test_the_windows_end_packs_a_pair_where_a_group_of_4_no_longer_fits(gpu_run, tmp_path, pair_timed):
+    """The 2026-11-27 window ran its last 240 s as single runs (86-125 s each at fp32) because a group of 4
+    (212 s measured, more estimated) no longer fitted and no size between 1 and 4 was timed. The autotune now
+    times groups of 2 (`CANDIDATES`); with 200 s left and the window's fp32 step times, the driver starts a
+    pair (1.1 x 8,000 steps x 0.019 s = 167 s) instead of one run (94 s)."""
+    assert 2 in autotune.CANDIDATES["cuda"]["size"]
+    args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=200.0)
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.start = gpu_run.time.monotonic()
+    step_s = {1: 0.0107, 2: 0.019, 4: 0.0333, 8: 0.130} if pair_timed else {1: 0.0107, 4: 0.0333, 8: 0.130}
+    driver.tune = {"femnist": {"step_s": step_s, "chosen": {"precision": "fp32", "engine": "batched"}}}
+    driver.eval_s["femnist"] = 0.0
+    configs = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs
+    driver.server_s = {("femnist", c.defense, c.attack): 0.0 for c in configs}
+    batch, estimate = driver.choose_group(configs)
+    assert len(batch) == (2 if pair_timed else 1)
+    assert estimate == pytest.approx(gpu_run.GROUP_MARGIN * 800 * 10 * step_s[len(batch)])
+
+
 def test_the_group_never_outgrows_the_runs_left_or_the_cap(gpu_run, tmp_path):
     args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=5, deadline=10**6)
     driver = gpu_run.Driver(args, tmp_path)
