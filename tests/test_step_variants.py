@@ -354,3 +354,31 @@ def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
 def test_a_cuda_graphs_run_trains_and_records_its_engine():
     result = training.run(RunConfig(**{**TINY, "device": "cuda", "engine": "cuda_graphs"}), progress=False)
     assert result.environment["engine"] == "cuda_graphs" and not result.diverged
+
+
+@pytest.mark.parametrize(("dataset", "image"), [("femnist", (1, 28, 28)), ("cifar10", (3, 32, 32))])
+@pytest.mark.parametrize(("conv", "channels_last"), [("grouped", True), ("bmm", False)])
+def test_client_folded_variants_equal_batched_on_the_papers_models(dataset, image, conv, channels_last):
+    """The window's autotune times the variants on the paper's CNNs (5x5 convolutions without BatchNorm for
+    FEMNIST; 3x3, ReLU before BatchNorm and dropout for CIFAR-10), not on the digits model the tests above
+    use: every client's gradient and BatchNorm buffers equal the vmapped engine's in float64 (2 clients, 4
+    images, dropout masks drawn)."""
+    from torch.func import stack_module_state
+
+    torch.manual_seed(0)
+    models = [make_model(dataset).double().train() for _ in range(2)]
+    params, buffers = stack_module_state(models)
+    x = torch.randn(2, 4, *image, dtype=torch.float64)
+    y = torch.randint(0, 10, (2, 4))
+    batched = training.ClientGrad(models[0])
+    masks = batched.net.masks(x, lambda layer: torch.arange(2) + 100 * layer)
+    assert all(0 < float((m == 0).double().mean()) < 1 for m in masks.values())  # dropout drops some
+    ref_buffers = {k: v.clone() for k, v in buffers.items()}
+    expected = batched(params, ref_buffers, x, y, masks)
+    folded = FoldedGrad(batched.net, conv=conv, channels_last=channels_last)
+    got = folded(params, buffers, x, y, masks)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10)
+    for name in ref_buffers:
+        torch.testing.assert_close(buffers[name], ref_buffers[name], rtol=1e-10, atol=1e-10)
