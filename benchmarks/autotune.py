@@ -383,8 +383,10 @@ def autotune(
         verdicts = ", ".join(f"{g['precision']}/{g['engine']} {g['defense']}: "
                              + ("ok" if g["accepted"] else "refused") for g in gate)  # fmt: skip
         floor = ", ".join(f"{d} {m['param_rel']:.3f}" for d, m in floors.items())
-        log(f"autotune {dataset}: images/s {speeds}; gate {verdicts or 'nothing to gate'} (param_rel floor "
-            f"{floor}); chosen {chosen[0]}/{chosen[1]}")  # fmt: skip
+        left_out = [f"{r['precision']}/{r['engine']}" for r in timings if "step_s" not in r]
+        failed = f"; not timed or failed: {', '.join(left_out)}" if left_out else ""
+        log(f"autotune {dataset}: images/s {speeds}{failed}; gate {verdicts or 'nothing to gate'} (param_rel "
+            f"floor {floor}); chosen {chosen[0]}/{chosen[1]}")  # fmt: skip
     add_rates(report, configs, feds)
     report["seconds"] = time.perf_counter() - tic
     return report

@@ -355,11 +355,13 @@ def test_a_candidate_the_timing_budget_leaves_out_is_listed_as_not_timed(digits,
         return 1.0
 
     monkeypatch.setattr(autotune, "GATE_DEFENSES", ())
+    lines: list[str] = []
     report = autotune.autotune({"digits": config}, {"digits": fed}, budget_s=budget_s, timer=timer,
-                               log=lambda line: None)  # fmt: skip
+                               log=lines.append)  # fmt: skip
     rows = report["datasets"]["digits"]["timings"]
     assert [(r["precision"], r["engine"], r["size"], "step_s" in r) for r in rows] == [
         ("fp32", "batched", 4, True), ("bf16", "batched", 1, True), ("fp32", "channels_last", 4, True),
         ("bf16", "channels_last", 1, False), ("fp32", "bmm_conv", 4, False), ("bf16", "bmm_conv", 1, False),
     ]  # fmt: skip
     assert all(r["error"] == "not timed: the timing budget was spent" for r in rows[3:])
+    assert "not timed or failed: bf16/channels_last, fp32/bmm_conv, bf16/bmm_conv;" in "\n".join(lines)
