@@ -1,6 +1,7 @@
-"""The start of a GPU window (issue 33 item 3): time every precision x engine x group size on a real local
-step, gate the fastest candidates against full float32 on 3 rounds of two attacked runs, pick the fastest
-one the gate accepts. Used by `gpu_run.py` (its `autotune.json`); `time_step` also by `throughput.py`.
+"""The start of a GPU window (issue 33 item 3): time every precision x engine on a real local step (breadth
+first, then the group sizes of the fastest), gate the fastest candidates against full float32 on 3 rounds of
+two attacked runs, pick the fastest one the gate accepts. Used by `gpu_run.py` (its `autotune.json`);
+`time_step` also by `throughput.py`.
 
     from benchmarks.autotune import autotune, time_step
 
