@@ -106,3 +106,42 @@ def test_the_readme_stays_under_200_lines():
     # on; the rest lives in docs/.
     lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines: move details to docs/"
+
+
+def test_the_readmes_paper_scale_table_is_the_committed_gpu_reports_and_the_papers_numbers():
+    """The README's "Results at the paper's scale" was typed by hand: each "ours" row must be its cells in
+    the committed GPU reports (figures/gpu/), each "paper" row the paper's mean ± std at beta=0.9 in
+    ../shared/reference/paper_results.csv (four NNM+Trimmed mean cells were once copied from beta=0)."""
+    import csv
+
+    from prodigy_core.report import markdown_cells, pipe_tables
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Results at the paper's scale", 1)[1].split("\n## ", 1)[0]
+    ((header, rows),) = [t for t in pipe_tables(section) if t[0][1] == "No attack"]
+    number = re.compile(r"-?\d+\.\d+(?: ± \d+\.\d+)?")
+
+    def first_number(cell: str) -> str | None:
+        found = number.search(cell)
+        return found[0] if found else None
+
+    csv_path = REPO.parent / "shared" / "reference" / "paper_results.csv"
+    if not csv_path.exists():
+        pytest.skip(f"{csv_path} is absent (the shared folder beside the checkout)")
+    paper = {(r["defense"], r["attack"]): f"{r['accuracy_mean']} ± {r['accuracy_std']}"
+             for r in csv.DictReader(csv_path.open(encoding="utf-8"))
+             if r["table"] == "femnist_n20" and r["local_momentum"] == "0.9"}  # fmt: skip
+    attacks = ["none", "alie", "foe_0.1", "foe_100", "lf", "sf"]
+    reports = {"fp32": "table2_femnist_n20.md", "bf16": "table2_femnist_n20_bf16.md"}
+    checked = 0
+    for label, *cells in rows:
+        defense = "No defense" if label.startswith("No defense") else "NNM+Trimmed mean"
+        for column, attack, cell in zip(header[1:], attacks, cells, strict=True):
+            if "ours" in label:
+                report = (REPO / "figures" / "gpu" / reports[label.split()[-1]]).read_text(encoding="utf-8")
+                expected = first_number(markdown_cells(report).get((defense, column), "–"))
+            else:
+                expected = paper["none" if defense == "No defense" else "nnm+trimmed_mean", attack]
+            assert first_number(cell) == expected, f"README {label} / {column}: {cell!r}, not {expected}"
+            checked += 1
+    assert checked == 5 * 6  # three "ours" rows, two "paper" rows
