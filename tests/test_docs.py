@@ -111,10 +111,9 @@ def test_the_readme_stays_under_200_lines():
 def test_the_readmes_paper_scale_table_is_the_committed_gpu_reports_and_the_papers_numbers():
     """The README's "Results at the paper's scale" was typed by hand: each "ours" row must be its cells in
     the committed GPU reports (figures/gpu/), each "paper" row the paper's mean ± std at beta=0.9 in
-    ../shared/reference/paper_results.csv (four NNM+Trimmed mean cells were once copied from beta=0)."""
-    import csv
-
+    paper_results.csv (the package's copy; four NNM+Trimmed mean cells were once copied from beta=0)."""
     from prodigy_core.report import markdown_cells, pipe_tables
+    from prodigy_core.results import paper_results
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Results at the paper's scale", 1)[1].split("\n## ", 1)[0]
@@ -125,12 +124,11 @@ def test_the_readmes_paper_scale_table_is_the_committed_gpu_reports_and_the_pape
         found = number.search(cell)
         return found[0] if found else None
 
-    csv_path = REPO.parent / "shared" / "reference" / "paper_results.csv"
-    if not csv_path.exists():
-        pytest.skip(f"{csv_path} is absent (the shared folder beside the checkout)")
-    paper = {(r["defense"], r["attack"]): f"{r['accuracy_mean']} ± {r['accuracy_std']}"
-             for r in csv.DictReader(csv_path.open(encoding="utf-8"))
-             if r["table"] == "femnist_n20" and r["local_momentum"] == "0.9"}  # fmt: skip
+    table = paper_results()
+    table = table[(table["table"] == "femnist_n20") & (table["local_momentum"] == 0.9)]
+    paper = {
+        (r.defense, r.attack): f"{r.accuracy_mean:.2f} ± {r.accuracy_std:.2f}" for r in table.itertuples()
+    }
     attacks = ["none", "alie", "foe_0.1", "foe_100", "lf", "sf"]
     reports = {"fp32": "table2_femnist_n20.md", "bf16": "table2_femnist_n20_bf16.md"}
     checked = 0
