@@ -226,6 +226,21 @@ class FoldedGrad:
 
 
 # ----------------------------------------------------------------------------------------- static buffers
+def sgd_update(grads: list[Tensor], weights: list[Tensor], lrs: list[float], weight_decay: float) -> None:
+    """The local SGD step in place on R runs' stacked client rows (each tensor (R n, ...), run i's rows
+    i n .. (i+1) n - 1): g <- g + wd w; w <- w - gamma_i g (`training.run`, step 1), one call for all rows
+    when the runs share their lr, else one per run (views). `training.local_steps_stacked` and
+    `StaticSteps` take this step."""
+    per_run = len(set(lrs)) > 1
+    rows = len(weights[0]) // len(lrs)
+    for i, lr in enumerate(lrs if per_run else lrs[:1]):
+        sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
+        g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
+        if weight_decay:
+            torch._foreach_add_(g_i, w_i, alpha=weight_decay)
+        torch._foreach_add_(w_i, g_i, alpha=-lr)
+
+
 def _alike(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype
 
@@ -267,7 +282,7 @@ class StaticSteps:
         for _ in range(steps):
             x, y, masks = draw(feds, resolved.batch_size, rngs, streams, self.net)
             st = self._inputs(st, x, y, masks)
-            step = functools.partial(self._step, st, lrs, resolved.weight_decay, runs)
+            step = functools.partial(self._step, st, lrs, resolved.weight_decay)
             self._run((tuple(lrs), tuple(x.shape)), step)
         end = torch.cat([p.reshape(runs * n, -1) for p in st["params"].values()], dim=1)
         out = []
@@ -305,18 +320,11 @@ class StaticSteps:
             st["masks"][k].copy_(m)
         return st
 
-    def _step(self, st: dict, lrs: list[float], weight_decay: float, runs: int) -> None:
+    def _step(self, st: dict, lrs: list[float], weight_decay: float) -> None:
         """One SGD step on the static buffers, as `training.local_steps_stacked` takes it."""
         p, b = st["params"], st["buffers"]
-        grads, weights = list(self.grad_fn(p, b, st["x"], st["y"], st["masks"]).values()), list(p.values())
-        per_run = len(set(lrs)) > 1
-        rows = len(weights[0]) // runs
-        for i, lr in enumerate(lrs if per_run else lrs[:1]):
-            sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
-            g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
-            if weight_decay:
-                torch._foreach_add_(g_i, w_i, alpha=weight_decay)
-            torch._foreach_add_(w_i, g_i, alpha=-lr)
+        grads = list(self.grad_fn(p, b, st["x"], st["y"], st["masks"]).values())
+        sgd_update(grads, list(p.values()), lrs, weight_decay)
 
     def _run(self, key: tuple, step: Callable[[], None]) -> None:
         """step() eagerly, or (capture) its CUDA graph for `key`: warm-up, capture, then replays."""

@@ -878,8 +878,6 @@ def local_steps_stacked(
     buffers = {name: stack([b[name] for b in named]) for name in named[0]}
     members = [list(range(n)) if ids is None else ids.tolist() for _, ids in solo]
     stacked = [None if ids is None else torch.cat([ids + i * n for i in range(runs)]) for _, ids in solo]
-    # the update of a run's rows at its own lr: one call when the runs share it, else one per run (views)
-    per_run = len(set(lrs)) > 1
     for _ in range(steps):
         if stacked == [None]:  # one batch width: every run's batches and masks drawn at once, same values
             batches = [draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)]
@@ -899,14 +897,8 @@ def local_steps_stacked(
             else:
                 p = {name: v[ids] for name, v in params.items()}
                 b = {name: v[ids] for name, v in buffers.items()}
-            grads, weights = list(grad_fn(p, b, xs, ys, ms).values()), list(p.values())
-            rows = len(weights[0]) // runs
-            for i, lr in enumerate(lrs if per_run else lrs[:1]):
-                sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
-                g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
-                if resolved.weight_decay:
-                    torch._foreach_add_(g_i, w_i, alpha=resolved.weight_decay)
-                torch._foreach_add_(w_i, g_i, alpha=-lr)
+            grads = list(grad_fn(p, b, xs, ys, ms).values())
+            step_variants.sgd_update(grads, list(p.values()), lrs, resolved.weight_decay)
             if ids is not None:  # write the group's weights and BatchNorm buffers back
                 for name, v in p.items():
                     params[name][ids] = v
