@@ -310,17 +310,17 @@ def autotune(
         # then the other sizes of the grouped candidates, the reference first, then the fastest: the smaller
         # ones, and the larger ones up to the size whose rate stops rising. A candidate the budget leaves out
         # is listed as not timed.
-        def room(precision: str, engine: str, budget: float = budget) -> bool:
-            """Time left for one more timing (compiled's needs its compilation); the reference's first size
-            is always timed: without it nothing can be chosen."""
+        def room(engine: str, budget: float = budget) -> bool:
+            """Time left for one more timing (compiled's needs its compilation)."""
             needed = COMPILE_S if engine == "compiled" else 0.0
-            return (precision, engine) == REFERENCE or time.perf_counter() - tic + needed <= budget
+            return time.perf_counter() - tic + needed <= budget
 
         rate: dict[tuple[str, str], float] = {}
         for engine in space["engine"]:
             for precision in space["precision"]:
                 size = probe_size(space, precision)
-                if not room(precision, engine):
+                # the reference's first size is always timed: without it nothing can be chosen
+                if (precision, engine) != REFERENCE and not room(engine):
                     timings.append({"precision": precision, "engine": engine, "size": size,
                                     "error": "not timed: the timing budget was spent"})  # fmt: skip
                     continue
@@ -330,16 +330,21 @@ def autotune(
         for precision, engine in sorted(rate, key=lambda k: (k != REFERENCE, -rate[k])):
             if precision not in GROUPED_PRECISIONS:  # bf16 and tf32 runs never share a group: timed alone
                 continue
-            # every smaller group (the driver's estimate of a small group needs its own step time), then
-            # larger ones while the rate still rises
-            probe, last = probe_size(space, precision), rate[precision, engine]
-            for size in [z for z in space["size"] if z != probe]:
-                if not room("", engine):
+            probe = probe_size(space, precision)
+            # every smaller group (the driver's estimate of a small group needs its own step time)
+            for size in [z for z in space["size"] if z < probe]:
+                if not room(engine):
+                    break
+                timings.append(time_row(timer, resolved, fed, precision, engine, size))
+            # then larger ones while the rate still rises
+            last = rate[precision, engine]
+            for size in [z for z in space["size"] if z > probe]:
+                if not room(engine):
                     break
                 timings.append(row := time_row(timer, resolved, fed, precision, engine, size))
-                if size > probe and ("step_s" not in row or row["images_per_s"] < last):
+                if "step_s" not in row or row["images_per_s"] < last:
                     break  # failed, or past the fastest size
-                last = row.get("images_per_s", last) if size > probe else last
+                last = row["images_per_s"]
         best: dict[tuple[str, str], float] = {}
         for row in timings:
             if "step_s" in row:
