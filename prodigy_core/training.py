@@ -304,10 +304,9 @@ def keep_freed_memory() -> bool:
 
     By default glibc serves blocks above its mmap threshold (128 KiB, raised only as such blocks are freed)
     from fresh mappings and trims the heap's free top above 128 KiB, so every local step's activations
-    page-fault in anew: 161,000-202,000 minor faults in 30 quickstart rounds on the 2-core AVX-512 EPYC, and
-    about 12% of a round (docs/timings.md). Raising both thresholds (mallopt: the heap keeps up to 512 MiB
-    free, blocks up to 32 MiB come from it) leaves a few hundred. Memory placement only: no number changes.
-    Elsewhere than glibc (macOS, Windows, musl) it does nothing."""
+    page-fault in anew; raising both thresholds (mallopt: the heap keeps up to 512 MiB free, blocks up to
+    32 MiB come from it) keeps them (the faults and the time they cost: docs/timings.md). Memory placement
+    only: no number changes. Elsewhere than glibc (macOS, Windows, musl) it does nothing."""
     import ctypes
     import ctypes.util
 
