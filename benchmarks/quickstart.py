@@ -107,7 +107,8 @@ def quickstart_configs() -> dict[tuple[str, str], object]:
 
 
 def first_round_widths(config) -> list[int]:  # noqa: ANN001
-    """The batch width of every client's local steps in the config's first round (its real split)."""
+    """The batch width of every local step of every client that trains in the config's first round (its real
+    split; idle Byzantine clients take no step: `training.RunState.idle`)."""
     from prodigy_core import training
 
     resolved = config.resolved()
@@ -115,7 +116,7 @@ def first_round_widths(config) -> list[int]:  # noqa: ANN001
     widths = []
     for _ in range(resolved.local_steps):
         _, _, mask = training._draw_batch(st.fed, resolved.batch_size, st.streams, st.stream)
-        widths += mask.sum(dim=1).tolist()
+        widths += mask[st.idle :].sum(dim=1).tolist()
     return widths
 
 
@@ -160,16 +161,16 @@ def floor_report(rounds: int) -> list[str]:
     rate, batch = best_rate(model)
     per_image = training_flops_per_image(model)
     configs = quickstart_configs()
-    flops = round_flops(per_image, first_round_widths(next(iter(configs.values()))))
-    floor = flops / rate
-    lines = [f"compute floor: {flops / 1e9:.2f} GFLOP of local training a round at the best "
-             f"{rate / 1e9:.1f} GFLOP/s (DigitsCNN training step, batch {batch}, "
-             f"{torch.get_num_threads()} thread(s)): {floor:.3f} s a round"]  # fmt: skip
+    lines = [f"compute floor: the best {rate / 1e9:.1f} GFLOP/s (DigitsCNN training step, batch {batch}, "
+             f"{torch.get_num_threads()} thread(s))"]  # fmt: skip
     for (defense, attack), config in configs.items():
+        flops = round_flops(per_image, first_round_widths(config))
         seconds, faults = round_seconds(config, rounds)
         ratio = floor_ratio(seconds, flops, rate)
-        lines.append(f"round time {defense}/{attack}: {seconds:.3f} s = {ratio:.2f}x the floor (median of "
-                     f"rounds 2-{rounds}); {faults:,.0f} minor page faults a round")  # fmt: skip
+        lines.append(f"round time {defense}/{attack}: {seconds:.3f} s = {ratio:.2f}x the floor "
+                     f"({flops / 1e9:.2f} GFLOP of local training: {flops / rate:.3f} s; median of rounds "
+                     f"2-{rounds}); "
+                     f"{faults:,.0f} minor page faults a round")  # fmt: skip
     lines.append(f"aten ops per local step (one client): {ops_per_step(configs[FLOOR_CASES[0]]):.0f}")
     return lines
 

@@ -137,6 +137,10 @@ class Attack:
     # True: what the Byzantine clients send becomes their local momentum buffer (the training loop writes it
     # back, see `training.server_input`): SF under the authors' code.
     sent_is_momentum: bool = False
+    # False: ``send`` reads only the shape of ``own``, never its values, so the Byzantine clients need not
+    # train: the training loop skips their local steps (`Attack.needs_own`). Read from the class that
+    # defines ``send``: a subclass that overrides ``send`` says it again, or its clients train.
+    reads_own: bool = True
 
     def __init__(self) -> None:
         self.last_param: float | None = None
@@ -157,6 +161,17 @@ class Attack:
 
     def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         raise NotImplementedError
+
+    def needs_own(self) -> bool:
+        """Whether ``craft`` reads the Byzantine clients' honest updates ``own``. False (ALIE, FOE, Gaussian,
+        Mimic, Min-Max, Min-Sum under ``paper``): the training loop does not train clients 0..f-1; they keep
+        the server's model, so they report a zero pseudo-gradient and the server's BatchNorm buffers
+        (`training.RunState.idle`). True for any ``send`` that does not declare ``reads_own = False``."""
+        return self.reads_own or "reads_own" not in vars(self._owner("send"))
+
+    def _owner(self, method: str) -> type:
+        """The class of this attack's that defines ``method``."""
+        return next(cls for cls in type(self).__mro__ if method in vars(cls))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -223,6 +238,7 @@ class GaussianNoise(Attack):
 
     name = "gaussian"
     display = "Gaussian"
+    reads_own = False
 
     def __init__(
         self, mean: float = 0.0, std: float = 200.0, generator: torch.Generator | None = None
@@ -249,6 +265,7 @@ class Mimic(Attack):
 
     name = "mimic"
     display = "Mimic"
+    reads_own = False
 
     def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         dist = geometry(honest).D  # float64 on the host, like every N x N computation (see aggregators)
@@ -275,6 +292,7 @@ class _MinMaxMinSum(Attack):
     """
 
     DEVIATIONS = ("std", "unit_vec", "sign")
+    reads_own = False
 
     def __init__(self, deviation: str = "std") -> None:
         super().__init__()
@@ -353,6 +371,7 @@ class LineSearchAttack(Attack):
     # FOE), so the batched search forms all the candidates' rows at once. Read from the class that defines
     # ``rows``: a subclass that overrides ``rows`` says it again, or its rows are formed one by one.
     column_rows: bool = False
+    reads_own = False
 
     def grid(self, n: int, f: int) -> list[Any]:
         raise NotImplementedError
@@ -495,10 +514,6 @@ class LineSearchAttack(Attack):
     def _record(self, best: Any) -> None:
         self.last_param = best
 
-    def _owner(self, method: str) -> type:
-        """The class of this attack's that defines ``method``."""
-        return next(cls for cls in type(self).__mro__ if method in vars(cls))
-
 
 class _LineGeometry:
     """Every candidate's Gram matrix from one Gram matrix K of the h + 3 base points B = [honest; p0; p1; r],
@@ -569,6 +584,7 @@ class ALIE(LineSearchAttack):
     display = "ALIE"
     symbol = "z"
     column_rows = True
+    reads_own = False
 
     def __init__(self, variant: str = "paper", z: float | None = None) -> None:
         super().__init__()
@@ -577,6 +593,7 @@ class ALIE(LineSearchAttack):
             raise ValueError(f"alie: z={z} is the authors' typed z; it needs variant='authors'")
         self.z = None if z is None else float(z)
         self.raw_damage = variant == "authors"
+        self.reads_own = variant == "authors"  # z = 0 sends the honest update (`send`)
 
     def authors_z(self, n: int, f: int) -> float:
         """The z the authors' code would use at (n, f): ``z`` if given, else `alie_authors_z`."""

@@ -40,6 +40,10 @@ AUTHORS_REVISION = 4
 # on every device and in every engine; keys without it are the streams before, drawn on the run's device in
 # an engine's order.
 STREAMS_REVISION = 1
+# Part of the key of the runs whose numbers it moved (`idle_moves_numbers`). 1: under an attack that never
+# reads the Byzantine clients' honest updates, they take no local step and report the server's BatchNorm
+# buffers (`training.RunState.idle`); before, they trained and reported their own.
+IDLE_REVISION = 1
 # Client SGD weight decay per dataset (paper: 1e-2 for CIFAR-10, none for FEMNIST).
 DEFAULT_WEIGHT_DECAY = {"cifar10": 1e-2, "femnist": 0.0, "digits": 0.0}
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
@@ -240,6 +244,8 @@ class RunConfig:
         if d["precision"] == "fp32":  # the keys made before precision existed are fp32 runs'
             d.pop("precision")
         d["streams_revision"] = STREAMS_REVISION
+        if idle_moves_numbers(d):
+            d["idle_revision"] = IDLE_REVISION
         return d
 
     def plugin_specs(self) -> dict[str, str]:
@@ -398,6 +404,25 @@ def decay_round(rounds: int, variant: str = "paper") -> int:
     return 2 * rounds // 3 + (variant == "paper")
 
 
+def idle_moves_numbers(fields: dict[str, Any]) -> bool:
+    """Whether `IDLE_REVISION` belongs in the key of a run with these resolved fields: a ``paper`` run with
+    Byzantine clients, a model with BatchNorm (`models.BATCHNORM_DATASETS`; without it, and under ``authors``,
+    whose evaluation never reads the server's buffers, idle clients change no number) and an attack that
+    never reads their honest updates (`Attack.needs_own`), or a plug-in attack (its class is not imported
+    to find out: records are data)."""
+    from prodigy_core.attacks import make_attack
+    from prodigy_core.models import BATCHNORM_DATASETS
+    from prodigy_core.registry import is_plugin
+
+    if fields["variant"] != "paper" or not fields["n_byzantine"] or fields["attack"] == "none":
+        return False
+    if fields["dataset"] not in BATCHNORM_DATASETS:
+        return False
+    if is_plugin(fields["attack"]):
+        return True
+    return not make_attack(fields["attack"], params=fields.get("attack_params") or {}).needs_own()
+
+
 def _valid_source(dataset: str, source: str) -> bool:
     if dataset == "femnist":
         return re.fullmatch(r"femnist-leaf-[0-9a-f]{12}", source) is not None
@@ -512,6 +537,7 @@ __all__ = [
     "SettingsUpdate",
     "decay_round",
     "field_names",
+    "idle_moves_numbers",
     "parse_settings",
     "parse_value",
 ]

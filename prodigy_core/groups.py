@@ -241,6 +241,7 @@ def iter_group(
                     outs = training.local_steps_stacked(
                         [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs,
                         first, [m.st.streams for m in active], grad_fn, streams=[m.st.stream for m in active],
+                        idle=[m.st.idle for m in active],
                     )  # fmt: skip
                 end = active[0].st.timer.mark()
                 for m in active:  # the local steps' time, shared equally (`training.PhaseTimer`)

@@ -124,6 +124,10 @@ MODELS: dict[str, type[nn.Module]] = {"cifar10": Cifar10CNN, "femnist": FemnistC
 assert set(MODELS) == set(DATASETS), "every dataset in names.DATASETS needs a model"
 
 
+# the datasets whose model has BatchNorm layers (`config.idle_moves_numbers`; tested against the models)
+BATCHNORM_DATASETS = frozenset({"cifar10", "digits"})
+
+
 def make_model(dataset_name: str) -> nn.Module:
     """The model for `dataset_name` (one of names.DATASETS), freshly initialised from torch's global RNG."""
     if dataset_name not in MODELS:
@@ -136,4 +140,13 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-__all__ = ["BatchNorm2d", "Cifar10CNN", "FemnistCNN", "DigitsCNN", "MODELS", "make_model", "count_parameters"]
+__all__ = [
+    "BATCHNORM_DATASETS",
+    "BatchNorm2d",
+    "Cifar10CNN",
+    "FemnistCNN",
+    "DigitsCNN",
+    "MODELS",
+    "make_model",
+    "count_parameters",
+]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -226,15 +227,22 @@ class FoldedGrad:
 
 
 # ----------------------------------------------------------------------------------------- static buffers
-def sgd_update(grads: list[Tensor], weights: list[Tensor], lrs: list[float], weight_decay: float) -> None:
-    """The local SGD step in place on R runs' stacked client rows (each tensor (R n, ...), run i's rows
-    i n .. (i+1) n - 1): g <- g + wd w; w <- w - gamma_i g (`training.run`, step 1), one call for all rows
-    when the runs share their lr, else one per run (views). `training.local_steps_stacked` and
-    `StaticSteps` take this step."""
+def sgd_update(
+    grads: list[Tensor],
+    weights: list[Tensor],
+    lrs: list[float],
+    weight_decay: float,
+    counts: list[int] | None = None,
+) -> None:
+    """The local SGD step in place on R runs' stacked client rows (each tensor (sum counts, ...), run-major:
+    run i's counts[i] rows after the runs before it; counts None: R equal blocks): g <- g + wd w;
+    w <- w - gamma_i g (`training.run`, step 1), one call for all rows when the runs share their lr, else
+    one per run (views). `training.local_steps_stacked` and `StaticSteps` take this step."""
     per_run = len(set(lrs)) > 1
-    rows = len(weights[0]) // len(lrs)
+    counts = counts or [len(weights[0]) // len(lrs)] * len(lrs)
+    ends = list(itertools.accumulate(counts))
     for i, lr in enumerate(lrs if per_run else lrs[:1]):
-        sl = slice(i * rows, (i + 1) * rows) if per_run else slice(None)
+        sl = slice(ends[i] - counts[i], ends[i]) if per_run else slice(None)
         g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
         if weight_decay:
             torch._foreach_add_(g_i, w_i, alpha=weight_decay)
@@ -274,37 +282,49 @@ class StaticSteps:
         rngs: list,
         streams: list,
         draw: Callable,
+        rows: Tensor | None = None,
+        counts: list[int] | None = None,
     ) -> list[tuple[Tensor, dict[str, Tensor]]]:
         """The E steps of R runs whose clients share one batch width (`training.local_steps_stacked` takes
-        the others); `draw`: `training.draw_group`, every run's batches and masks of one step."""
+        the others); `draw`: `training.draw_group`, every run's batches and masks of one step. ``rows``: the
+        rows of the run-major (R N) stack that train, ``counts`` each run's number of them (None: all; the
+        others keep the server's weights and buffers: `training.RunState.idle`)."""
         runs, n = len(models), feds[0].n_clients
-        st = self._load(models, n)
+        server = {kind: {k: torch.stack([d[k].detach() for d in named]).repeat_interleave(n, dim=0)
+                         for k in named[0]}
+                  for kind, named in (("params", [dict(m.named_parameters()) for m in models]),
+                                      ("buffers", [dict(m.named_buffers()) for m in models]))}  # fmt: skip
+        st = self._load(server if rows is None else {kind: {k: v[rows] for k, v in d.items()}
+                                                     for kind, d in server.items()})  # fmt: skip
         for _ in range(steps):
             x, y, masks = draw(feds, resolved.batch_size, rngs, streams, self.net)
+            if rows is not None:
+                x, y, masks = x[rows], y[rows], {k: m[rows] for k, m in masks.items()}
             st = self._inputs(st, x, y, masks)
-            step = functools.partial(self._step, st, lrs, resolved.weight_decay)
-            self._run((tuple(lrs), tuple(x.shape)), step)
-        end = torch.cat([p.reshape(runs * n, -1) for p in st["params"].values()], dim=1)
+            step = functools.partial(self._step, st, lrs, resolved.weight_decay, counts)
+            self._run((tuple(lrs), tuple(x.shape), tuple(counts or ())), step)
+        for kind, tensors in server.items():  # the trained rows' ends; the others stay the server's
+            for k, v in tensors.items():
+                v[slice(None) if rows is None else rows] = st[kind][k]
+        end = torch.cat([p.reshape(runs * n, -1) for p in server["params"].values()], dim=1)
         out = []
         for i, model in enumerate(models):
             start = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-            rows = slice(i * n, (i + 1) * n)
-            out.append(((start - end[rows]) / lrs[i], {k: v[rows].clone() for k, v in st["buffers"].items()}))
+            own = slice(i * n, (i + 1) * n)
+            out.append(((start - end[own]) / lrs[i], {k: v[own] for k, v in server["buffers"].items()}))
         return out
 
-    def _load(self, models: list, n: int) -> dict:
-        """The static weights and buffers, (R N, ...), set to the server models' (allocated at first use)."""
+    def _load(self, fresh: dict[str, dict[str, Tensor]]) -> dict:
+        """The static weights and buffers set to `fresh`'s {"params": ..., "buffers": ...} (the server
+        models' rows that train; allocated at first use)."""
         st = self.static
-        for kind, named in (("params", [dict(m.named_parameters()) for m in models]),
-                            ("buffers", [dict(m.named_buffers()) for m in models])):  # fmt: skip
-            fresh = {k: torch.stack([d[k].detach() for d in named]).repeat_interleave(n, dim=0)
-                     for k in named[0]}  # fmt: skip
+        for kind in ("params", "buffers"):
             old = st.get(kind)
-            fits = old is not None and all(_alike(old[k], v) for k, v in fresh.items())
-            if not fits:
-                st[kind], self.graphs = fresh, {}  # new shapes: new buffers, new graphs
+            fits = old is not None and all(_alike(old[k], v) for k, v in fresh[kind].items())
+            if not fits:  # new shapes: new buffers, new graphs
+                st[kind], self.graphs = {k: v.clone() for k, v in fresh[kind].items()}, {}
             else:
-                for k, v in fresh.items():
+                for k, v in fresh[kind].items():
                     old[k].copy_(v)
         return st
 
@@ -320,11 +340,11 @@ class StaticSteps:
             st["masks"][k].copy_(m)
         return st
 
-    def _step(self, st: dict, lrs: list[float], weight_decay: float) -> None:
+    def _step(self, st: dict, lrs: list[float], weight_decay: float, counts: list[int] | None) -> None:
         """One SGD step on the static buffers, as `training.local_steps_stacked` takes it."""
         p, b = st["params"], st["buffers"]
         grads = list(self.grad_fn(p, b, st["x"], st["y"], st["masks"]).values())
-        sgd_update(grads, list(p.values()), lrs, weight_decay)
+        sgd_update(grads, list(p.values()), lrs, weight_decay, counts)
 
     def _run(self, key: tuple, step: Callable[[], None]) -> None:
         """step() eagerly, or (capture) its CUDA graph for `key`: warm-up, capture, then replays."""

@@ -196,7 +196,9 @@ def run(
     3. Byzantine clients are ids 0..f-1: the attack replaces their rows, `attack.craft(m[f:], m[:f],
        pipeline)` (label flipping instead trains them on y' = C-1-y and sends their honest-looking
        momentum), see `server_input`; the pipeline is first told theta_t (`Pipeline.new_round`: CClip's
-       start under the ``authors`` variant, in the attack's search too);
+       start under the ``authors`` variant, in the attack's search too). Under an attack that never reads
+       m[:f] (`Attack.needs_own`: ALIE, FOE, ...) the Byzantine clients skip step 1: they keep theta_t, so
+       their pseudo-gradient is 0 and they report the server's BatchNorm buffers (`RunState.idle`);
     4. the server computes theta_{t+1} = theta_t - gamma_t Agg(m_t^1..m_t^N) with gamma_t =
        `config.lr_at(t)`, and sets its BatchNorm buffers to the median of the clients' reports
        (`_set_server_buffers`).
@@ -224,7 +226,8 @@ def run(
     cannot be written loses no work.
     `on_round(r, updates, momentum, pipeline, attack)`, if given, is called every round once the server's
     input `updates` is formed and before it is aggregated
-    (`momentum`: what every client would honestly send; attack None without one); it must not modify them
+    (`momentum`: what every client would honestly send, 0 for idle Byzantine clients: `RunState.idle`;
+    attack None without one); it must not modify them
     (used by `prodigy_core.explorer.explore`).
     `sync_timing`: wait for a GPU at the end of every round, so that each of `round_times` holds its own
     round's device time (benchmarks); otherwise a round's time runs to its last wait for the device (at
@@ -237,10 +240,10 @@ def run(
     engine = pick_engine(resolved.engine, device, resolved.dataset)
     st = start_run(config, device, engine, checkpoint_dir, resume=resume)
     if engine == "sequential":
-        local_steps = _local_steps_sequential
+        local_steps = functools.partial(_local_steps_sequential, idle=st.idle)
     else:  # one gradient function for the whole run (a compiled one: for every run of this process)
         grad_fn = per_client_grad(st.model, engine=engine)
-        local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn)
+        local_steps = functools.partial(_local_steps_batched, grad_fn=grad_fn, idle=st.idle)
 
     bar = tqdm(total=resolved.rounds, initial=st.start, disable=not progress, unit="round",
                desc=f"{resolved.dataset} {label(resolved.defense, resolved.defense_params)}/"
@@ -291,6 +294,8 @@ class RunState:
     stream: AuthorsBatchStream | None = None  # authors: the clients' batch stream (`make_batch_stream`)
     step_finite: Tensor | None = None  # the last server step's all-finite flag, unread (`server_round`)
     timer: PhaseTimer | None = None  # where its rounds go, into result.phase_seconds (set by `start_run`)
+    # clients 0..idle-1 do not train: f when the attack never reads their honest updates (`Attack.needs_own`)
+    idle: int = 0
 
 
 # glibc's malloc options (mallopt's parameter numbers) and the values `keep_freed_memory` sets
@@ -368,8 +373,9 @@ def start_run(
     key = config.key(code=result.plugins)
     ckpt = Path(checkpoint_dir) / f"{key}.pt" if checkpoint_dir is not None else None
     st = RunState(
-        config, resolved, fed, model, pipeline, attack, streams, momentum, result, ckpt, stream=stream
-    )
+        config, resolved, fed, model, pipeline, attack, streams, momentum, result, ckpt, stream=stream,
+        idle=idle_clients(resolved),
+    )  # fmt: skip
     if resume and ckpt is not None and ckpt.exists():
         try:
             state = torch.load(ckpt, map_location=device, weights_only=True)
@@ -556,6 +562,17 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     if engine != "auto":
         return engine
     return "batched" if device.type == "cuda" else AUTO_CPU_ENGINE[dataset]
+
+
+def idle_clients(config: RunConfig) -> int:
+    """How many clients of a run take no local step (ids 0..k-1, `RunState.idle`): its f Byzantine clients
+    when its attack never reads their honest updates (`Attack.needs_own`: ALIE, FOE, ...), else 0. Builds
+    the attack (a plug-in's code runs: only training, and the GPU driver's estimates of it, call this)."""
+    resolved = config.resolved()
+    if resolved.n_byzantine == 0 or resolved.attack == "none":
+        return 0
+    attack = make_attack(resolved.attack, variant=resolved.variant, params=resolved.attack_params)
+    return 0 if attack.needs_own() else resolved.n_byzantine
 
 
 def local_momentum(momentum: Tensor, pseudo_grads: Tensor, beta: float) -> Tensor:
@@ -820,6 +837,26 @@ def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | 
     return [(int(w), torch.nonzero(widths == w).flatten().to(fed.device)) for w in torch.unique(widths)]
 
 
+def _trained_groups(
+    fed: Federation, batch_size: int, idle: list[int]
+) -> list[tuple[int, list[Tensor] | None, Tensor | None]]:
+    """The clients that train in `local_steps_stacked`, by batch width (`_width_groups`): [(width, each run's
+    client ids in it, their rows in the run-major (R N) stack)]; (width, None, None) when every client of
+    every run trains at that one width (no indexing). ``idle[i]``: run i's clients 0..idle[i]-1 train in no
+    group. A group where no client trains is left out."""
+    n, device = fed.n_clients, fed.device
+    widths = _width_groups(fed, batch_size)
+    if widths[0][1] is None and not any(idle):
+        return [(widths[0][0], None, None)]
+    out = []
+    for w, ids in widths:
+        ids = torch.arange(n, device=device) if ids is None else ids
+        per_run = [ids[ids >= k] for k in idle]
+        if any(len(c) for c in per_run):
+            out.append((w, per_run, torch.cat([c + i * n for i, c in enumerate(per_run)])))
+    return out
+
+
 def _local_steps_batched(
     model: nn.Module,
     fed: Federation,
@@ -829,14 +866,16 @@ def _local_steps_batched(
     rng: ClientStreams,
     grad_fn: ClientGrad | None = None,
     stream: AuthorsBatchStream | None = None,
+    idle: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """All N clients' E local SGD steps as one vmapped computation; returns the pseudo-gradients (N, d) and
     the clients' BatchNorm buffers {name: (N, ...)}. ``grad_fn``: `per_client_grad(model)` built once by the
     caller (compiled or not); None builds an eager one. ``stream``: the run's `AuthorsBatchStream`
-    (``authors``), None: `Federation.sample_batch` (``paper``)."""
+    (``authors``), None: `Federation.sample_batch` (``paper``). ``idle``: clients 0..idle-1 do not train
+    (`RunState.idle`)."""
     step = grad_fn or per_client_grad(model)
     ((pseudo_grads, buffers),) = local_steps_stacked(
-        [model], [fed], steps, [lr], resolved, [rng], step, streams=[stream]
+        [model], [fed], steps, [lr], resolved, [rng], step, streams=[stream], idle=[idle]
     )
     return pseudo_grads, buffers
 
@@ -850,6 +889,7 @@ def local_steps_stacked(
     rngs: list[ClientStreams],
     grad_fn: ClientGrad,
     streams: list[AuthorsBatchStream | None] | None = None,
+    idle: list[int] | None = None,
 ) -> list[tuple[Tensor, dict[str, Tensor]]]:
     """The E local SGD steps of R runs' N clients each (R = len(models), same architecture, same client
     data sizes, same E, batch size and weight decay: `resolved`'s) as one vmapped computation over R x N
@@ -861,12 +901,21 @@ def local_steps_stacked(
     form one vmapped group per batch width, so that every client trains on exactly its b_k valid samples
     (padding would enter BatchNorm's batch statistics); with IID data or large clients there is a single
     group and no indexing, and the R runs' batches and masks are drawn at once (`draw_group`:
-    the same values, device kernels per step independent of R)."""
+    the same values, device kernels per step independent of R).
+
+    ``idle[i]``: run i's clients 0..idle[i]-1 do not train (`RunState.idle`): they are left out of every
+    step, so they end where they started (pseudo-gradient 0, the server's BatchNorm buffers). Their batches
+    are still drawn and dropped, so every client's generator stays where it would be."""
     runs, n = len(models), feds[0].n_clients
     streams = streams or [None] * runs
+    idle = idle or [0] * runs
     solo = _width_groups(feds[0], resolved.batch_size)
+    groups = _trained_groups(feds[0], resolved.batch_size, idle)
+    stacked = [rows for _, _, rows in groups]
+    counts = [None if ids is None else [len(c) for c in ids] for _, ids, _ in groups]  # each run's rows
     if hasattr(grad_fn, "local_steps") and solo[0][1] is None:  # `step_variants.StaticSteps`' own loop
-        return grad_fn.local_steps(models, feds, steps, lrs, resolved, rngs, streams, draw_group)
+        args = (models, feds, steps, lrs, resolved, rngs, streams, draw_group, stacked[0], counts[0])
+        return grad_fn.local_steps(*args)
 
     def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
         return torch.stack([t.detach() for t in tensors]).repeat_interleave(n, dim=0)
@@ -875,34 +924,36 @@ def local_steps_stacked(
     params = {name: stack([p[name] for p in named]) for name in named[0]}
     named = [dict(m.named_buffers()) for m in models]
     buffers = {name: stack([b[name] for b in named]) for name in named[0]}
-    members = [list(range(n)) if ids is None else ids.tolist() for _, ids in solo]
-    stacked = [None if ids is None else torch.cat([ids + i * n for i in range(runs)]) for _, ids in solo]
+    members = [None if ids is None else [c.tolist() for c in ids] for _, ids, _ in groups]  # for the masks
+    # each group's rows of the weights and buffers, taken once a round (the clients train independently)
+    rows_state = [(params, buffers) if ids is None else ({name: v[ids] for name, v in params.items()},
+                   {name: v[ids] for name, v in buffers.items()}) for ids in stacked]  # fmt: skip
     for _ in range(steps):
-        if stacked == [None]:  # one batch width: every run's batches and masks drawn at once, same values
-            batches = [draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)]
+        if solo[0][1] is None:  # one batch width: every run's batches and masks drawn at once, same values
+            x, y, masks = draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)
+            rows = stacked[0]  # the rows that train (None: all)
+            batches = [
+                (x, y, masks) if rows is None else (x[rows], y[rows], {k: m[rows] for k, m in masks.items()})
+            ]
         else:
-            parts = []  # per run, per width group: (images, labels, dropout masks)
+            parts = []  # per run, per width group: (images, labels, dropout masks), None: no client of it
             for i in range(runs):
                 x, y, _ = _draw_batch(feds[i], resolved.batch_size, rngs[i], streams[i])
-                sub = [(x[:, :w], y[:, :w]) if ids is None else (x[ids, :w], y[ids, :w]) for w, ids in solo]
-                parts.append([(xg, yg, _train_masks(grad_fn.net, rngs[i], clients, xg, rngs[i].step))
-                              for (xg, yg), clients in zip(sub, members, strict=True)])  # fmt: skip
+                parts.append([(x[ids[i], :w], y[ids[i], :w], _train_masks(grad_fn.net, rngs[i], clients[i],
+                               x[ids[i], :w], rngs[i].step)) if clients[i] else None
+                              for (w, ids, _), clients in zip(groups, members, strict=True)])  # fmt: skip
                 rngs[i].step += 1
-            batches = [_cat_runs([run[g] for run in parts]) for g in range(len(stacked))]
-        for g, ids in enumerate(stacked):
+            batches = [_cat_runs([run[g] for run in parts if run[g] is not None]) for g in range(len(groups))]
+        for g, (p, b) in enumerate(rows_state):
             xs, ys, ms = batches[g]
-            if ids is None:
-                p, b = params, buffers
-            else:
-                p = {name: v[ids] for name, v in params.items()}
-                b = {name: v[ids] for name, v in buffers.items()}
             grads = list(grad_fn(p, b, xs, ys, ms).values())
-            step_variants.sgd_update(grads, list(p.values()), lrs, resolved.weight_decay)
-            if ids is not None:  # write the group's weights and BatchNorm buffers back
-                for name, v in p.items():
-                    params[name][ids] = v
-                for name, v in b.items():
-                    buffers[name][ids] = v
+            step_variants.sgd_update(grads, list(p.values()), lrs, resolved.weight_decay, counts[g])
+    for ids, (p, b) in zip(stacked, rows_state, strict=True):  # each group's weights and buffers written back
+        if ids is not None:
+            for name, v in p.items():
+                params[name][ids] = v
+            for name, v in b.items():
+                buffers[name][ids] = v
     end = torch.cat([p.reshape(runs * n, -1) for p in params.values()], dim=1)
     out = []
     for i, model in enumerate(models):
@@ -946,9 +997,10 @@ def _local_steps_sequential(
     resolved: RunConfig,
     rng: ClientStreams,
     stream: AuthorsBatchStream | None = None,
+    idle: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Reference: the same E local steps on the same batches and dropout masks, one client after another on
-    one model copy.
+    one model copy. ``idle``: clients 0..idle-1 do not train (`RunState.idle`): they keep the server's model.
 
     The copy runs in channels-last memory format (1.2-1.5x faster convolutions on a CPU, native for cuDNN);
     flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
@@ -962,7 +1014,7 @@ def _local_steps_sequential(
     rows, reports = [], []
     for k in range(fed.n_clients):
         client.load_state_dict(server_state)
-        for e, (x, y, mask) in enumerate(batches):
+        for e, (x, y, mask) in enumerate(batches if k >= idle else []):
             xk = x[k][mask[k]].contiguous(memory_format=torch.channels_last)
             for name, m in masks[e * fed.n_clients + k].items():
                 net.dropouts[name].mask = m
@@ -987,7 +1039,8 @@ def _set_server_buffers(model: nn.Module, client_buffers: dict[str, Tensor]) -> 
     floating-point buffer to the coordinate-wise median of the N reported buffers (mean of the two middle
     values for even N). Since f < N/2, the median lies within the range of the honest reports whatever the
     Byzantine clients report (in this simulation they report the statistics of their own honest or
-    label-flipped training; the attack model only crafts the update vector). The authors' code never sends
+    label-flipped training, or the server's own buffers when their attack lets them skip training:
+    `RunState.idle`; the attack model only crafts the update vector). The authors' code never sends
     the buffers and evaluates in training mode; we evaluate in eval mode under `no_grad`
     (``variant="paper"``).
     """

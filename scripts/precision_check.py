@@ -10,8 +10,8 @@ seed: same split, initial model and batches) against twice its standard error (s
 sqrt(S)); per row whether the worst-case attack (lowest mean accuracy) is the same at both precisions.
 --smoke: the smoke grid with the same seeds, in seconds (the test). Both grids show a progress bar.
 
-Cost (--jobs auto): on a 2-core AVX-512 CPU the fp32 half about 17 minutes (126 runs), the bf16 half
-19 minutes (bf16 autocast 1.10x fp32's training time); on a 2-core AVX2 CPU about 32 minutes and 1.8
+Cost (--jobs auto): on a 2-core AVX-512 CPU the fp32 half about 14 minutes (126 runs), the bf16 half
+15 minutes (bf16 autocast 1.05x fp32's training time); on a 2-core AVX2 CPU about 32 minutes and 1.8
 hours (bf16 3.1x slower there, without native bf16). `python
 scripts/check_committed_quickstart.py --keep DIR` makes the fp32 half as it checks the committed tables;
 `--results-dir DIR` here then trains only bf16.

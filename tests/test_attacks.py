@@ -325,6 +325,46 @@ def test_bad_input_raises_clear_errors(name):
         attack.craft(honest[0], own, server)
 
 
+@pytest.mark.parametrize("variant", ["paper", "authors"])
+@pytest.mark.parametrize("name", ATTACKS.ready())
+def test_an_attack_that_needs_no_own_update_sends_the_same_rows_whatever_own_holds(name, variant):
+    """`Attack.needs_own` False lets the training loop skip the Byzantine clients' local steps, so such an
+    attack's rows must not depend on the values of ``own`` (here drawn updates, zeros and 1e3-sized noise,
+    the same random state for each craft); those built from ``own`` (none, SF, LF) say they need it."""
+    honest, own = make_updates(13)
+    attack = make_attack(name, variant=variant)
+    if name in ("none", "sf", "lf"):
+        assert attack.needs_own()
+    if attack.needs_own():
+        return
+    sent = []
+    for other in (own, torch.zeros_like(own), 1e3 * torch.randn(own.shape, generator=torch.Generator())):
+        torch.manual_seed(0)
+        sent.append(make_attack(name, variant=variant).craft(honest, other, make_aggregator("prodigy", F)))
+    assert torch.equal(sent[0], sent[1]) and torch.equal(sent[0], sent[2])
+
+
+def test_needs_own_is_read_from_the_class_that_defines_send():
+    """A subclass that overrides ``send`` without saying ``reads_own = False`` trains its clients (its send
+    may read ``own``); one that keeps its parent's ``send`` keeps its parent's answer; ALIE at the authors'
+    z = 0 sends the honest update, so it needs it."""
+
+    class Shifted(attacks.ALIE):
+        def send(self, honest, own, server):
+            return own + 1.0
+
+    class Scaled(attacks.FOE):
+        def rows(self, eps, stats):
+            return -2 * eps * stats["mean"]
+
+    assert not attacks.ALIE().needs_own() and Shifted().needs_own()
+    assert not Scaled(eps=1.0).needs_own()
+    zero = make_attack("alie", variant="authors", params={"z": 0.0})
+    assert zero.needs_own()
+    honest, own = make_updates(14)
+    assert torch.equal(zero.craft(honest, own, make_aggregator("prodigy", F)), own)
+
+
 def test_make_attack_rejects_unknown_names_and_parameters():
     with pytest.raises(ValueError, match="valid: none, alie, foe_0.1, foe_100, foe, sf, lf, mimic"):
         make_attack("alei")

@@ -15,6 +15,8 @@ from prodigy_core.seeding import resolve_device
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from test_gpu_run import trained_share  # noqa: E402
+
 from benchmarks import autotune  # noqa: E402
 
 
@@ -157,8 +159,9 @@ def test_paper_profile_plan(gpu_run, tmp_path):
 def test_a_group_sized_from_the_measured_costs_fits_the_time_left(gpu_run, tmp_path, seconds_left):
     """`Driver.choose_group`: of the first runs' compatible ones in order, the size with the most run-rounds
     per second whose estimate (GROUP_MARGIN x (rounds x E x step_s[R'] + each run's rounds x server side))
-    fits; when none does, the most wanted runs that fit (here: the unattacked ones, cheaper by their server
-    side); none at all: an empty group."""
+    fits (the step scaled by the share of the group's clients that train: `trained_share`); when none does,
+    the most wanted runs that fit (here: the unattacked ones, cheaper by their server side); none at all: an
+    empty group."""
     args = argparse.Namespace(
         simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=seconds_left
     )
@@ -174,7 +177,7 @@ def test_a_group_sized_from_the_measured_costs_fits_the_time_left(gpu_run, tmp_p
     def by_hand(batch):
         upper = min(s for s in step_s if s >= len(batch))
         server = sum(0.0 if c.attack == "none" else 0.1 for c in batch)
-        return gpu_run.GROUP_MARGIN * 800 * (10 * step_s[upper] + server)
+        return gpu_run.GROUP_MARGIN * 800 * (10 * step_s[upper] * trained_share(batch) + server)
 
     batch, estimate = driver.choose_group(todo)
     left = seconds_left - driver.elapsed()
@@ -193,7 +196,8 @@ def test_the_windows_end_packs_a_pair_where_a_group_of_4_no_longer_fits(gpu_run,
     """The 2026-11-27 window ran its last 240 s as single runs (86-125 s each at fp32) because a group of 4
     (212 s measured, more estimated) no longer fitted and no size between 1 and 4 was timed. The autotune now
     times groups of 2 (`CANDIDATES`); with 200 s left and the window's fp32 step times, the driver starts a
-    pair (1.1 x 8,000 steps x 0.019 s = 167 s) instead of one run (94 s)."""
+    pair (1.1 x 8,000 steps x 0.019 s = 167 s, less the local steps of idle Byzantine clients) instead of one
+    run (94 s, the same)."""
     assert 2 in autotune.CANDIDATES["cuda"]["size"]
     args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=200.0)
     driver = gpu_run.Driver(args, tmp_path)
@@ -205,7 +209,9 @@ def test_the_windows_end_packs_a_pair_where_a_group_of_4_no_longer_fits(gpu_run,
     driver.server_s = {("femnist", c.defense, c.attack): 0.0 for c in configs}
     batch, estimate = driver.choose_group(configs)
     assert len(batch) == (2 if pair_timed else 1)
-    assert estimate == pytest.approx(gpu_run.GROUP_MARGIN * 800 * 10 * step_s[len(batch)])
+    assert estimate == pytest.approx(
+        gpu_run.GROUP_MARGIN * 800 * 10 * step_s[len(batch)] * trained_share(batch)
+    )
 
 
 def test_the_group_never_outgrows_the_runs_left_or_the_cap(gpu_run, tmp_path):

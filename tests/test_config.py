@@ -2,7 +2,14 @@
 
 import pytest
 
-from prodigy_core.config import DEFAULT_WEIGHT_DECAY, ConfigError, RunConfig, parse_value
+from prodigy_core.config import (
+    DEFAULT_WEIGHT_DECAY,
+    IDLE_REVISION,
+    ConfigError,
+    RunConfig,
+    idle_moves_numbers,
+    parse_value,
+)
 
 
 def test_defaults_are_a_valid_run():
@@ -95,3 +102,36 @@ def test_parse_value_reads_yaml_scalars():
     assert parse_value("defense", "nnm+krum") == "nnm+krum"
     with pytest.raises(ConfigError, match="did you mean 'rounds'"):
         parse_value("round", "3")
+
+
+@pytest.mark.parametrize(
+    ("fields", "moves"),
+    [
+        (dict(attack="alie"), True),  # ALIE reads only the honest updates; digits' model has BatchNorm
+        (dict(attack="foe_100"), True),
+        (dict(attack="mimic"), True),
+        (dict(attack="none"), False),  # every client trains
+        (dict(attack="sf"), False),  # SF sends minus their own honest momentum
+        (dict(attack="lf"), False),  # LF's Byzantine clients train on flipped labels
+        (dict(attack="alie", variant="authors"), False),  # the authors' ALIE may send the honest update
+        (dict(attack="foe_0.1", variant="authors"), False),  # train-mode evaluation: no server buffers read
+        (dict(attack="alie", dataset="femnist", distribution="natural"), False),  # no BatchNorm
+    ],
+)
+def test_idle_revision_is_in_the_key_of_exactly_the_runs_whose_numbers_it_moved(fields, moves):
+    """`IDLE_REVISION` (idle Byzantine clients report the server's BatchNorm buffers) renews the key of a run
+    only where it changes the numbers, so that no record of the training before is read as current and no
+    other record is thrown away."""
+    config = RunConfig(**{"n_clients": 10, "n_byzantine": 3, **fields})
+    assert ("idle_revision" in config.key_fields()) == moves
+    if moves:
+        assert config.key_fields()["idle_revision"] == IDLE_REVISION
+
+
+def test_a_plug_in_attack_gets_the_idle_revision_without_being_imported():
+    """Whether a plug-in's ``send`` reads its own updates is in its class, which a key never imports
+    (records are data), so a plug-in attack on a BatchNorm model always carries the revision."""
+    assert idle_moves_numbers(dict(variant="paper", n_byzantine=3, attack="no_such_file.py:Attack",
+                                   dataset="digits"))  # fmt: skip
+    assert not idle_moves_numbers(dict(variant="paper", n_byzantine=3, attack="no_such_file.py:Attack",
+                                       dataset="femnist"))  # fmt: skip

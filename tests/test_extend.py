@@ -36,9 +36,11 @@ KEYS_BEFORE_SETTINGS = [
 
 
 def key_before_streams(config: RunConfig, authors_revision: int = 3) -> str:
-    """The key as the code before `STREAMS_REVISION` hashed the same fields (`authors`: at revision 3)."""
+    """The key as the code before `STREAMS_REVISION` (and `IDLE_REVISION`) hashed the same fields (`authors`:
+    at revision 3)."""
     d = config.key_fields()
     assert d.pop("streams_revision") == STREAMS_REVISION
+    d.pop("idle_revision", None)
     if "authors_revision" in d:
         d["authors_revision"] = authors_revision
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]

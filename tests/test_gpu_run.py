@@ -158,8 +158,20 @@ TRUE_SERVER_S = {("prodigy", "alie"): 1.0, ("prodigy", "sf"): 0.5, ("nnm+trimmed
 GATE_KINDS = {("prodigy", "alie"), ("nnm+trimmed_mean", "alie")}  # the autotune's gate measures these
 
 
+def trained_share(batch) -> float:
+    """The share of a group's client rows that train: the Byzantine clients of FOE, and of ALIE under the
+    paper's text (the authors' ALIE may send their honest update), take no step."""
+
+    def idle(c) -> bool:
+        return c.attack in ("foe_0.1", "foe_100") or (c.attack == "alie" and c.variant == "paper")
+
+    return sum(1 - idle(c) * c.n_byzantine / c.n_clients for c in batch) / len(batch)
+
+
 def true_seconds(batch) -> float:
-    local = max(c.rounds for c in batch) * batch[0].local_steps * TRUE_STEP_S[len(batch)]
+    local = (
+        max(c.rounds for c in batch) * batch[0].local_steps * TRUE_STEP_S[len(batch)] * trained_share(batch)
+    )
     return local + sum(c.rounds * TRUE_SERVER_S[c.defense, c.attack] for c in batch)
 
 
@@ -184,7 +196,8 @@ def fake_window(gpu_run, monkeypatch, tune_step_s):
         records = []
         for c in batch:
             server = c.rounds * TRUE_SERVER_S[c.defense, c.attack]
-            local = max(b.rounds for b in batch) * c.local_steps * TRUE_STEP_S[len(batch)] / len(batch)
+            local = (max(b.rounds for b in batch) * c.local_steps * TRUE_STEP_S[len(batch)]
+                     * trained_share(batch) / len(batch))  # fmt: skip
             phases = {"local": local, "craft": server / 2, "aggregate": server / 2, "eval": 0.0, "rest": 0.0}
             result = RunResult(config=c.to_dict(), final_accuracy=50.0, final_loss=1.0,
                                rounds_completed=c.rounds, phase_seconds=phases)  # fmt: skip

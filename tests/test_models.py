@@ -3,8 +3,16 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from prodigy_core.models import Cifar10CNN, DigitsCNN, FemnistCNN, count_parameters, make_model
+from prodigy_core.models import (
+    BATCHNORM_DATASETS,
+    Cifar10CNN,
+    DigitsCNN,
+    FemnistCNN,
+    count_parameters,
+    make_model,
+)
 from prodigy_core.names import DATASETS
 
 
@@ -93,6 +101,14 @@ def test_digits_cnn_size_and_forward_flops_by_hand():
 def test_models_with_batchnorm_have_running_buffers():
     for model in (Cifar10CNN(), DigitsCNN()):
         assert any(name.endswith("running_mean") for name, _ in model.named_buffers())
+
+
+def test_batchnorm_datasets_are_those_whose_model_has_batchnorm():
+    """`BATCHNORM_DATASETS` (which keys carry `config.IDLE_REVISION`) read from the models themselves."""
+    with_bn = {
+        name for name in DATASETS if any(isinstance(m, nn.BatchNorm2d) for m in make_model(name).modules())
+    }
+    assert with_bn == BATCHNORM_DATASETS
 
 
 def test_every_dataset_has_a_model_and_unknown_names_are_rejected():

@@ -30,12 +30,16 @@ def _float64_federation(distribution: str, n: int = 4):
     return fed
 
 
-def _steps(fed, grad_fn, model, steps=3, batch_size=32, authors=False):
+def _steps(fed, grad_fn, model, steps=3, batch_size=32, authors=False, idle=0):
     cfg = RunConfig(**{**TINY, "n_clients": fed.n_clients, "batch_size": batch_size, "weight_decay": 1e-2})
     rng = ClientStreams(1, fed.n_clients)
     stream = training.AuthorsBatchStream(fed, batch_size) if authors else None
+    if grad_fn == "sequential":
+        return training._local_steps_sequential(
+            model, fed, steps, 0.05, cfg.resolved(), rng, stream, idle=idle
+        )
     return training._local_steps_batched(
-        model, fed, steps, 0.05, cfg.resolved(), rng, grad_fn=grad_fn, stream=stream
+        model, fed, steps, 0.05, cfg.resolved(), rng, grad_fn=grad_fn, stream=stream, idle=idle
     )
 
 
@@ -63,6 +67,71 @@ def test_client_folded_variants_equal_batched_in_float64(distribution, conv, cha
     assert buf.keys() == buf_ref.keys() and buf
     for name in buf_ref:
         torch.testing.assert_close(buf[name], buf_ref[name], rtol=1e-10, atol=1e-10)
+
+
+class _CountedRows:
+    """A gradient function that notes how many client rows each call trains."""
+
+    def __init__(self, fn, seen: list[int]) -> None:
+        self.fn, self.net, self.seen = fn, fn.net, seen
+
+    def __call__(self, params, buffers, x, y, masks):
+        self.seen.append(len(y))
+        return self.fn(params, buffers, x, y, masks)
+
+
+@pytest.mark.parametrize("distribution", ["iid", "dirichlet"])
+@pytest.mark.parametrize("engine", ["sequential", "batched", "channels_last", "static"])
+def test_idle_clients_keep_the_server_model_and_the_others_train_as_if_all_did(
+    engine, distribution, monkeypatch
+):
+    """`RunState.idle` (the attack never reads the Byzantine clients' honest updates): clients 0 and 1 of 4
+    take no step, so their pseudo-gradients are exactly 0 and their BatchNorm buffers exactly the server's,
+    while clients 2 and 3 get what they get when all four train (float64 rounding: the same batches and
+    masks). The work is skipped, not thrown away: the gradient function sees 2 client rows a step, not 4."""
+    fed = _float64_federation(distribution)
+    model = _model()
+    seen: list[int] = []
+
+    if engine == "sequential":
+        plain = F.cross_entropy  # one call per client and step
+        monkeypatch.setattr(training.F, "cross_entropy", lambda *a, **k: seen.append(1) or plain(*a, **k))
+
+    def engine_fn():
+        if engine == "sequential":
+            return "sequential"
+        base = training.per_client_grad(model)
+        if engine == "channels_last":
+            base = FoldedGrad(training.FunctionalNet(model), conv="grouped", channels_last=True)
+        counted = _CountedRows(base, seen)
+        return StaticSteps(counted) if engine == "static" else counted
+
+    g_all, buf_all = _steps(fed, engine_fn(), model)
+    assert sum(seen) == 4 * 3  # every client, 3 steps
+    seen.clear()
+    g, buf = _steps(fed, engine_fn(), model, idle=2)
+    assert sum(seen) == 2 * 3
+    assert torch.equal(g[:2], torch.zeros_like(g[:2])) and g[2:].abs().sum() > 0
+    torch.testing.assert_close(g[2:], g_all[2:], rtol=1e-10, atol=1e-10)
+    server = dict(model.named_buffers())
+    assert buf.keys() == server.keys() and server
+    for name in server:
+        assert torch.equal(buf[name][:2], server[name].expand_as(buf[name][:2])), name
+        torch.testing.assert_close(buf[name][2:], buf_all[name][2:], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("attack", "variant", "idle"),
+    [("alie", "paper", 3), ("foe_100", "paper", 3), ("foe_0.1", "authors", 3), ("gaussian", "paper", 3),
+     ("alie", "authors", 0), ("none", "paper", 0), ("sf", "paper", 0), ("lf", "paper", 0)],
+)  # fmt: skip
+def test_a_runs_idle_clients_are_its_byzantine_ones_when_its_attack_ignores_them(attack, variant, idle):
+    """`training.idle_clients` (what `start_run` sets and the GPU driver's estimates read): f = 3 under an
+    attack whose rows come from the honest updates alone, none where the Byzantine clients' own training is
+    sent (none, SF, LF; the authors' ALIE, which sends it at z = 0)."""
+    config = RunConfig(**{**TINY, "n_clients": 10, "n_byzantine": 3, "attack": attack, "variant": variant})
+    assert training.idle_clients(config) == idle
+    assert training.start_run(config, torch.device("cpu"), "sequential").idle == idle
 
 
 @pytest.mark.parametrize("authors", [False, True])  # the authors' batch stream: drawn run by run
@@ -293,7 +362,7 @@ def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeyp
         step = StaticSteps._step
 
         def counted(self, st, *args):
-            static_rows.append(len(st["x"]))  # the rows of one static step: 4 runs x 6 clients
+            static_rows.append(len(st["x"]))  # 4 runs x 6 clients, less the ALIE run's 2 idle Byzantine
             step(self, st, *args)
 
         monkeypatch.setattr(StaticSteps, "_step", counted)
@@ -308,7 +377,7 @@ def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeyp
     for config in configs:
         tg._assert_same_run(grouped[config.key()], solo[config.key()])
         assert grouped[config.key()]["result"]["environment"]["engine"] == engine
-    assert static_rows == ([4 * 6] * 2 * tg.STOP if engine == "cuda_graphs" else [])  # static steps taken
+    assert static_rows == ([4 * 6 - 2] * 2 * tg.STOP if engine == "cuda_graphs" else [])  # static steps taken
 
 
 # ------------------------------------------------------------------------- on a GPU (skipped without one)
