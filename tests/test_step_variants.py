@@ -236,9 +236,10 @@ def test_the_compiled_step_is_built_once_per_process_and_architecture():
 
 
 # ------------------------------------------------------------------------------------ launches per step
-def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool) -> int:
+def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool, idle: bool = False) -> int:
     """Device kernels of one local step of a group of `runs` digits runs (4 clients each), on the emulated
-    accelerator: a round of 2 steps minus a round of 1 (the per-round stacking and outputs cancel)."""
+    accelerator: a round of 2 steps minus a round of 1 (the per-round stacking and outputs cancel). `idle`:
+    every other run (the first included) has 2 idle clients (`training.RunState.idle`)."""
     fed = load_federation("digits", 4, distribution="iid", seed=0)
     fed._cpu_sizes = fed._cpu_sizes.clone()  # the host's copy of the client sizes (test_host_waits.py)
     data = [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
@@ -261,18 +262,22 @@ def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool) -> i
         for steps in (1, 2):
             rngs = [ClientStreams(i, 4) for i in range(runs)]
             before = accelerator.kernels
-            training.local_steps_stacked(models, [fed] * runs, steps, [0.05] * runs, cfg, rngs, grad_fn)
+            idles = [2 * (idle and i % 2 == 0) for i in range(runs)]
+            training.local_steps_stacked(models, [fed] * runs, steps, [0.05] * runs, cfg, rngs, grad_fn,
+                                         idle=idles)  # fmt: skip
             counts.append(accelerator.kernels - before)
         monkeypatch.setattr(torch.Tensor, "to", to)
     return counts[1] - counts[0]
 
 
+@pytest.mark.parametrize("idle", [False, True])
 @pytest.mark.parametrize("static", [False, True])
-def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch, static):
+def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch, static, idle):
     """The batched step (and the static-buffer one) draws all R runs' batches and masks at once
     (`training.draw_group`): its device kernels per local step are the same at R = 1, 4 and 16. Before,
-    every run drew its own: 111 kernels a step at R = 1, 189 at R = 4."""
-    kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static) for r in (1, 4, 16)}
+    every run drew its own: 111 kernels a step at R = 1, 189 at R = 4. With idle clients in some runs, the
+    rows that train are taken from that one draw in one gather per tensor, whatever R."""
+    kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static, idle) for r in (1, 4, 16)}
     assert kernels[1] == kernels[4] == kernels[16] > 0
 
 
