@@ -568,11 +568,10 @@ def idle_clients(config: RunConfig) -> int:
     """How many clients of a run take no local step (ids 0..k-1, `RunState.idle`): its f Byzantine clients
     when its attack never reads their honest updates (`Attack.needs_own`: ALIE, FOE, ...), else 0. Builds
     the attack (a plug-in's code runs: only training, and the GPU driver's estimates of it, call this)."""
-    resolved = config.resolved()
-    if resolved.n_byzantine == 0 or resolved.attack == "none":
+    if config.n_byzantine == 0 or config.attack == "none":  # fields `resolved` never changes: no disk read
         return 0
-    attack = make_attack(resolved.attack, variant=resolved.variant, params=resolved.attack_params)
-    return 0 if attack.needs_own() else resolved.n_byzantine
+    attack = make_attack(config.attack, variant=config.variant, params=config.attack_params)
+    return 0 if attack.needs_own() else config.n_byzantine
 
 
 def local_momentum(momentum: Tensor, pseudo_grads: Tensor, beta: float) -> Tensor:
