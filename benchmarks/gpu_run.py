@@ -272,16 +272,17 @@ class Driver:
     def local_estimate(self, batch: list[Any], rounds: int | None = None) -> float:
         """Seconds of a group's local steps: rounds (its longest run's) x E x the autotune's step of the
         smallest measured group at least as large x the share of the group's clients that train (a run's
-        idle Byzantine clients take no step: `training.idle_clients`), x what finished groups of the dataset
+        idle Byzantine clients take no step: `attacks.idle_byzantine`), x what finished groups of the dataset
         measured against that prediction."""
-        from prodigy_core.training import idle_clients
+        from prodigy_core.attacks import idle_byzantine
 
         first, step_s = batch[0], self.step_s(batch[0].dataset)
         upper = min((s for s in step_s if s >= len(batch)), default=None)
         if upper is None:
             return float("inf")
         rounds = max(c.rounds for c in batch) if rounds is None else rounds
-        share = sum(1 - idle_clients(c) / c.n_clients for c in batch) / len(batch)
+        idle = [idle_byzantine(c.attack, c.n_byzantine, c.variant, c.attack_params) for c in batch]
+        share = sum(1 - k / c.n_clients for k, c in zip(idle, batch, strict=True)) / len(batch)
         return self.local_factor.get(first.dataset, 1.0) * rounds * first.local_steps * step_s[upper] * share
 
     def server_estimate(self, config: Any) -> float:

@@ -719,6 +719,15 @@ def normalise_attack(name: str) -> str:
     return name if is_plugin(name) else name.lower()
 
 
+def idle_byzantine(name: str, f: int, variant: str = "paper", params: dict[str, Any] | None = None) -> int:
+    """How many of a run's f Byzantine clients (ids 0..f-1) take no local step under attack `name`: all f
+    when its rows never read their honest updates (`Attack.needs_own` False: ALIE, FOE, ...), else 0
+    (`training.RunState.idle`). Builds the attack: a plug-in's code runs."""
+    if f == 0 or name == "none":
+        return 0
+    return 0 if make_attack(name, variant=variant, params=params).needs_own() else f
+
+
 def _known(name: str) -> str:
     """The stored form of a registered attack's name or of a plug-in spec; a did-you-mean error otherwise."""
     given, name = name, normalise_attack(name)

@@ -410,17 +410,19 @@ def idle_moves_numbers(fields: dict[str, Any]) -> bool:
     whose evaluation never reads the server's buffers, idle clients change no number) and an attack that
     never reads their honest updates (`Attack.needs_own`), or a plug-in attack (its class is not imported
     to find out: records are data)."""
-    from prodigy_core.attacks import make_attack
+    from prodigy_core.attacks import idle_byzantine
     from prodigy_core.models import BATCHNORM_DATASETS
     from prodigy_core.registry import is_plugin
 
-    if fields["variant"] != "paper" or not fields["n_byzantine"] or fields["attack"] == "none":
+    attack, f = fields["attack"], fields["n_byzantine"]
+    if (
+        fields["variant"] != "paper"
+        or fields["dataset"] not in BATCHNORM_DATASETS
+        or not f
+        or attack == "none"
+    ):
         return False
-    if fields["dataset"] not in BATCHNORM_DATASETS:
-        return False
-    if is_plugin(fields["attack"]):
-        return True
-    return not make_attack(fields["attack"], params=fields.get("attack_params") or {}).needs_own()
+    return is_plugin(attack) or idle_byzantine(attack, f, "paper", fields.get("attack_params")) > 0
 
 
 def _valid_source(dataset: str, source: str) -> bool:

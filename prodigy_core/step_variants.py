@@ -274,49 +274,32 @@ class StaticSteps:
 
     def local_steps(
         self,
-        models: list,
-        feds: list,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
         steps: int,
         lrs: list[float],
-        resolved,
-        rngs: list,
-        streams: list,
-        draw: Callable,
-        rows: Tensor | None = None,
-        counts: list[int] | None = None,
-    ) -> list[tuple[Tensor, dict[str, Tensor]]]:
+        weight_decay: float,
+        counts: list[int] | None,
+        draw: Callable[[], tuple[Tensor, Tensor, dict[str, Tensor]]],
+    ) -> None:
         """The E steps of R runs whose clients share one batch width (`training.local_steps_stacked` takes
-        the others); `draw`: `training.draw_group`, every run's batches and masks of one step. ``rows``: the
-        rows of the run-major (R N) stack that train, ``counts`` each run's number of them (None: all; the
-        others keep the server's weights and buffers: `training.RunState.idle`)."""
-        runs, n = len(models), feds[0].n_clients
-        server = {kind: {k: torch.stack([d[k].detach() for d in named]).repeat_interleave(n, dim=0)
-                         for k in named[0]}
-                  for kind, named in (("params", [dict(m.named_parameters()) for m in models]),
-                                      ("buffers", [dict(m.named_buffers()) for m in models]))}  # fmt: skip
-        st = self._load(server if rows is None else {kind: {k: v[rows] for k, v in d.items()}
-                                                     for kind, d in server.items()})  # fmt: skip
+        the others), in place on the rows that train: their weights and buffers `params`, `buffers` (R runs'
+        rows, run-major; ``counts`` each run's number of them, None: R equal blocks) are loaded into the
+        static ones and the result written back. `draw()`: one step's images, labels and masks of those rows
+        (`training.draw_group`'s)."""
+        st = self._load({"params": params, "buffers": buffers})
         for _ in range(steps):
-            x, y, masks = draw(feds, resolved.batch_size, rngs, streams, self.net)
-            if rows is not None:
-                x, y, masks = x[rows], y[rows], {k: m[rows] for k, m in masks.items()}
+            x, y, masks = draw()
             st = self._inputs(st, x, y, masks)
-            step = functools.partial(self._step, st, lrs, resolved.weight_decay, counts)
+            step = functools.partial(self._step, st, lrs, weight_decay, counts)
             self._run((tuple(lrs), tuple(x.shape), tuple(counts or ())), step)
-        for kind, tensors in server.items():  # the trained rows' ends; the others stay the server's
-            for k, v in tensors.items():
-                v[slice(None) if rows is None else rows] = st[kind][k]
-        end = torch.cat([p.reshape(runs * n, -1) for p in server["params"].values()], dim=1)
-        out = []
-        for i, model in enumerate(models):
-            start = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-            own = slice(i * n, (i + 1) * n)
-            out.append(((start - end[own]) / lrs[i], {k: v[own] for k, v in server["buffers"].items()}))
-        return out
+        for kind, given in (("params", params), ("buffers", buffers)):
+            for k, v in given.items():
+                v.copy_(st[kind][k])
 
     def _load(self, fresh: dict[str, dict[str, Tensor]]) -> dict:
-        """The static weights and buffers set to `fresh`'s {"params": ..., "buffers": ...} (the server
-        models' rows that train; allocated at first use)."""
+        """The static weights and buffers set to `fresh`'s {"params": ..., "buffers": ...} (allocated at
+        first use)."""
         st = self.static
         for kind in ("params", "buffers"):
             old = st.get(kind)

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 import prodigy_core
 from prodigy_core import step_variants
 from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
-from prodigy_core.attacks import Attack, make_attack
+from prodigy_core.attacks import Attack, idle_byzantine, make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.models import make_model
@@ -294,8 +294,7 @@ class RunState:
     stream: AuthorsBatchStream | None = None  # authors: the clients' batch stream (`make_batch_stream`)
     step_finite: Tensor | None = None  # the last server step's all-finite flag, unread (`server_round`)
     timer: PhaseTimer | None = None  # where its rounds go, into result.phase_seconds (set by `start_run`)
-    # clients 0..idle-1 do not train: f when the attack never reads their honest updates (`Attack.needs_own`)
-    idle: int = 0
+    idle: int = 0  # clients 0..idle-1 do not train (`attacks.idle_byzantine`)
 
 
 # glibc's malloc options (mallopt's parameter numbers) and the values `keep_freed_memory` sets
@@ -374,7 +373,7 @@ def start_run(
     ckpt = Path(checkpoint_dir) / f"{key}.pt" if checkpoint_dir is not None else None
     st = RunState(
         config, resolved, fed, model, pipeline, attack, streams, momentum, result, ckpt, stream=stream,
-        idle=idle_clients(resolved),
+        idle=idle_byzantine(resolved.attack, f, resolved.variant, resolved.attack_params),
     )  # fmt: skip
     if resume and ckpt is not None and ckpt.exists():
         try:
@@ -562,16 +561,6 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
     if engine != "auto":
         return engine
     return "batched" if device.type == "cuda" else AUTO_CPU_ENGINE[dataset]
-
-
-def idle_clients(config: RunConfig) -> int:
-    """How many clients of a run take no local step (ids 0..k-1, `RunState.idle`): its f Byzantine clients
-    when its attack never reads their honest updates (`Attack.needs_own`: ALIE, FOE, ...), else 0. Builds
-    the attack (a plug-in's code runs: only training, and the GPU driver's estimates of it, call this)."""
-    if config.n_byzantine == 0 or config.attack == "none":  # fields `resolved` never changes: no disk read
-        return 0
-    attack = make_attack(config.attack, variant=config.variant, params=config.attack_params)
-    return 0 if attack.needs_own() else config.n_byzantine
 
 
 def local_momentum(momentum: Tensor, pseudo_grads: Tensor, beta: float) -> Tensor:
@@ -837,14 +826,13 @@ def _width_groups(fed: Federation, batch_size: int) -> list[tuple[int, Tensor | 
 
 
 def _trained_groups(
-    fed: Federation, batch_size: int, idle: list[int]
+    fed: Federation, widths: list[tuple[int, Tensor | None]], idle: list[int]
 ) -> list[tuple[int, list[Tensor] | None, Tensor | None]]:
-    """The clients that train in `local_steps_stacked`, by batch width (`_width_groups`): [(width, each run's
-    client ids in it, their rows in the run-major (R N) stack)]; (width, None, None) when every client of
-    every run trains at that one width (no indexing). ``idle[i]``: run i's clients 0..idle[i]-1 train in no
-    group. A group where no client trains is left out."""
+    """The clients that train in `local_steps_stacked`, by batch width (`widths`: `_width_groups`): [(width,
+    each run's client ids in it, their rows in the run-major (R N) stack)]; (width, None, None) when every
+    client of every run trains at that one width (no indexing). ``idle[i]``: run i's clients 0..idle[i]-1
+    train in no group. A group where no client trains is left out."""
     n, device = fed.n_clients, fed.device
-    widths = _width_groups(fed, batch_size)
     if widths[0][1] is None and not any(idle):
         return [(widths[0][0], None, None)]
     out = []
@@ -909,12 +897,9 @@ def local_steps_stacked(
     streams = streams or [None] * runs
     idle = idle or [0] * runs
     solo = _width_groups(feds[0], resolved.batch_size)
-    groups = _trained_groups(feds[0], resolved.batch_size, idle)
+    groups = _trained_groups(feds[0], solo, idle)
     stacked = [rows for _, _, rows in groups]
     counts = [None if ids is None else [len(c) for c in ids] for _, ids, _ in groups]  # each run's rows
-    if hasattr(grad_fn, "local_steps") and solo[0][1] is None:  # `step_variants.StaticSteps`' own loop
-        args = (models, feds, steps, lrs, resolved, rngs, streams, draw_group, stacked[0], counts[0])
-        return grad_fn.local_steps(*args)
 
     def stack(tensors: list[Tensor]) -> Tensor:  # (R, ...) -> (R N, ...), run-major
         return torch.stack([t.detach() for t in tensors]).repeat_interleave(n, dim=0)
@@ -923,30 +908,30 @@ def local_steps_stacked(
     params = {name: stack([p[name] for p in named]) for name in named[0]}
     named = [dict(m.named_buffers()) for m in models]
     buffers = {name: stack([b[name] for b in named]) for name in named[0]}
-    members = [None if ids is None else [c.tolist() for c in ids] for _, ids, _ in groups]  # for the masks
     # each group's rows of the weights and buffers, taken once a round (the clients train independently)
     rows_state = [(params, buffers) if ids is None else ({name: v[ids] for name, v in params.items()},
                    {name: v[ids] for name, v in buffers.items()}) for ids in stacked]  # fmt: skip
-    for _ in range(steps):
-        if solo[0][1] is None:  # one batch width: every run's batches and masks drawn at once, same values
-            x, y, masks = draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)
-            rows = stacked[0]  # the rows that train (None: all)
-            batches = [
-                (x, y, masks) if rows is None else (x[rows], y[rows], {k: m[rows] for k, m in masks.items()})
-            ]
-        else:
-            parts = []  # per run, per width group: (images, labels, dropout masks), None: no client of it
-            for i in range(runs):
-                x, y, _ = _draw_batch(feds[i], resolved.batch_size, rngs[i], streams[i])
-                parts.append([(x[ids[i], :w], y[ids[i], :w], _train_masks(grad_fn.net, rngs[i], clients[i],
-                               x[ids[i], :w], rngs[i].step)) if clients[i] else None
-                              for (w, ids, _), clients in zip(groups, members, strict=True)])  # fmt: skip
-                rngs[i].step += 1
-            batches = [_cat_runs([run[g] for run in parts if run[g] is not None]) for g in range(len(groups))]
-        for g, (p, b) in enumerate(rows_state):
-            xs, ys, ms = batches[g]
-            grads = list(grad_fn(p, b, xs, ys, ms).values())
-            step_variants.sgd_update(grads, list(p.values()), lrs, resolved.weight_decay, counts[g])
+
+    def draw_one_width() -> tuple[Tensor, Tensor, dict[str, Tensor]]:  # every run's at once, same values
+        x, y, masks = draw_group(feds, resolved.batch_size, rngs, streams, grad_fn.net)
+        rows = stacked[0]  # the rows that train (None: all)
+        return (x, y, masks) if rows is None else (x[rows], y[rows], {k: m[rows] for k, m in masks.items()})
+
+    members = [None if ids is None else [c.tolist() for c in ids] for _, ids, _ in groups]  # for the masks
+    if solo[0][1] is None and hasattr(grad_fn, "local_steps"):  # `step_variants.StaticSteps`' own loop
+        grad_fn.local_steps(*rows_state[0], steps, lrs, resolved.weight_decay, counts[0], draw_one_width)
+    else:
+        for _ in range(steps):
+            if solo[0][1] is None:
+                batches = [draw_one_width()]
+            else:
+                batches = _draw_width_groups(
+                    feds, resolved.batch_size, rngs, streams, groups, members, grad_fn.net
+                )
+            for g, (p, b) in enumerate(rows_state):
+                xs, ys, ms = batches[g]
+                grads = list(grad_fn(p, b, xs, ys, ms).values())
+                step_variants.sgd_update(grads, list(p.values()), lrs, resolved.weight_decay, counts[g])
     for ids, (p, b) in zip(stacked, rows_state, strict=True):  # each group's weights and buffers written back
         if ids is not None:
             for name, v in p.items():
@@ -960,6 +945,29 @@ def local_steps_stacked(
         rows = slice(i * n, (i + 1) * n)
         out.append(((start - end[rows]) / lrs[i], {name: v[rows] for name, v in buffers.items()}))
     return out
+
+
+def _draw_width_groups(
+    feds: list[Federation],
+    batch_size: int,
+    rngs: list[ClientStreams],
+    streams: list[AuthorsBatchStream | None],
+    groups: list[tuple[int, list[Tensor], Tensor]],
+    members: list[list[list[int]]],
+    net: FunctionalNet,
+) -> list[tuple[Tensor, Tensor, dict[str, Tensor]]]:
+    """One local step's (images, labels, dropout masks) of every width group of `_trained_groups` (clients
+    of several batch widths), its runs joined: each run draws its own batch (`_draw_batch`), each group
+    takes its clients' first `width` samples and their masks (`_train_masks`; `members`: each group's
+    client ids per run, on the host)."""
+    parts = []  # per run, per width group; None: the run has no client in it
+    for i, (fed, rng, stream) in enumerate(zip(feds, rngs, streams, strict=True)):
+        x, y, _ = _draw_batch(fed, batch_size, rng, stream)
+        parts.append([(x[ids[i], :w], y[ids[i], :w], _train_masks(net, rng, clients[i], x[ids[i], :w],
+                       rng.step)) if clients[i] else None
+                      for (w, ids, _), clients in zip(groups, members, strict=True)])  # fmt: skip
+        rng.step += 1
+    return [_cat_runs([run[g] for run in parts if run[g] is not None]) for g in range(len(groups))]
 
 
 def _cat_runs(parts: list[tuple[Tensor, Tensor, dict[str, Tensor]]]) -> tuple[Tensor, Tensor, dict]:

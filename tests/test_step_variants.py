@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prodigy_core import step_variants, training
+from prodigy_core.attacks import idle_byzantine
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import load_federation
 from prodigy_core.models import make_model
@@ -126,11 +127,11 @@ def test_idle_clients_keep_the_server_model_and_the_others_train_as_if_all_did(
      ("alie", "authors", 0), ("none", "paper", 0), ("sf", "paper", 0), ("lf", "paper", 0)],
 )  # fmt: skip
 def test_a_runs_idle_clients_are_its_byzantine_ones_when_its_attack_ignores_them(attack, variant, idle):
-    """`training.idle_clients` (what `start_run` sets and the GPU driver's estimates read): f = 3 under an
+    """`attacks.idle_byzantine` (what `start_run` sets and the GPU driver's estimates read): f = 3 under an
     attack whose rows come from the honest updates alone, none where the Byzantine clients' own training is
     sent (none, SF, LF; the authors' ALIE, which sends it at z = 0)."""
     config = RunConfig(**{**TINY, "n_clients": 10, "n_byzantine": 3, "attack": attack, "variant": variant})
-    assert training.idle_clients(config) == idle
+    assert idle_byzantine(attack, 3, variant) == idle
     assert training.start_run(config, torch.device("cpu"), "sequential").idle == idle
 
 
@@ -163,8 +164,7 @@ def test_static_buffer_steps_of_a_group_are_each_runs_own():
     static = StaticSteps(training.ClientGrad(models[0]))
     for _ in range(2):  # two rounds: the second writes into the first's buffers
         rngs = [ClientStreams(i, 4) for i in range(3)]
-        together = static.local_steps(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, [None] * 3,
-                                      training.draw_group)  # fmt: skip
+        together = training.local_steps_stacked(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, static)
     assert len(static.static["x"]) == 3 * 4  # the static path
     for i, model in enumerate(models):
         ((alone, buf),) = training.local_steps_stacked(
