@@ -609,9 +609,9 @@ def phase_line(batch: list[Any], records: list[dict | None]) -> str:
 
 def cross_device_check(driver: Driver) -> None:
     """The first check: the committed CPU reference (benchmarks/cross_device_reference.json, made by
-    scripts/cross_device_reference.py) rerun on this device; its agreement to rounding, or the round where
-    it parts, goes into the summary. --simulate: a tiny digits reference made here with the sequential
-    engine, rerun with the batched one."""
+    scripts/cross_device_reference.py) rerun on this device; its agreement (to rounding, or within the
+    spread of the CPU's two engines on it), or the round where it parts, goes into the summary.
+    --simulate: a tiny digits reference made here with the sequential engine, rerun with the batched one."""
     import importlib.util
 
     script = ROOT / "scripts" / "cross_device_reference.py"

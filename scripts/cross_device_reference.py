@@ -6,8 +6,12 @@
 
 One key names one computation on any device (`config.STREAMS_REVISION`), so the GPU's run must agree with
 this one to float32 rounding: the same clients zeroed and the same z chosen every round, the per-round test
-loss and every client's update norm within `RTOL`, and the final parameters' 64 fixed random projections
-(Gaussian, seeded) within `RTOL`. The summary is computed by `summarise`, the check by `compare`.
+accuracy, every client's update norm and the final parameters' 64 fixed random projections (Gaussian,
+seeded) within max(`RTOL`, `autotune.FLOOR_FACTOR` x the same measure between the two CPU engines). The
+reference is the sequential engine's run; its `twin`, the batched engine's run of the same key on the same
+CPU, is the noise floor: on this CNN (BatchNorm, dropout, crops and flips, 10 local steps) the two CPU
+engines already part by 4e-3 in the update norms after one round, so a device is judged against that
+spread, not against a tolerance rounding alone exceeds. `summarise` makes a summary, `compare` checks one.
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a source tree, no install needed
 
+from benchmarks.autotune import FLOOR_FACTOR  # noqa: E402 - a measure's bound over its floor, as the gate's
+
 REFERENCE = ROOT / "benchmarks" / "cross_device_reference.json"
 PROJECTIONS, PROJECTION_SEED = 64, 0
-# float32 rounding across devices and kernels after 3 rounds of 10 local steps (relative); anything larger
-# is a different computation (or a near-tie that rounding flipped: the check names the round either way)
+# float32 rounding across devices and kernels (relative): the bound where the reference has no twin (the
+# digits check of `gpu_run.py --simulate`, whose engines agree to 1e-8); with a twin, the larger of this and
+# FLOOR_FACTOR x the twin's distance from the reference
 RTOL = 1e-3
+ACCURACY_POINTS = 0.1  # the same for the test accuracy, in points
+MEASURES = ("update_norms", "zeroed_clients", "z", "accuracy", "final_loss", "projections")  # a twin's
 CONFIG = dict(dataset="cifar10", data_source="cifar10-jpeg", defense="prodigy", attack="alie",
               distribution="dirichlet", dirichlet_alpha=0.1, n_clients=10, n_byzantine=3, local_steps=10,
               local_momentum=0.9, seed=0, rounds=3, eval_every=1)  # fmt: skip
@@ -86,36 +95,68 @@ def _gap(a: list[float], b: list[float]) -> float:
 
 
 def compare(found: dict[str, Any], reference: dict[str, Any], rtol: float = RTOL) -> tuple[bool, str]:
-    """(agree, one line): whether `found` reproduces `reference` to rounding (the same key; every round's
-    zeroed clients and z equal, update norms within rtol (relative, as a vector), accuracy within 0.1
-    points; the final loss and the projections within rtol), else the first round where they part and how."""
+    """(agree, one line): whether `found` reproduces `reference` (the same key; every round's zeroed clients
+    and z equal to the reference's or its twin's; the update norms (relative, as a vector) and the accuracy
+    within max(rtol or ACCURACY_POINTS, FLOOR_FACTOR x the twin's distance from the reference at that round);
+    the final loss and the projections likewise), else the first round where they part and how."""
     if found["key"] != reference["key"]:
         return False, f"another computation: key {found['key']} != the reference's {reference['key']}"
-    rounds, gaps = len(reference["update_norms"]), [0.0]
+    twin = reference.get("twin") or reference  # no twin: a floor of 0
+
+    def bound(tolerance: float, spread: float) -> float:
+        return max(tolerance, FLOOR_FACTOR * spread)
+
+    rounds, worst = len(reference["update_norms"]), []  # worst: (measured, its spread), every measure
     for r in range(rounds):
         if r >= len(found["update_norms"]):
             return False, f"parts at round {r + 1}: the run stopped after {len(found['update_norms'])} rounds"
         what = []
-        mine, theirs = found["zeroed_clients"][r : r + 1], reference["zeroed_clients"][r : r + 1]
-        if mine != theirs:
-            what.append(f"zeroed {mine} != {theirs}")
-        if found["z"][r] != reference["z"][r]:
+        mine = found["zeroed_clients"][r : r + 1]
+        if mine not in (reference["zeroed_clients"][r : r + 1], twin["zeroed_clients"][r : r + 1]):
+            what.append(f"zeroed {mine} != {reference['zeroed_clients'][r : r + 1]}")
+        if found["z"][r] not in (reference["z"][r], twin["z"][r]):
             what.append(f"z {found['z'][r]} != {reference['z'][r]}")
-        gaps.append(_gap(found["update_norms"][r], reference["update_norms"][r]))
-        if gaps[-1] > rtol:
-            what.append(f"update norms {gaps[-1]:.1e} relative")
-        if abs(found["accuracy"][r] - reference["accuracy"][r]) > 0.1:
+        gap = _gap(found["update_norms"][r], reference["update_norms"][r])
+        spread = _gap(twin["update_norms"][r], reference["update_norms"][r])
+        worst.append((gap, spread))
+        if gap > bound(rtol, spread):
+            what.append(f"update norms {gap:.1e} relative{_spread(spread)}")
+        points, spread = (
+            abs(found["accuracy"][r] - reference["accuracy"][r]),
+            abs(twin["accuracy"][r] - reference["accuracy"][r]),
+        )
+        if points > bound(ACCURACY_POINTS, spread):
             what.append(f"accuracy {found['accuracy'][r]:.2f} != {reference['accuracy'][r]:.2f}")
         if what:
             return False, f"parts at round {r + 1} of {rounds}: {'; '.join(what)}"
     for name in ("final_loss", "projections"):
-        mine, theirs = found[name], reference[name]
-        gaps.append(
-            _gap(mine if isinstance(mine, list) else [mine], theirs if isinstance(theirs, list) else [theirs])
-        )
-        if gaps[-1] > rtol:
-            return False, f"parts after round {rounds}: {name} {gaps[-1]:.1e} relative"
-    return True, f"agrees to rounding over {rounds} rounds (largest relative difference {max(gaps):.1e})"
+        mine, theirs, other = (_listed(s[name]) for s in (found, reference, twin))
+        gap, spread = _gap(mine, theirs), _gap(other, theirs)
+        worst.append((gap, spread))
+        if gap > bound(rtol, spread):
+            return False, f"parts after round {rounds}: {name} {gap:.1e} relative{_spread(spread)}"
+    gap, spread = max(worst)
+    if gap <= rtol:
+        return True, f"agrees to rounding over {rounds} rounds (largest relative difference {gap:.1e})"
+    return True, (
+        f"agrees within the CPU engines' own spread over {rounds} rounds (largest relative difference "
+        f"{gap:.1e}; sequential vs batched on the CPU: {spread:.1e})"
+    )
+
+
+def _listed(value: Any) -> list[float]:
+    return value if isinstance(value, list) else [value]
+
+
+def _spread(spread: float) -> str:
+    return f" (the CPU engines' own: {spread:.1e})" if spread else ""
+
+
+def reference_with_twin(reference: dict[str, Any], twin: dict[str, Any]) -> dict[str, Any]:
+    """The committed file: the sequential engine's summary with the batched engine's measures as its twin."""
+    if twin["key"] != reference["key"]:
+        raise ValueError(f"the twin's key {twin['key']} is not the reference's {reference['key']}")
+    return {**reference, "twin": {"engine": twin["engine"], **{k: twin[k] for k in MEASURES}}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
     decode_cifar10_jpeg(CIFAR10_JPEG_ARCHIVE, args.data_dir, progress=False)  # once; kept when decoded
-    summary = summarise(**overrides)
+    summary = reference_with_twin(summarise(**overrides, engine="sequential"),
+                                  summarise(**overrides, engine="batched"))  # fmt: skip
     args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {args.out} (key {summary['key']})")
     return 0

@@ -1,8 +1,11 @@
 """The cross-device reference's check (scripts/cross_device_reference.py) on a tiny digits reference made
-here: a rerun with the other engine agrees to rounding, and a changed round is named."""
+here: a rerun with the other engine agrees to rounding, a changed round is named, and a reference with a
+twin judges each measure against the twin's distance from it (the noise floor). The committed reference is
+of the current key."""
 
 import copy
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -67,3 +70,56 @@ def test_projections_are_a_seeded_gaussian_matrix_times_theta(ref):
     matrix = torch.stack([torch.randn(5, generator=gen, dtype=torch.float64) for _ in range(3)])
     expected = (matrix @ theta.double() / math.sqrt(5)).tolist()
     assert ref.projections(theta, count=3) == pytest.approx(expected, rel=1e-12)
+
+
+def _twin(summary: dict, scale: float) -> dict:
+    """`summary` with every client's update norm at every round x (1 + scale): a twin that far from it."""
+    twin = copy.deepcopy(summary)
+    twin["update_norms"] = [[v * (1 + scale) for v in row] for row in twin["update_norms"]]
+    return twin
+
+
+def test_a_twin_sets_the_floor_each_measure_is_judged_against(ref, pair):
+    """The committed CIFAR-10 reference's two CPU engines part by 4e-3 (update norms, round 1): a device as
+    far from the reference as the twin, or up to FLOOR_FACTOR times, agrees and the line says it is within
+    the engines' own spread; beyond that it parts, with the spread named."""
+    reference, found = pair
+    with_twin = ref.reference_with_twin(reference, _twin(reference, 4e-3))
+    assert ref.compare(found, with_twin)[0]  # within rounding stays "to rounding"
+    agree, line = ref.compare(_twin(found, 6e-3), with_twin)
+    assert agree and line.startswith("agrees within the CPU engines' own spread over 3 rounds"), line
+    agree, line = ref.compare(_twin(found, 1e-2), with_twin)
+    assert not agree and line.startswith("parts at round 1 of 3: update norms 1.0e-02 relative"), line
+    assert "the CPU engines' own: 4.0e-03" in line
+    # without a twin the same 6e-3 parts: RTOL is float32 rounding alone
+    assert not ref.compare(_twin(found, 6e-3), reference)[0]
+
+
+def test_a_choice_the_twin_made_differently_is_accepted(ref, pair):
+    """Where the two CPU engines chose different zeroed clients or z (a near-tie rounding flipped), either
+    choice agrees; a third does not."""
+    reference, found = pair
+    twin = copy.deepcopy(reference)
+    twin["z"][1] = reference["z"][1] + 0.125
+    with_twin = ref.reference_with_twin(reference, twin)
+    moved = copy.deepcopy(found)
+    moved["z"][1] = twin["z"][1]
+    assert ref.compare(moved, with_twin)[0]
+    moved["z"][1] = reference["z"][1] + 0.25
+    assert ref.compare(moved, with_twin)[1].startswith("parts at round 2 of 3: z")
+
+
+def test_the_committed_reference_is_of_the_current_key(ref):
+    """A change to what a key holds (a revision, a new field) leaves the committed reference naming another
+    computation, and the GPU window's first check would only say so: regenerate it with
+    `python scripts/cross_device_reference.py` (about 5 minutes on a 2-core CPU)."""
+    from prodigy_core.config import RunConfig
+
+    committed = json.loads(ref.REFERENCE.read_text(encoding="utf-8"))
+    current = RunConfig(**ref.CONFIG, device="cpu").key()
+    assert committed["key"] == current, (
+        f"benchmarks/cross_device_reference.json is of key {committed['key']}, the config's now {current}: "
+        "regenerate it with `python scripts/cross_device_reference.py`"
+    )
+    assert committed["engine"] == "sequential" and committed["twin"]["engine"] == "batched"
+    assert set(ref.MEASURES) <= committed["twin"].keys()
