@@ -56,6 +56,10 @@ EVAL_SHARE = 0.05
 PROFILE_ROUNDS, PROFILE_ROWS = 3, 25  # the profiling step: rounds of the first group, rows of each table
 PHASES = ("local", "craft", "aggregate", "eval", "rest")  # training.PHASES, the record's `phase_seconds`
 PROFILE_S = 10.0  # about what the profiling step costs on a GPU; skipped when the deadline leaves less
+# A dataset after the first is made ready (`Driver.prepare`: decode, check, probe, autotune) only with this
+# much left: on the H200 that took 10-17 s with a reused autotune (CIFAR-10) and a paper-scale run 35-125 s,
+# so with less no run of it could follow.
+PREPARE_MIN_S = 60.0
 CIFAR10_ARCHIVE = Path("cifar10-jpeg") / "cifar10-jpeg.tar.gz"  # under --data
 FEMNIST_FOLDER = Path("femnist-leaf-24")
 TABLE1_ROWS = ["prodigy", "nnm+trimmed_mean"]
@@ -161,6 +165,8 @@ class Driver:
         self.group_size = args.group_size
         self.rates: dict[str, float] = {}  # dataset -> seconds per run-round, from the last group
         self.tune: dict[str, Any] = {}  # dataset -> the autotune's choice and rates (`autotune.autotune`)
+        self.report: dict[str, Any] = {}  # autotune.json: every dataset tuned or reused so far
+        self.ready: set[str] = set()  # the datasets `prepare` has made ready
         # The estimates (`estimate`), from measurements, updated after every group: one run's server side per
         # round in steady state, per (dataset, defense, attack), from the gate or the finished runs of that
         # kind; the measured local steps of finished groups / their prediction from the autotune's step_s,
@@ -201,34 +207,36 @@ class Driver:
             tuned.append(c.replace(**choice, checkpoint_every=c.rounds))
         return dataclasses.replace(exp, configs=tuned)
 
-    def autotune(self) -> None:
-        """Time, gate and choose the precision and engine of each dataset the plan uses
-        (`autotune.autotune`, at most `autotune.BUDGET_S`); `autotune.json` goes into the tarball. An earlier
-        report (--autotune FILE, else the --resume tarball's autotune.json) is reused as it is when it was
-        made on the same GPU and software (`autotune.mismatch`): then the autotune costs nothing."""
+    def autotune(self, dataset: str, config: Any) -> None:
+        """Time, gate and choose the precision and engine of `dataset` (`autotune.autotune`, at most
+        `autotune.BUDGET_S`), `config` one of its runs; its entry joins `autotune.json` (the tarball). An
+        earlier report (--autotune FILE, else the --resume tarball's autotune.json) is reused as it is when it
+        was made on the same GPU and software and tuned this dataset (`autotune.mismatch`): then it costs
+        nothing."""
         from benchmarks import autotune
         from prodigy_core import training
         from prodigy_core.seeding import resolve_device
 
-        configs = {}
-        for step in plan(self.args.profile, self.args.simulate):
-            c = self.experiment(step).configs[0]
-            configs.setdefault(c.dataset, c.replace(engine="batched"))
+        config = config.replace(engine="batched")
+        device = resolve_device(config.resolved().device)
         earlier, source = self.earlier_autotune()
         if source is not None:
-            device = resolve_device(next(iter(configs.values())).resolved().device)
-            why = autotune.mismatch(earlier, autotune.fingerprint(device), list(configs))
+            why = autotune.mismatch(earlier, autotune.fingerprint(device), [dataset])
             if why is None:
-                self.log(f"autotune: reused from {source} (same GPU, torch, CUDA, cuDNN and tuned code)")
-                self.use_autotune({**earlier, "reused_from": str(source)})
+                self.log(f"autotune {dataset}: reused from {source} (same GPU, torch, CUDA, cuDNN and tuned "
+                         "code)")  # fmt: skip
+                reused = {**self.report.get("reused_from", {}), dataset: str(source)}
+                self.use_autotune({**earlier, "datasets": {dataset: earlier["datasets"][dataset]},
+                                   "reused_from": reused})  # fmt: skip
                 return
-            self.log(f"autotune: {source} not reused: {why}; tuning here (at most {autotune.BUDGET_S:.0f} s)")
+            self.log(f"autotune {dataset}: {source} not reused: {why}; tuning here (at most "
+                     f"{autotune.BUDGET_S:.0f} s)")  # fmt: skip
         try:
-            feds = {d: training._load_federation(c.resolved(), resolve_device(c.resolved().device))
-                    for d, c in configs.items()}  # fmt: skip
-            report = autotune.autotune(configs, feds, tolerances=self.args.tolerances, log=self.log)
+            fed = training._load_federation(config.resolved(), device)
+            report = autotune.autotune({dataset: config}, {dataset: fed}, tolerances=self.args.tolerances,
+                                       log=self.log)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - without it the runs go on at fp32, one group size
-            note = f"autotune failed ({type(e).__name__}: {e}); fp32, batched, the probe's rates"
+            note = f"autotune {dataset} failed ({type(e).__name__}: {e}); fp32, batched, the probe's rates"
             self.notes.append(note)
             self.log(note)
             return
@@ -255,15 +263,18 @@ class Driver:
 
     def use_autotune(self, report: dict[str, Any]) -> None:
         """The autotune's choice per dataset, its gate's server side per (defense, attack) as the first
-        estimates of those kinds (`estimate`); `autotune.json` for the tarball."""
-        self.tune = report["datasets"]
-        for dataset, tune in self.tune.items():
+        estimates of those kinds (`estimate`); joined to the datasets tuned before in `autotune.json` (the
+        tarball)."""
+        datasets = {**self.report.get("datasets", {}), **report["datasets"]}
+        self.report = {**self.report, **report, "datasets": datasets}
+        self.tune.update(report["datasets"])
+        for dataset, tune in report["datasets"].items():
             server = tune.get("server_s")
             kinds = server.items() if isinstance(server, dict) else []  # an older report: one float, unused
             for kind, seconds in kinds:
                 defense, _, attack = kind.rpartition("/")
                 self.server_s[dataset, defense, attack] = float(seconds)
-        (self.work / "autotune.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+        (self.work / "autotune.json").write_text(json.dumps(self.report, indent=1), encoding="utf-8")
 
     def step_s(self, dataset: str) -> dict[int, float]:
         """{group size: seconds of one local step} of the autotune's choice for `dataset` ({} without)."""
@@ -356,40 +367,59 @@ class Driver:
         if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
             self.local_factor[dataset] = measured / predicted
 
-    def probe(self) -> None:
-        """A 2-member group x 2 rounds of each dataset the plan uses, in a scratch results folder."""
+    def prepare(self, dataset: str, config: Any, first: bool = False) -> bool:
+        """Make `dataset` ready when the first step that trains it comes up (`config`: one of its runs): the
+        CIFAR-10 JPEG copy decoded, the cross-device check, the probe, the autotune (or its reuse); a dataset
+        no step reaches costs nothing (the 2026-11-27 windows paid about 25 s a command for a CIFAR-10 that
+        no run of theirs used). False, and nothing done, with less than PREPARE_MIN_S left, except for the
+        `first` step's dataset (made ready whatever the deadline, as the window's start)."""
+        if dataset in self.ready:
+            return True
+        tic = time.monotonic()
+        left = self.args.deadline - (tic - self.start)
+        if left < PREPARE_MIN_S and not first:
+            self.log(f"{dataset}: not prepared ({left:.0f} s left, under the {PREPARE_MIN_S:.0f} s it needs)")
+            return False
+        if dataset == "cifar10" and not self.args.simulate:
+            from prodigy_core.data import decode_cifar10_jpeg
+
+            decode_cifar10_jpeg(self.args.data / CIFAR10_ARCHIVE, self.work / "data", progress=False)
+            self.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s")
+        cross_device_check(self, dataset)
+        self.probe(dataset, config)
+        self.autotune(dataset, config)
+        self.ready.add(dataset)
+        toc = time.monotonic()
+        self.log(f"{dataset}: ready in {toc - tic:.0f} s (t = {toc - self.start:.0f} s)")
+        return True
+
+    def probe(self, dataset: str, c: Any) -> None:
+        """A 2-member group x 2 rounds of `dataset` (`c`: one of its runs), in a scratch results folder."""
         from prodigy_core import groups
 
-        datasets = {}
-        for step in plan(self.args.profile, self.args.simulate):
-            c = self.experiment(step).configs[0]
-            datasets.setdefault(c.dataset, c)
-        for dataset, c in datasets.items():
-            pair = [
-                c.replace(rounds=2, eval_every=1, attack="none", defense=d, engine="batched")
-                for d in ("average", "prodigy")
-            ]
-            tic = time.monotonic()
-            try:
-                outcomes = groups.run_group(pair, sync_timing=True)  # round times are read below
-                bad = [o for o in outcomes if isinstance(o, BaseException)]
-                if bad:
-                    raise bad[0]
-            except Exception as e:  # noqa: BLE001 - any failure of the grouped path: go on one at a time
-                self.group_size = 1
-                note = (
-                    f"probe {dataset}: the 2-member group failed ({type(e).__name__}: {e}); one run at a time"
-                )
-                self.notes.append(note)
-                self.log(note)
-                continue
-            seconds = time.monotonic() - tic
-            # the group's warm second round (its members' shares add up to it), with a margin for what the
-            # probe leaves out (evaluations, an attack's search); the first round pays the start-up
-            per_run_round = sum(o.round_times[-1] for o in outcomes) / len(outcomes)
-            self.rates.setdefault(dataset, PROBE_MARGIN * per_run_round)
-            self.log(f"probe {dataset}: 2-member group x 2 rounds in {seconds:.1f} s "
-                     f"(second round {per_run_round * len(outcomes):.2f} s)")  # fmt: skip
+        pair = [
+            c.replace(rounds=2, eval_every=1, attack="none", defense=d, engine="batched")
+            for d in ("average", "prodigy")
+        ]
+        tic = time.monotonic()
+        try:
+            outcomes = groups.run_group(pair, sync_timing=True)  # round times are read below
+            bad = [o for o in outcomes if isinstance(o, BaseException)]
+            if bad:
+                raise bad[0]
+        except Exception as e:  # noqa: BLE001 - any failure of the grouped path: go on one at a time
+            self.group_size = 1
+            note = f"probe {dataset}: the 2-member group failed ({type(e).__name__}: {e}); one run at a time"
+            self.notes.append(note)
+            self.log(note)
+            return
+        seconds = time.monotonic() - tic
+        # the group's warm second round (its members' shares add up to it), with a margin for what the
+        # probe leaves out (evaluations, an attack's search); the first round pays the start-up
+        per_run_round = sum(o.round_times[-1] for o in outcomes) / len(outcomes)
+        self.rates.setdefault(dataset, PROBE_MARGIN * per_run_round)
+        self.log(f"probe {dataset}: 2-member group x 2 rounds in {seconds:.1f} s "
+                 f"(second round {per_run_round * len(outcomes):.2f} s)")  # fmt: skip
 
     def profile(self) -> None:
         """torch.profiler over PROFILE_ROUNDS rounds of the first step's first group (its planned size, in a
@@ -441,6 +471,9 @@ class Driver:
         self.left.pop(step.name, None)
         try:
             exp = self.experiment(step)
+            if not self.prepare(exp.configs[0].dataset, exp.configs[0]):
+                return  # "not started": too little time left to make its dataset ready
+            exp = self.experiment(step)  # at the autotune's choice
         except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
             row["status"] = f"failed: {type(e).__name__}: {e}"
             self.log(f"== {step.name}: {row['status']}")
@@ -607,17 +640,20 @@ def phase_line(batch: list[Any], records: list[dict | None]) -> str:
     return "s/round: " + ", ".join(f"{p} {v:.4f}" for p, v in totals.items())
 
 
-def cross_device_check(driver: Driver) -> None:
-    """The first check: the committed CPU reference (benchmarks/cross_device_reference.json, made by
+def cross_device_check(driver: Driver, dataset: str) -> None:
+    """A dataset's first check: its committed CPU reference (benchmarks/cross_device/<dataset>.json, made by
     scripts/cross_device_reference.py) rerun on this device; its agreement (to rounding, or within the
-    spread of the CPU's two engines on it), or the round where it parts, goes into the summary.
-    --simulate: a tiny digits reference made here with the sequential engine, rerun with the batched one."""
+    spread of the CPU's two engines on it), or the round where it parts, goes into the summary. None for a
+    dataset without one. --simulate: a tiny digits reference made here with the sequential engine, rerun
+    with the batched one."""
     import importlib.util
 
     script = ROOT / "scripts" / "cross_device_reference.py"
     spec = importlib.util.spec_from_file_location("cross_device", script)
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
+    if not driver.args.simulate and not ref.reference_path(dataset).is_file():
+        return
     try:
         if driver.args.simulate:
             fields = dict(dataset="digits", distribution="iid", defense="prodigy", attack="alie",
@@ -626,12 +662,12 @@ def cross_device_check(driver: Driver) -> None:
             reference = ref.summarise(fields, engine="sequential")
             found = ref.summarise(fields, engine="batched")
         else:
-            reference = json.loads(ref.REFERENCE.read_text(encoding="utf-8"))
-            found = ref.summarise(device="cuda")
+            reference = json.loads(ref.reference_path(dataset).read_text(encoding="utf-8"))
+            found = ref.summarise(ref.CONFIGS[dataset], device="cuda")
         _, line = ref.compare(found, reference)
     except Exception as e:  # the check reports; the session's runs still go on
         line = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    driver.notes.append(f"cross-device check vs the CPU reference: {line}")
+    driver.notes.append(f"cross-device check vs the CPU reference, {dataset}: {line}")
     driver.log(driver.notes[-1])
 
 
@@ -690,12 +726,6 @@ def run(args: argparse.Namespace) -> int:
             (work / "profile.txt").write_bytes(earlier["profile.txt"])
         keep_earlier_commands(work, earlier, args.resume)
         driver.log(f"resumed from {args.resume}: {len(list((work / 'results').rglob('*.json')))} records")
-    if not args.simulate:
-        from prodigy_core.data import decode_cifar10_jpeg
-
-        tic = time.monotonic()
-        decode_cifar10_jpeg(args.data / CIFAR10_ARCHIVE, work / "data", progress=False)
-        driver.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s")
     from prodigy_core.training import shared_federations
 
     with shared_federations():  # every data set loaded once in this process
@@ -718,11 +748,10 @@ def keep_earlier_commands(work: Path, files: dict[str, bytes], tarball: Path) ->
 
 
 def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
-    """The cross-device check, the probe, the autotune and the plan's steps (`run` after the preflight and
-    the setup)."""
-    cross_device_check(driver)
-    driver.probe()
-    driver.autotune()
+    """The plan's steps, each dataset made ready when its first step comes up (`Driver.prepare`), the first
+    step's profiled (`run` after the preflight and the setup)."""
+    first = driver.experiment(plan(args.profile, args.simulate)[0]).configs[0]
+    driver.prepare(first.dataset, first, first=True)
     if getattr(args, "profile_step", True):
         driver.profile()
     driver.refresh_out()

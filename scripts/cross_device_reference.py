@@ -1,8 +1,9 @@
-"""The cross-device reference (issue 34): 3 rounds of CIFAR-10 (the JPEG copy), ProDiGy under ALIE, Dirichlet
-0.1, FedAVG E=10, beta 0.9, seed 0, N=10 f=3, run on the CPU and summarised in a few KB that
-`benchmarks/gpu_run.py` reproduces on the GPU as its first check (`compare`).
+"""The cross-device references (issue 34): 3 rounds of ProDiGy under ALIE at the paper's shape of each
+dataset a GPU window trains, run on the CPU and summarised in a few KB that `benchmarks/gpu_run.py`
+reproduces on the GPU as the first check of that dataset (`compare`): CIFAR-10 (the JPEG copy, Dirichlet
+0.1, N=10 f=3) and FEMNIST (the 24-writer LEAF folder, N=20 f=6), FedAVG E=10, beta 0.9, seed 0.
 
-    python scripts/cross_device_reference.py [--data-dir DIR] [--out benchmarks/cross_device_reference.json]
+    python scripts/cross_device_reference.py DATASET [--data-dir DIR] [--out FILE]
 
 One key names one computation on any device (`config.STREAMS_REVISION`), so the GPU's run must agree with
 this one to float32 rounding: the same clients zeroed and the same z chosen every round, the per-round test
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))  # runs from a source tree, no install needed
 
 from benchmarks.autotune import FLOOR_FACTOR  # noqa: E402 - a measure's bound over its floor, as the gate's
 
-REFERENCE = ROOT / "benchmarks" / "cross_device_reference.json"
+REFERENCES = ROOT / "benchmarks" / "cross_device"  # <dataset>.json
 PROJECTIONS, PROJECTION_SEED = 64, 0
 # float32 rounding across devices and kernels (relative): the bound where the reference has no twin (the
 # digits check of `gpu_run.py --simulate`, whose engines agree to 1e-8); with a twin, the larger of this and
@@ -36,9 +37,32 @@ PROJECTIONS, PROJECTION_SEED = 64, 0
 RTOL = 1e-3
 ACCURACY_POINTS = 0.1  # the same for the test accuracy, in points
 MEASURES = ("update_norms", "zeroed_clients", "z", "accuracy", "final_loss", "projections")  # a twin's
-CONFIG = dict(dataset="cifar10", data_source="cifar10-jpeg", defense="prodigy", attack="alie",
-              distribution="dirichlet", dirichlet_alpha=0.1, n_clients=10, n_byzantine=3, local_steps=10,
-              local_momentum=0.9, seed=0, rounds=3, eval_every=1)  # fmt: skip
+COMMON = dict(defense="prodigy", attack="alie", local_steps=10, local_momentum=0.9, seed=0, rounds=3,
+              eval_every=1)  # fmt: skip
+CONFIGS = {
+    "cifar10": dict(
+        dataset="cifar10",
+        data_source="cifar10-jpeg",
+        distribution="dirichlet",
+        dirichlet_alpha=0.1,
+        n_clients=10,
+        n_byzantine=3,
+        **COMMON,
+    ),  # fmt: skip
+    # Table II's writers: the first 20 with >= 350 samples (the key holds their ids and counts, not the path)
+    "femnist": dict(
+        dataset="femnist",
+        distribution="natural",
+        n_clients=20,
+        n_byzantine=6,
+        femnist_min_writer_samples=350,
+        **COMMON,
+    ),  # fmt: skip
+}
+
+
+def reference_path(dataset: str) -> Path:
+    return REFERENCES / f"{dataset}.json"
 
 
 def projections(theta: Any, count: int = PROJECTIONS, seed: int = PROJECTION_SEED) -> list[float]:
@@ -52,7 +76,7 @@ def projections(theta: Any, count: int = PROJECTIONS, seed: int = PROJECTION_SEE
     return [float(row @ theta) / math.sqrt(theta.numel()) for row in rows]
 
 
-def summarise(fields: dict[str, Any] = CONFIG, device: str = "cpu", **overrides: Any) -> dict[str, Any]:
+def summarise(fields: dict[str, Any], device: str = "cpu", **overrides: Any) -> dict[str, Any]:
     """Run the reference config (`fields` with `overrides`) on `device`; its summary: per round the test
     loss, every client's update norm (the server input's rows), the zeroed clients and the chosen z; the
     final parameters' projections; the config's key."""
@@ -96,9 +120,10 @@ def _gap(a: list[float], b: list[float]) -> float:
 
 def compare(found: dict[str, Any], reference: dict[str, Any], rtol: float = RTOL) -> tuple[bool, str]:
     """(agree, one line): whether `found` reproduces `reference` (the same key; every round's zeroed clients
-    and z equal to the reference's or its twin's; the update norms (relative, as a vector) and the accuracy
-    within max(rtol or ACCURACY_POINTS, FLOOR_FACTOR x the twin's distance from the reference at that round);
-    the final loss and the projections likewise), else the first round where they part and how."""
+    and z equal to the reference's or its twin's; the update norms (relative, as a vector) within max(rtol,
+    FLOOR_FACTOR x the twin's distance from the reference at that round), the accuracy within
+    max(ACCURACY_POINTS, FLOOR_FACTOR x the twin's largest distance in any round); the final loss and the
+    projections as the norms), else the first round where they part and how."""
     if found["key"] != reference["key"]:
         return False, f"another computation: key {found['key']} != the reference's {reference['key']}"
     twin = reference.get("twin") or reference  # no twin: a floor of 0
@@ -107,6 +132,10 @@ def compare(found: dict[str, Any], reference: dict[str, Any], rtol: float = RTOL
         return max(tolerance, FLOOR_FACTOR * spread)
 
     rounds, worst = len(reference["update_norms"]), []  # worst: (measured, its spread), every measure
+    # a test accuracy moves by whole images (one of FEMNIST's 772 is 0.13 points): its floor is the largest
+    # difference the twin showed in any round
+    accuracy_spread = max(abs(a - b) for a, b in zip(twin["accuracy"], reference["accuracy"], strict=True))
+    most_points = 0.0
     for r in range(rounds):
         if r >= len(found["update_norms"]):
             return False, f"parts at round {r + 1}: the run stopped after {len(found['update_norms'])} rounds"
@@ -121,11 +150,9 @@ def compare(found: dict[str, Any], reference: dict[str, Any], rtol: float = RTOL
         worst.append((gap, spread))
         if gap > bound(rtol, spread):
             what.append(f"update norms {gap:.1e} relative{_spread(spread)}")
-        points, spread = (
-            abs(found["accuracy"][r] - reference["accuracy"][r]),
-            abs(twin["accuracy"][r] - reference["accuracy"][r]),
-        )
-        if points > bound(ACCURACY_POINTS, spread):
+        points = abs(found["accuracy"][r] - reference["accuracy"][r])
+        most_points = max(most_points, points)
+        if points > bound(ACCURACY_POINTS, accuracy_spread):
             what.append(f"accuracy {found['accuracy'][r]:.2f} != {reference['accuracy'][r]:.2f}")
         if what:
             return False, f"parts at round {r + 1} of {rounds}: {'; '.join(what)}"
@@ -136,11 +163,12 @@ def compare(found: dict[str, Any], reference: dict[str, Any], rtol: float = RTOL
         if gap > bound(rtol, spread):
             return False, f"parts after round {rounds}: {name} {gap:.1e} relative{_spread(spread)}"
     gap, spread = max(worst)
-    if gap <= rtol:
+    if gap <= rtol and most_points <= ACCURACY_POINTS:
         return True, f"agrees to rounding over {rounds} rounds (largest relative difference {gap:.1e})"
     return True, (
         f"agrees within the CPU engines' own spread over {rounds} rounds (largest relative difference "
-        f"{gap:.1e}; sequential vs batched on the CPU: {spread:.1e})"
+        f"{gap:.1e}, theirs {spread:.1e}; accuracy {most_points:.2f} points apart at most, theirs "
+        f"{accuracy_spread:.2f})"
     )
 
 
@@ -161,17 +189,23 @@ def reference_with_twin(reference: dict[str, Any], twin: dict[str, Any]) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-dir", help="where the decoded JPEG copy is or goes (default: the data root)")
-    p.add_argument("--out", type=Path, default=REFERENCE)
+    p.add_argument("dataset", choices=sorted(CONFIGS))
+    p.add_argument("--data-dir", help="cifar10: where the decoded JPEG copy is or goes (default: the data "
+                   "root); femnist: the LEAF folder (default: `prodigy-fl data femnist`'s)")  # fmt: skip
+    p.add_argument("--out", type=Path, help="default: benchmarks/cross_device/<dataset>.json")
     args = p.parse_args(argv)
     from prodigy_core.data import CIFAR10_JPEG_ARCHIVE, decode_cifar10_jpeg
 
     overrides = {"data_dir": args.data_dir} if args.data_dir else {}
-    decode_cifar10_jpeg(CIFAR10_JPEG_ARCHIVE, args.data_dir, progress=False)  # once; kept when decoded
-    summary = reference_with_twin(summarise(**overrides, engine="sequential"),
-                                  summarise(**overrides, engine="batched"))  # fmt: skip
-    args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {args.out} (key {summary['key']})")
+    if args.dataset == "cifar10":
+        decode_cifar10_jpeg(CIFAR10_JPEG_ARCHIVE, args.data_dir, progress=False)  # once; kept when decoded
+    fields = CONFIGS[args.dataset]
+    summary = reference_with_twin(summarise(fields, **overrides, engine="sequential"),
+                                  summarise(fields, **overrides, engine="batched"))  # fmt: skip
+    out = args.out or reference_path(args.dataset)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out} (key {summary['key']})")
     return 0
 
 

@@ -59,7 +59,8 @@ def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run,
     assert tarball_keys(out) == finished_keys(work) and len(finished_keys(work)) == done
     env = (out / "env.txt").read_text()
     assert "tf32_matmul: False" in env and "deterministic: True" in env
-    assert "cross-device check vs the CPU reference: agrees to rounding" in (out / "summary.txt").read_text()
+    summary = (out / "summary.txt").read_text()
+    assert "cross-device check vs the CPU reference, digits: agrees to rounding" in summary
     with tarfile.open(out / "results.tar.gz") as tar:
         record = json.load(
             tar.extractfile(next(m for m in tar.getmembers() if m.name.startswith("results/")))
@@ -185,8 +186,8 @@ def fake_window(gpu_run, monkeypatch, tune_step_s):
 
     now, trained = [0.0], []
     monkeypatch.setattr(gpu_run.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(gpu_run, "cross_device_check", lambda driver: None)
-    monkeypatch.setattr(gpu_run.Driver, "probe", lambda self: None)
+    monkeypatch.setattr(gpu_run, "cross_device_check", lambda driver, dataset: None)
+    monkeypatch.setattr(gpu_run.Driver, "probe", lambda self, dataset, config: None)
     gate = {f"{d}/{a}": TRUE_SERVER_S[d, a] for d, a in GATE_KINDS}
     tune = {"chosen": {"precision": "fp32", "engine": "batched"}, "timings": [], "gate": [],
             "step_s": tune_step_s, "server_s": gate}  # fmt: skip
@@ -266,13 +267,13 @@ def test_an_earlier_autotune_is_reused_on_the_same_gpu_and_software_issue_41_ite
     for extra in (["--autotune", str(given)], ["--resume", str(first / "results.tar.gz")]):
         code, out, work = simulate(gpu_run, tmp_path / extra[0].strip("-"), data, "--deadline", "1", *extra)
         assert code == 0 and not calls
-        assert "autotune: reused from" in (work / "log.txt").read_text()
+        assert "autotune digits: reused from" in (work / "log.txt").read_text()
         assert json.loads((work / "autotune.json").read_text())["datasets"] == report["datasets"]
     report["fingerprint"]["torch"] = "0.0.1"
     given.write_text(json.dumps(report))
     code, out, work = simulate(gpu_run, tmp_path / "3", data, "--deadline", "1", "--autotune", str(given))
     assert code == 0 and calls == [1]
-    assert f"autotune: {given} not reused: another torch '0.0.1'" in (work / "log.txt").read_text()
+    assert f"autotune digits: {given} not reused: another torch '0.0.1'" in (work / "log.txt").read_text()
     assert autotune.BUDGET_S <= 45
 
 
@@ -300,3 +301,33 @@ def test_the_drivers_phases_are_the_records(gpu_run):
     from prodigy_core import training
 
     assert gpu_run.PHASES == training.PHASES
+
+
+def test_a_dataset_is_made_ready_when_its_first_step_comes_up_and_only_with_time_left(
+    gpu_run, tmp_path, data, monkeypatch
+):
+    """`Driver.prepare`: the CIFAR-10 decode (not in --simulate), the cross-device check, the probe and the
+    autotune of a dataset, in that order, once; a dataset after the first only with PREPARE_MIN_S left (it
+    says so in the log and does nothing), the first step's whatever the deadline."""
+    import argparse
+
+    now, calls = [0.0], []
+    monkeypatch.setattr(gpu_run.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(gpu_run, "cross_device_check", lambda driver, d: calls.append(("check", d)))
+    monkeypatch.setattr(gpu_run.Driver, "probe", lambda self, dataset, c: calls.append(("probe", dataset)))
+    monkeypatch.setattr(gpu_run.Driver, "autotune", lambda self, dataset, c: calls.append(("tune", dataset)))
+    args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=1, deadline=100.0,
+                              data=tmp_path / "data")  # fmt: skip
+    decoded = []
+    monkeypatch.setattr("prodigy_core.data.decode_cifar10_jpeg", lambda *a, **k: decoded.append(a[0]))
+    driver = gpu_run.Driver(args, tmp_path)
+    now[0] = 50.0  # 50 s left, under PREPARE_MIN_S (60)
+    assert gpu_run.PREPARE_MIN_S > 50
+    assert not driver.prepare("cifar10", None)
+    assert calls == [] and decoded == [] and "cifar10: not prepared (50 s left" in driver.log_path.read_text()
+    assert driver.prepare("femnist", None, first=True)  # the first step's dataset: always
+    assert calls == [("check", "femnist"), ("probe", "femnist"), ("tune", "femnist")] and decoded == []
+    now[0] = 30.0  # 70 s left
+    assert driver.prepare("cifar10", None) and decoded == [tmp_path / "data" / gpu_run.CIFAR10_ARCHIVE]
+    assert calls[3:] == [("check", "cifar10"), ("probe", "cifar10"), ("tune", "cifar10")]
+    assert driver.prepare("cifar10", None) and len(calls) == 6  # once
