@@ -79,6 +79,7 @@ BUDGET_S = 45.0  # the whole autotune, timing and gate, of a dataset the window 
 TIMING_SHARE = 0.55
 TIMED_STEPS = 3  # timed local steps per configuration, after one warm-up step (which pays compilation)
 COMPILE_S = 40.0  # torch.compile's warm-up step, about: a compiled size starts only with this much left
+NOT_TIMED = "not timed: the timing budget was spent"  # a candidate's row then (`time_left_out` times it)
 GATE_ROUNDS = 3
 GATE_DEFENSES = ("prodigy", "nnm+trimmed_mean")  # each under ALIE: the paper's central pair
 FLOOR_FACTOR = 2.0  # a measure's bound: max(its tolerance, this x the measure between the two references)
@@ -322,7 +323,7 @@ def autotune(
                 # the reference's first size is always timed: without it nothing can be chosen
                 if (precision, engine) != REFERENCE and not room(engine):
                     timings.append({"precision": precision, "engine": engine, "size": size,
-                                    "error": "not timed: the timing budget was spent"})  # fmt: skip
+                                    "error": NOT_TIMED})  # fmt: skip
                     continue
                 timings.append(row := time_row(timer, resolved, fed, precision, engine, size))
                 if "step_s" in row:
@@ -438,14 +439,52 @@ def add_rates(report: dict[str, Any], configs: dict[str, RunConfig], feds: dict[
     peak, what = peak_tflops(device, PEAK_SIZE["cuda" if device.type == "cuda" else "cpu"])
     report["peak"] = {"tflops": peak, "measured": what}
     for dataset, tune in report["datasets"].items():
-        flops = flops_per_image(dataset, feds[dataset].image_shape)
-        tune["gflop_per_image"] = flops / 1e9
+        tune["gflop_per_image"] = flops_per_image(dataset, feds[dataset].image_shape) / 1e9
         for row in tune["timings"]:
-            if "images_per_s" in row:
-                row["tflops"] = row["images_per_s"] * flops / 1e12
-                row["peak_share"] = row["tflops"] / peak
+            add_row_rates(row, tune["gflop_per_image"], peak)
+
+
+def add_row_rates(row: dict[str, Any], gflop_per_image: float, peak: float | None) -> None:
+    """A timed row's TFLOP/s and share of the measured `peak` (None: not measured)."""
+    if "images_per_s" in row:
+        row["tflops"] = row["images_per_s"] * gflop_per_image / 1e3
+        if peak:
+            row["peak_share"] = row["tflops"] / peak
+
+
+# ------------------------------------------------------------------ after the runs (issue 44): every variant
+def time_left_out(
+    tune: dict[str, Any],
+    config: RunConfig,
+    fed: Federation,
+    peak: float | None,
+    seconds_left: Callable[[], float],
+    timer: Callable[..., float] = time_step,
+) -> list[dict[str, Any]]:
+    """The candidates of a dataset's autotune (`tune`, its entry in the report) that its budget left out
+    ("not timed"), timed after the window's runs in the time none of them could use: each while
+    `seconds_left()` holds its need (the longest wall of a row timed, warm-up included; compiled's
+    compilation, COMPILE_S, more), compiled last. A row timed replaces its "not timed" one, marked
+    `after_runs`: never gated, never chosen (the runs are over), there for the table of every variant.
+    Returns the rows timed."""
+    resolved = config.resolved()
+    walls = [row["wall_s"] for row in tune["timings"] if "wall_s" in row]
+    need = max(walls, default=COMPILE_S)
+    rows = tune["timings"]
+    left_out = [i for i, row in enumerate(rows) if row.get("error") == NOT_TIMED]
+    timed = []
+    for i in sorted(left_out, key=lambda i: tune["timings"][i]["engine"] == "compiled"):
+        old = tune["timings"][i]
+        if seconds_left() < need + (COMPILE_S if old["engine"] == "compiled" else 0.0):
+            continue
+        row = time_row(timer, resolved, fed, old["precision"], old["engine"], old["size"])
+        row["after_runs"] = True
+        add_row_rates(row, tune.get("gflop_per_image", 0.0), peak)
+        tune["timings"][i] = row
+        timed.append(row)
+    return timed
 
 
 __all__ = ["CANDIDATES", "TOLERANCES", "add_rates", "autotune", "bounds", "compare",
            "engine_candidates", "fingerprint", "flops_per_image", "mismatch", "peak_tflops", "probe_size",
-           "time_step", "trajectory"]  # fmt: skip
+           "time_left_out", "time_step", "trajectory"]  # fmt: skip

@@ -166,7 +166,7 @@ class Driver:
         self.rates: dict[str, float] = {}  # dataset -> seconds per run-round, from the last group
         self.tune: dict[str, Any] = {}  # dataset -> the autotune's choice and rates (`autotune.autotune`)
         self.report: dict[str, Any] = {}  # autotune.json: every dataset tuned or reused so far
-        self.ready: set[str] = set()  # the datasets `prepare` has made ready
+        self.ready: dict[str, Any] = {}  # dataset -> a run of it, for the datasets `prepare` made ready
         # The estimates (`estimate`), from measurements, updated after every group: one run's server side per
         # round in steady state, per (dataset, defense, attack), from the gate or the finished runs of that
         # kind; the measured local steps of finished groups / their prediction from the autotune's step_s,
@@ -388,10 +388,34 @@ class Driver:
         cross_device_check(self, dataset)
         self.probe(dataset, config)
         self.autotune(dataset, config)
-        self.ready.add(dataset)
+        self.ready[dataset] = config
         toc = time.monotonic()
         self.log(f"{dataset}: ready in {toc - tic:.0f} s (t = {toc - self.start:.0f} s)")
         return True
+
+    def time_left_out(self) -> None:
+        """After the runs, in the time none of them could use (the deadline less what the group in flight
+        would have needed): the candidates each dataset's autotune left out, timed for the table of every
+        engine variant (issue 44; `autotune.time_left_out`: never gated, never chosen), into autotune.json."""
+        from benchmarks import autotune
+        from prodigy_core import training
+        from prodigy_core.seeding import resolve_device
+
+        peak = (self.report.get("peak") or {}).get("tflops")
+        for dataset, config in self.ready.items():
+            tune = self.tune.get(dataset)
+            if not tune or not any(row.get("error") == autotune.NOT_TIMED for row in tune["timings"]):
+                continue
+            config = config.replace(engine="batched")
+            fed = training._load_federation(config.resolved(), resolve_device(config.resolved().device))
+            left = lambda: self.args.deadline - self.elapsed()  # noqa: E731
+            rows = autotune.time_left_out(tune, config, fed, peak, left)
+            if rows:
+                rates = ", ".join(f"{r['precision']}/{r['engine']} x{r['size']} "
+                                  + (f"{r['images_per_s']:,.0f}" if "images_per_s" in r else r["error"])
+                                  for r in rows)  # fmt: skip
+                self.log(f"after the runs, {dataset}: images/s {rates} (not gated, not chosen)")
+                self.use_autotune({"datasets": {dataset: tune}})
 
     def probe(self, dataset: str, c: Any) -> None:
         """A 2-member group x 2 rounds of `dataset` (`c`: one of its runs), in a scratch results folder."""
@@ -771,6 +795,8 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
         )
     if args.profile == "mini" and not args.fail_step:
         throughput(driver)
+    driver.write_summary(final=True)  # before the timings below: a kill there leaves it whole
+    driver.time_left_out()
     driver.refresh_out()
     driver.write_summary(final=True)
     driver.log((work / "summary.txt").read_text().rstrip())

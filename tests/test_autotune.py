@@ -371,3 +371,40 @@ def test_a_candidate_the_timing_budget_leaves_out_is_listed_as_not_timed(digits,
     ]  # fmt: skip
     assert all(r["error"] == "not timed: the timing budget was spent" for r in rows[3:])
     assert "not timed or failed: bf16/channels_last, fp32/bmm_conv, bf16/bmm_conv;" in "\n".join(lines)
+
+
+def test_the_candidates_the_budget_left_out_are_timed_after_the_runs_in_the_time_left(digits):
+    """Issue 44's table of every variant: after the window's runs, each "not timed" row is timed while the
+    time left holds the longest wall measured (compiled: COMPILE_S more), compiled last; a row timed replaces
+    its placeholder, marked after_runs, with its TFLOP/s and share of the peak; the rest stay "not timed"."""
+    config, fed = digits
+    placeholder = {"error": autotune.NOT_TIMED}
+    tune = {"gflop_per_image": 0.5, "timings": [
+        {"precision": "fp32", "engine": "batched", "size": 4, "step_s": 1.0, "wall_s": 3.0,
+         "images_per_s": 100.0},
+        {"precision": "fp32", "engine": "compiled", "size": 4, **placeholder},
+        {"precision": "fp32", "engine": "bmm_conv", "size": 4, **placeholder},
+        {"precision": "bf16", "engine": "bmm_conv", "size": 1, **placeholder},
+    ]}  # fmt: skip
+    timed, left = [], [5.0]
+
+    def timer(resolved, fed, precision, engine, size):
+        timed.append((precision, engine, size))
+        left[0] -= 1.0  # each timing takes a second of the time left
+        return 0.5
+
+    rows = autotune.time_left_out(tune, config, fed, peak=10.0, seconds_left=lambda: left[0], timer=timer)
+    # 5 s left: bmm_conv fp32 (needs 3), then 4 s: bmm_conv bf16; compiled needs 3 + COMPILE_S: not timed
+    assert timed == [("fp32", "bmm_conv", 4), ("bf16", "bmm_conv", 1)] and len(rows) == 2
+    by_key = {(r["precision"], r["engine"]): r for r in tune["timings"]}
+    images = 4 * config.resolved().n_clients * config.resolved().batch_size / 0.5
+    row = by_key["fp32", "bmm_conv"]
+    assert row["after_runs"] and row["images_per_s"] == pytest.approx(images)
+    assert row["tflops"] == pytest.approx(images * 0.5 / 1e3) and row["peak_share"] == pytest.approx(
+        row["tflops"] / 10.0
+    )
+    assert by_key["fp32", "compiled"]["error"] == autotune.NOT_TIMED
+    left[0] = 3.0 + autotune.COMPILE_S  # enough for compiled now
+    autotune.time_left_out(tune, config, fed, peak=None, seconds_left=lambda: left[0], timer=timer)
+    assert timed[-1] == ("fp32", "compiled", 4) and by_key["fp32", "batched"] is tune["timings"][0]
+    assert "peak_share" not in tune["timings"][1] and tune["timings"][1]["after_runs"]

@@ -331,3 +331,24 @@ def test_a_dataset_is_made_ready_when_its_first_step_comes_up_and_only_with_time
     assert driver.prepare("cifar10", None) and decoded == [tmp_path / "data" / gpu_run.CIFAR10_ARCHIVE]
     assert calls[3:] == [("check", "cifar10"), ("probe", "cifar10"), ("tune", "cifar10")]
     assert driver.prepare("cifar10", None) and len(calls) == 6  # once
+
+
+def test_the_time_no_run_can_use_times_what_the_autotune_left_out(gpu_run, tmp_path, data, monkeypatch):
+    """Every run done with time to spare (a fake machine): the candidate the autotune's budget left out is
+    timed on this CPU after the runs, and autotune.json in the tarball holds its row, marked after_runs."""
+    from benchmarks import autotune
+
+    fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
+    timings = [{"precision": "fp32", "engine": "batched", "size": 1, "step_s": 0.5, "wall_s": 1.0,
+                "images_per_s": 1.0},
+               {"precision": "bf16", "engine": "batched", "size": 1,
+                "error": autotune.NOT_TIMED}]  # fmt: skip
+    tune = {"chosen": {"precision": "fp32", "engine": "batched"}, "gate": [], "step_s": {1: 0.5, 2: 0.75},
+            "server_s": {}, "gflop_per_image": 0.0003, "timings": timings}  # fmt: skip
+    monkeypatch.setattr(autotune, "autotune", lambda *a, **k: {"datasets": {"digits": tune}})
+    code, out, work = simulate(gpu_run, tmp_path, data, "--deadline", "1000", "--no-profile")
+    assert code == 0 and all(r[4] == "done" for r in summary_rows(out).values())
+    assert "after the runs, digits: images/s bf16/batched x1 " in (work / "log.txt").read_text()
+    with tarfile.open(out / "results.tar.gz") as tar:
+        rows = json.load(tar.extractfile("autotune.json"))["datasets"]["digits"]["timings"]
+    assert rows[1]["after_runs"] and rows[1]["images_per_s"] > 0 and "error" not in rows[1]
