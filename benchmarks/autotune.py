@@ -81,6 +81,7 @@ TIMED_STEPS = 3  # timed local steps per configuration, after one warm-up step (
 COMPILE_S = 40.0  # torch.compile's warm-up step, about: a compiled size starts only with this much left
 NOT_TIMED = "not timed: the timing budget was spent"  # a candidate's row then (`time_left_out` times it)
 GATE_ROUNDS = 3
+SERVER_ROUNDS = 3  # a kind's server side (`server_costs`): its rounds after the first, in steady state
 GATE_DEFENSES = ("prodigy", "nnm+trimmed_mean")  # each under ALIE: the paper's central pair
 FLOOR_FACTOR = 2.0  # a measure's bound: max(its tolerance, this x the measure between the two references)
 # The code whose speed and numbers the autotune measures: a report is reused only while their hash is equal.
@@ -224,6 +225,41 @@ def trajectory(
             "diverged": st.result.diverged}  # fmt: skip
 
 
+def server_costs(
+    config: RunConfig, fed: Federation, kinds: list[tuple[str, str]], seconds_left: Callable[[], float]
+) -> dict[str, float]:
+    """Issue 41 item 2: one run's server side per round (momentum, the attack's craft, aggregation, the
+    server step: `training.server_round`) in steady state, for each (defense, attack) of `kinds` in order
+    while `seconds_left()` is positive: `SERVER_ROUNDS` rounds of a run of that kind, the first (start-up)
+    not counted. Every kind is fed the same clients' pseudo-gradients, one local round of `config` computed
+    once: the crafts and the rules take as long whatever the values. {"<defense>/<attack>": seconds}."""
+    device = resolve_device(config.device)
+    if not kinds or seconds_left() <= 0:
+        return {}
+    base = training.start_run(config, device, "batched", fed=fed)
+    ((grads, buffers),) = training.local_steps_stacked(
+        [base.model], [fed], base.resolved.local_steps, [base.resolved.lr], base.resolved, [base.streams],
+        training.per_client_grad(base.model, engine="batched"), streams=[base.stream],
+    )  # fmt: skip
+    costs: dict[str, float] = {}
+    for defense, attack in kinds:
+        if seconds_left() <= 0:
+            break
+        st = training.start_run(config.replace(defense=defense, attack=attack), device, "batched", fed=fed)
+        seconds = []
+        for r in range(1, SERVER_ROUNDS + 1):
+            updates = grads.clone()
+            sync(device)
+            tic = time.perf_counter()
+            ok = training.server_round(st, r, st.resolved.lr_at(r - 1), updates, buffers)
+            sync(device)
+            seconds.append(time.perf_counter() - tic)
+            if not ok:  # diverged (FOE against no defense): what it measured so far
+                break
+        costs[f"{defense}/{attack}"] = sum(seconds[1:] or seconds) / len(seconds[1:] or seconds)
+    return costs
+
+
 def compare(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, float]:
     """The measures of `TOLERANCES`, candidate trajectory vs reference."""
     travelled = float((ref["theta"] - ref["theta0"]).norm())
@@ -279,9 +315,12 @@ def autotune(
     tolerances: dict[str, float] | None = None,
     timer: Callable[..., float] = time_step,
     log: Callable[[str], None] = print,
+    server_kinds: dict[str, list[tuple[str, str]]] | None = None,
 ) -> dict[str, Any]:
     """Per dataset (`configs`: one run of each dataset the window trains, `feds`: their loaded data): the
-    timings, the gate and the choice, as `autotune.json` holds them:
+    timings, the gate and the choice, then the server side of each (defense, attack) of `server_kinds`
+    (the window's runs of that dataset, most wanted first) the gate did not measure, while the budget lasts
+    (`server_costs`), as `autotune.json` holds them:
 
     {dataset: {"timings": [{precision, engine, size, step_s, wall_s, images_per_s, tflops, peak_share}
                            or {precision, engine, size, error}],
@@ -289,7 +328,7 @@ def autotune(
                "floor": {defense: the measures between the two fp32 references},
                "chosen": {precision, engine},
                "step_s": {size: seconds of one local step of the chosen candidate},
-               "server_s": {"<defense>/alie": one run's server side per round in steady state},
+               "server_s": {"<defense>/<attack>": one run's server side per round in steady state},
                "gflop_per_image"},
      "fingerprint": `fingerprint`, "peak": {tflops, measured}} (`add_rates`: TFLOP/s and share of the peak)
 
@@ -376,6 +415,8 @@ def autotune(
                     measures, ok = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, False
                 gate.append({"precision": precision, "engine": engine, "defense": defense,
                              "measures": measures, "bounds": bound, "accepted": ok})  # fmt: skip
+        kinds = [k for k in (server_kinds or {}).get(dataset, []) if "/".join(k) not in server]
+        server.update(server_costs(config, fed, kinds, lambda: budget_s - (time.perf_counter() - tic)))
         for key in fastest:
             if all(g["accepted"] for g in gate if (g["precision"], g["engine"]) == key):
                 accepted.add(key)
@@ -393,7 +434,8 @@ def autotune(
         left_out = [f"{r['precision']}/{r['engine']}" for r in timings if "step_s" not in r]
         failed = f"; not timed or failed: {', '.join(left_out)}" if left_out else ""
         log(f"autotune {dataset}: images/s {speeds}{failed}; gate {verdicts or 'nothing to gate'} (param_rel "
-            f"floor {floor}); chosen {chosen[0]}/{chosen[1]}")  # fmt: skip
+            f"floor {floor}); chosen {chosen[0]}/{chosen[1]}; server side of {len(server)} kinds measured"
+            )  # fmt: skip
     add_rates(report, configs, feds)
     report["seconds"] = time.perf_counter() - tic
     return report
@@ -487,4 +529,4 @@ def time_left_out(
 
 __all__ = ["CANDIDATES", "TOLERANCES", "add_rates", "autotune", "bounds", "compare",
            "engine_candidates", "fingerprint", "flops_per_image", "mismatch", "peak_tflops", "probe_size",
-           "time_left_out", "time_step", "trajectory"]  # fmt: skip
+           "server_costs", "time_left_out", "time_step", "trajectory"]  # fmt: skip

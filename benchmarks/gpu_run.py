@@ -234,7 +234,7 @@ class Driver:
         try:
             fed = training._load_federation(config.resolved(), device)
             report = autotune.autotune({dataset: config}, {dataset: fed}, tolerances=self.args.tolerances,
-                                       log=self.log)  # fmt: skip
+                                       log=self.log, server_kinds={dataset: self.kinds(dataset)})  # fmt: skip
         except Exception as e:  # noqa: BLE001 - without it the runs go on at fp32, one group size
             note = f"autotune {dataset} failed ({type(e).__name__}: {e}); fp32, batched, the probe's rates"
             self.notes.append(note)
@@ -262,18 +262,21 @@ class Driver:
             return None, source
 
     def use_autotune(self, report: dict[str, Any]) -> None:
-        """The autotune's choice per dataset, its gate's server side per (defense, attack) as the first
-        estimates of those kinds (`estimate`); joined to the datasets tuned before in `autotune.json` (the
-        tarball)."""
-        datasets = {**self.report.get("datasets", {}), **report["datasets"]}
-        self.report = {**self.report, **report, "datasets": datasets}
-        self.tune.update(report["datasets"])
+        """The autotune's choice per dataset, its server side per (defense, attack) as the first estimates of
+        those kinds (`estimate`); joined to the datasets tuned before in `autotune.json` (`save_autotune`)."""
+        self.save_autotune(report)
         for dataset, tune in report["datasets"].items():
             server = tune.get("server_s")
             kinds = server.items() if isinstance(server, dict) else []  # an older report: one float, unused
             for kind, seconds in kinds:
                 defense, _, attack = kind.rpartition("/")
                 self.server_s[dataset, defense, attack] = float(seconds)
+
+    def save_autotune(self, report: dict[str, Any]) -> None:
+        """`report`'s datasets joined to those tuned before, written to autotune.json (the tarball)."""
+        datasets = {**self.report.get("datasets", {}), **report["datasets"]}
+        self.report = {**self.report, **report, "datasets": datasets}
+        self.tune.update(report["datasets"])
         (self.work / "autotune.json").write_text(json.dumps(self.report, indent=1), encoding="utf-8")
 
     def step_s(self, dataset: str) -> dict[int, float]:
@@ -394,28 +397,44 @@ class Driver:
         return True
 
     def time_left_out(self) -> None:
-        """After the runs, in the time none of them could use (the deadline less what the group in flight
-        would have needed): the candidates each dataset's autotune left out, timed for the table of every
-        engine variant (issue 44; `autotune.time_left_out`: never gated, never chosen), into autotune.json."""
+        """After the runs, in the time none of them could use: the candidates each dataset's autotune left
+        out, timed for the table of every engine variant (issue 44; `autotune.time_left_out`: never gated,
+        never chosen), then the server side of the kinds it did not measure (`autotune.server_costs`), into
+        autotune.json, which a `--resume` command on this GPU reuses: its estimates start measured."""
         from benchmarks import autotune
         from prodigy_core import training
         from prodigy_core.seeding import resolve_device
 
         peak = (self.report.get("peak") or {}).get("tflops")
+        left = lambda: self.args.deadline - self.elapsed()  # noqa: E731
         for dataset, config in self.ready.items():
             tune = self.tune.get(dataset)
-            if not tune or not any(row.get("error") == autotune.NOT_TIMED for row in tune["timings"]):
+            if not tune or left() <= 0:
+                continue
+            server = tune.setdefault("server_s", {})
+            kinds = [k for k in self.kinds(dataset) if "/".join(k) not in server]
+            if not kinds and not any(row.get("error") == autotune.NOT_TIMED for row in tune["timings"]):
                 continue
             config = config.replace(engine="batched")
             fed = training._load_federation(config.resolved(), resolve_device(config.resolved().device))
-            left = lambda: self.args.deadline - self.elapsed()  # noqa: E731
             rows = autotune.time_left_out(tune, config, fed, peak, left)
             if rows:
                 rates = ", ".join(f"{r['precision']}/{r['engine']} x{r['size']} "
                                   + (f"{r['images_per_s']:,.0f}" if "images_per_s" in r else r["error"])
                                   for r in rows)  # fmt: skip
                 self.log(f"after the runs, {dataset}: images/s {rates} (not gated, not chosen)")
-                self.use_autotune({"datasets": {dataset: tune}})
+            costs = autotune.server_costs(config, fed, kinds, left)
+            if costs:
+                server.update(costs)
+                self.log(f"after the runs, {dataset}: the server side of {len(costs)} more kinds measured")
+            if rows or costs:  # for the next command: this one's estimates stay the runs' measures
+                self.save_autotune({"datasets": {dataset: tune}})
+
+    def kinds(self, dataset: str) -> list[tuple[str, str]]:
+        """The (defense, attack) kinds of the plan's runs of `dataset`, most wanted first."""
+        runs = [c for step in plan(self.args.profile, self.args.simulate)
+                for c in self.experiment(step).configs if c.dataset == dataset]  # fmt: skip
+        return list(dict.fromkeys((c.defense, c.attack) for c in runs))
 
     def probe(self, dataset: str, c: Any) -> None:
         """A 2-member group x 2 rounds of `dataset` (`c`: one of its runs), in a scratch results folder."""

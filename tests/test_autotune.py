@@ -408,3 +408,22 @@ def test_the_candidates_the_budget_left_out_are_timed_after_the_runs_in_the_time
     autotune.time_left_out(tune, config, fed, peak=None, seconds_left=lambda: left[0], timer=timer)
     assert timed[-1] == ("fp32", "compiled", 4) and by_key["fp32", "batched"] is tune["timings"][0]
     assert "peak_share" not in tune["timings"][1] and tune["timings"][1]["after_runs"]
+
+
+def test_the_server_side_of_every_kind_the_window_runs_is_measured_while_the_budget_lasts(digits):
+    """Issue 41 item 2: each (defense, attack) of the window's runs gets its own server side per round, from
+    runs of that kind fed one local round's pseudo-gradients, in order while the budget lasts; the gate's
+    kinds keep the gate's measure. A search-based attack against NNM + trimmed mean costs more a round than
+    the same rule under SF (no craft), as the H200's records showed (0.040 s against 0.0002 s of craft)."""
+    config, fed = digits
+    kinds = [("nnm+trimmed_mean", "sf"), ("nnm+trimmed_mean", "foe_100"), ("none", "lf"), ("prodigy", "sf")]
+    left = iter([1.0, 1.0, 1.0, 1.0, 0.0])  # room for three kinds (the first call is the start's)
+    costs = autotune.server_costs(config, fed, kinds, lambda: next(left))
+    assert list(costs) == ["nnm+trimmed_mean/sf", "nnm+trimmed_mean/foe_100", "none/lf"]
+    assert all(v > 0 for v in costs.values())
+    assert costs["nnm+trimmed_mean/foe_100"] > costs["nnm+trimmed_mean/sf"]
+    assert autotune.server_costs(config, fed, kinds, lambda: 0.0) == {}  # no budget: nothing started
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=fake_timer, log=lambda line: None,
+                               server_kinds={"digits": [("prodigy", "alie"), ("none", "sf")]})  # fmt: skip
+    server = report["datasets"]["digits"]["server_s"]
+    assert set(server) == {"prodigy/alie", "nnm+trimmed_mean/alie", "none/sf"}  # the gate's two, then ours

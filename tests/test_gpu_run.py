@@ -335,7 +335,9 @@ def test_a_dataset_is_made_ready_when_its_first_step_comes_up_and_only_with_time
 
 def test_the_time_no_run_can_use_times_what_the_autotune_left_out(gpu_run, tmp_path, data, monkeypatch):
     """Every run done with time to spare (a fake machine): the candidate the autotune's budget left out is
-    timed on this CPU after the runs, and autotune.json in the tarball holds its row, marked after_runs."""
+    timed on this CPU after the runs, and the server side of every kind the plan runs is measured, so that
+    autotune.json in the tarball (which a --resume command reuses) holds the row, marked after_runs, and a
+    server side for every kind."""
     from benchmarks import autotune
 
     fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
@@ -352,3 +354,9 @@ def test_the_time_no_run_can_use_times_what_the_autotune_left_out(gpu_run, tmp_p
     with tarfile.open(out / "results.tar.gz") as tar:
         rows = json.load(tar.extractfile("autotune.json"))["datasets"]["digits"]["timings"]
     assert rows[1]["after_runs"] and rows[1]["images_per_s"] > 0 and "error" not in rows[1]
+    with tarfile.open(out / "results.tar.gz") as tar:
+        server = json.load(tar.extractfile("autotune.json"))["datasets"]["digits"]["server_s"]
+    kinds = {f"{d}/{a}" for d in ("prodigy", "nnm+trimmed_mean", "none") for a in ("alie", "sf")}
+    assert set(server) == kinds and all(v > 0 for v in server.values())  # the simulated plan's six kinds
+    log = (work / "log.txt").read_text()
+    assert "after the runs, digits: the server side of 6 more kinds measured" in log
