@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.nn.utils import parameters_to_vector
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -198,12 +199,7 @@ def trajectory(
                 [st.model], [st.fed], st.resolved.local_steps, [gamma], st.resolved, [st.streams], grad_fn,
                 streams=[st.stream],
             )  # fmt: skip
-        sync(device)
-        tic = time.perf_counter()
-        ok = training.server_round(st, r, gamma, grads, buffers)
-        sync(device)
-        server.append(time.perf_counter() - tic)
-        if not ok:
+        if not timed_server_round(st, r, gamma, grads, buffers, server):
             break
     model = st.model
     losses = []
@@ -221,7 +217,7 @@ def trajectory(
         accuracy = training.evaluate(model, test, batch_size, train_mode)[0]
     return {"theta0": theta0, "theta": parameters_to_vector(model.parameters()).detach(), "losses": losses,
             "attack_params": st.result.attack_params, "zeroed": st.result.zeroed_clients,
-            "accuracy": accuracy, "server_s": sum(server[1:] or server) / len(server[1:] or server),
+            "accuracy": accuracy, "server_s": steady_state(server),
             "diverged": st.result.diverged}  # fmt: skip
 
 
@@ -248,16 +244,37 @@ def server_costs(
         st = training.start_run(config.replace(defense=defense, attack=attack), device, "batched", fed=fed)
         seconds = []
         for r in range(1, SERVER_ROUNDS + 1):
-            updates = grads.clone()
-            sync(device)
-            tic = time.perf_counter()
-            ok = training.server_round(st, r, st.resolved.lr_at(r - 1), updates, buffers)
-            sync(device)
-            seconds.append(time.perf_counter() - tic)
-            if not ok:  # diverged (FOE against no defense): what it measured so far
+            # diverged (FOE against no defense): what it measured so far
+            if not timed_server_round(st, r, st.resolved.lr_at(r - 1), grads.clone(), buffers, seconds):
                 break
-        costs[f"{defense}/{attack}"] = sum(seconds[1:] or seconds) / len(seconds[1:] or seconds)
+        costs[f"{defense}/{attack}"] = steady_state(seconds)
     return costs
+
+
+def timed_server_round(
+    st: training.RunState,
+    r: int,
+    gamma: float,
+    grads: Tensor,
+    buffers: dict[str, Tensor],
+    seconds: list[float],
+) -> bool:
+    """`training.server_round`, its seconds (the device synchronised on both sides) appended to `seconds`;
+    False when the run diverged."""
+    device = st.momentum.device
+    sync(device)
+    tic = time.perf_counter()
+    ok = training.server_round(st, r, gamma, grads, buffers)
+    sync(device)
+    seconds.append(time.perf_counter() - tic)
+    return ok
+
+
+def steady_state(seconds: list[float]) -> float:
+    """The mean of a run's per-round seconds after the first (which pays the start-up); the first alone
+    when there is no other."""
+    kept = seconds[1:] or seconds
+    return sum(kept) / len(kept)
 
 
 def compare(ref: dict[str, Any], cand: dict[str, Any]) -> dict[str, float]:

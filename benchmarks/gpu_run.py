@@ -514,9 +514,10 @@ class Driver:
         self.left.pop(step.name, None)
         try:
             exp = self.experiment(step)
-            if not self.prepare(exp.configs[0].dataset, exp.configs[0]):
-                return  # "not started": too little time left to make its dataset ready
-            exp = self.experiment(step)  # at the autotune's choice
+            if exp.configs[0].dataset not in self.ready:
+                if not self.prepare(exp.configs[0].dataset, exp.configs[0]):
+                    return  # "not started": too little time left to make its dataset ready
+                exp = self.experiment(step)  # at the autotune's choice
         except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
             row["status"] = f"failed: {type(e).__name__}: {e}"
             self.log(f"== {step.name}: {row['status']}")

@@ -39,26 +39,15 @@ ACCURACY_POINTS = 0.1  # the same for the test accuracy, in points
 MEASURES = ("update_norms", "zeroed_clients", "z", "accuracy", "final_loss", "projections")  # a twin's
 COMMON = dict(defense="prodigy", attack="alie", local_steps=10, local_momentum=0.9, seed=0, rounds=3,
               eval_every=1)  # fmt: skip
+# fmt: off
 CONFIGS = {
-    "cifar10": dict(
-        dataset="cifar10",
-        data_source="cifar10-jpeg",
-        distribution="dirichlet",
-        dirichlet_alpha=0.1,
-        n_clients=10,
-        n_byzantine=3,
-        **COMMON,
-    ),  # fmt: skip
+    "cifar10": dict(dataset="cifar10", data_source="cifar10-jpeg", distribution="dirichlet",
+                    dirichlet_alpha=0.1, n_clients=10, n_byzantine=3, **COMMON),
     # Table II's writers: the first 20 with >= 350 samples (the key holds their ids and counts, not the path)
-    "femnist": dict(
-        dataset="femnist",
-        distribution="natural",
-        n_clients=20,
-        n_byzantine=6,
-        femnist_min_writer_samples=350,
-        **COMMON,
-    ),  # fmt: skip
+    "femnist": dict(dataset="femnist", distribution="natural", n_clients=20, n_byzantine=6,
+                    femnist_min_writer_samples=350, **COMMON),
 }
+# fmt: on
 
 
 def reference_path(dataset: str) -> Path:
