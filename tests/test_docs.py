@@ -131,15 +131,16 @@ def test_the_readmes_paper_scale_table_is_the_committed_gpu_reports_and_the_pape
     }
     attacks = ["none", "alie", "foe_0.1", "foe_100", "lf", "sf"]
     reports = {"fp32": "table2_femnist_n20.md", "bf16": "table2_femnist_n20_bf16.md"}
+    names = {"No defense": "none", "NNM+Trimmed mean": "nnm+trimmed_mean", "ProDiGy": "prodigy"}
     checked = 0
     for label, *cells in rows:
-        defense = "No defense" if label.startswith("No defense") else "NNM+Trimmed mean"
+        defense = label.split(",")[0]  # "NNM+Trimmed mean, ours bf16", "ProDiGy, paper"
         for column, attack, cell in zip(header[1:], attacks, cells, strict=True):
             if "ours" in label:
                 report = (REPO / "figures" / "gpu" / reports[label.split()[-1]]).read_text(encoding="utf-8")
                 expected = first_number(markdown_cells(report).get((defense, column), "–"))
             else:
-                expected = paper["none" if defense == "No defense" else "nnm+trimmed_mean", attack]
+                expected = paper[names[defense], attack]
             assert first_number(cell) == expected, f"README {label} / {column}: {cell!r}, not {expected}"
             checked += 1
-    assert checked == 5 * 6  # three "ours" rows, two "paper" rows
+    assert checked == 8 * 6  # five "ours" rows, three "paper" rows
