@@ -523,7 +523,7 @@ class Driver:
             self.log(f"== {step.name}: {row['status']}")
             return
         folder = store.experiment_dir(exp.results_name, self.results)
-        stored = {c.key() for c in exp.configs if store.stored_record(folder, c.key()) is not None}
+        stored = {c.key() for c in exp.configs if made(folder, c)}
         todo = [c for c in exp.configs if c.key() not in stored and c.key() not in self.failed_keys]
         row["planned"], row["done"] = len(exp.configs), len(stored)
         self.log(f"== {step.name}: {len(todo)} runs (t = {self.elapsed():.0f} s)")
@@ -774,6 +774,16 @@ def run(args: argparse.Namespace) -> int:
 
     with shared_federations():  # every data set loaded once in this process
         return drive(driver, args, work)
+
+
+def made(folder: Path, config: Any) -> bool:
+    """Whether `config`'s cell has a record in `folder` at any precision: each was the fp32 reference or
+    passed the gate of the window that chose it, so each is the same computation statistically, and a
+    window whose autotune chooses another precision than an earlier one's does not make the cell again."""
+    from prodigy_core import results as store
+    from prodigy_core.config import PRECISIONS
+
+    return any(store.stored_record(folder, config.replace(precision=p).key()) is not None for p in PRECISIONS)
 
 
 def keep_earlier_commands(work: Path, files: dict[str, bytes], tarball: Path) -> None:
@@ -1127,7 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
     sizing = "at most this many runs per group (sized from the autotune's rates to fit the deadline)"
     p.add_argument("--group-size", type=group_size_arg, default=16, help=sizing)
     p.add_argument("--simulate", action="store_true", help="the CPU rehearsal over a tiny digits grid")
-    p.add_argument("--resume", type=Path, help="an earlier command's results.tar.gz: skip its finished runs")
+    p.add_argument("--resume", type=Path, help="an earlier results.tar.gz: skip its cells, at any precision")
     p.add_argument("--autotune", type=Path, help="an earlier autotune.json, reused on the same GPU and "
                    "software (default: the --resume tarball's)")  # fmt: skip
     p.add_argument("--no-profile", dest="profile_step", action="store_false",

@@ -152,6 +152,28 @@ def test_resume_skips_the_runs_an_earlier_command_finished(gpu_run, tmp_path, da
     assert tarball_keys(out) == finished_keys(work) >= before
 
 
+def test_a_cell_made_at_another_precision_is_not_made_again(gpu_run, tmp_path, data):
+    """The third window of 2026-11-27 chose bf16 and remade three cells the second had made in fp32 (155 s of
+    its 736): precision is in the key. A cell with a record at any precision counts as made: a command whose
+    (reused) autotune chooses bf16 trains none of the cells an fp32 command finished, and counts them done."""
+    code, first, work1 = simulate(gpu_run, tmp_path / "1", data, "--no-profile")
+    assert code == 0 and finished_keys(work1)
+    with tarfile.open(first / "results.tar.gz") as tar:
+        report = json.load(tar.extractfile("autotune.json"))
+    assert report["datasets"]["digits"]["chosen"]["precision"] == "fp32"  # the CPU's gate keeps fp32
+    report["datasets"]["digits"]["chosen"]["precision"] = "bf16"
+    given = tmp_path / "autotune.json"
+    given.write_text(json.dumps(report))
+    resume = ["--resume", str(first / "results.tar.gz"), "--autotune", str(given), "--no-profile"]
+    code, out, work = simulate(gpu_run, tmp_path / "2", data, *resume)
+    assert code == 0
+    log = (work / "log.txt").read_text()
+    assert "autotune digits: reused from" in log
+    assert not [line for line in log.splitlines() if line.strip().startswith("done ")]  # nothing trained
+    assert finished_keys(work) == finished_keys(work1)
+    assert all(r[4] == "done" and r[0] == r[1] for r in summary_rows(out).values())
+
+
 # ------------------------------------------------------------------------ issue 41: estimates, autotune reuse
 TRUE_STEP_S = {1: 0.5, 2: 0.75}  # one local step of a group of R runs, as the fake machine takes it
 TRUE_SERVER_S = {("prodigy", "alie"): 1.0, ("prodigy", "sf"): 0.5, ("nnm+trimmed_mean", "alie"): 2.5,
