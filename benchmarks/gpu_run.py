@@ -489,15 +489,9 @@ class Driver:
                     training.run(batch[0], progress=False)
                 else:
                     groups.run_group(batch)
-            averages = prof.key_averages()
-            tables = [("CUDA kernels", "self_cuda_time_total")] if cuda else []
-            tables.append(("CPU ops", "self_cpu_time_total"))
             what = ", ".join(f"{c.defense}/{c.attack}" for c in batch)
             text = f"torch.profiler: {step.name}, a group of {len(batch)} ({what}), {PROFILE_ROUNDS} rounds\n"
-            for title, key in tables:
-                text += f"\n## top {PROFILE_ROWS} {title} by {key}\n\n"
-                text += averages.table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60) + "\n"
-            (self.work / "profile.txt").write_text(text, encoding="utf-8")
+            (self.work / "profile.txt").write_text(text + profile_tables(prof, cuda), encoding="utf-8")
             seconds = time.monotonic() - tic
             self.log(f"profile: {len(batch)} runs x {PROFILE_ROUNDS} rounds in {seconds:.1f} s, profile.txt")
         except Exception as e:  # noqa: BLE001 - the profile informs; the window's runs go on without it
@@ -774,6 +768,18 @@ def run(args: argparse.Namespace) -> int:
 
     with shared_federations():  # every data set loaded once in this process
         return drive(driver, args, work)
+
+
+def profile_tables(prof: Any, cuda: bool, rows: int = PROFILE_ROWS) -> str:
+    """A finished torch.profiler's top `rows` CUDA kernels (when `cuda`) and CPU ops by their own time."""
+    averages = prof.key_averages()
+    tables = [("CUDA kernels", "self_cuda_time_total")] if cuda else []
+    tables.append(("CPU ops", "self_cpu_time_total"))
+    text = ""
+    for title, key in tables:
+        text += f"\n## top {rows} {title} by {key}\n\n"
+        text += averages.table(sort_by=key, row_limit=rows, max_name_column_width=60) + "\n"
+    return text
 
 
 def made(folder: Path, config: Any) -> bool:

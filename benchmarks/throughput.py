@@ -1,6 +1,7 @@
 """Training throughput per dataset, precision, engine and group size on whatever device this machine has.
 
     python benchmarks/throughput.py [--datasets digits femnist cifar10] [--sizes 1 4] [--steps 3] [--smoke]
+                                    [--data GPU_DATA] [--out DIR] [--profile] [--budget S]
 
 One local SGD step (all N clients of the dataset's paper setting, batch 64) of R stacked runs, timed as the
 GPU window's autotune times it (`autotune.time_step`: a warm-up step, then CUDA events or perf_counter),
@@ -12,12 +13,20 @@ less the timed steps. FLOPs per image: torch.utils.flop_counter's count of one f
 the model on a batch, divided by the batch (convolutions and matmuls; the elementwise rest is not counted).
 A dataset whose data is not on this machine is skipped with a line saying so. `--smoke`: digits, one group
 size, one timed step, a small product (the CPU test of this script).
+
+On the GPU (issue 44's table, benchmarks/README.md): `--data` reads the GPU driver's data folder, `--out`
+writes the table (throughput.md) and the profiles (variants-profile.txt), `--profile` runs torch.profiler
+over a few steps of each dataset and engine at its fastest precision and size (what its step's time goes
+to), and `--budget` lists what would start after it as not timed, so one device command of known length
+brings the table home.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.autotune import CANDIDATES, flops_per_image, peak_tflops, time_step  # noqa: E402
+from benchmarks.autotune import CANDIDATES, COMPILE_S, flops_per_image, peak_tflops, time_step  # noqa: E402
+from benchmarks.gpu_run import CIFAR10_ARCHIVE, FEMNIST_FOLDER, profile_tables  # noqa: E402
 from prodigy_core.config import RunConfig  # noqa: E402
 
 SETTINGS = {  # the paper's client side (digits: the quickstart's)
@@ -35,6 +45,8 @@ SETTINGS = {  # the paper's client side (digits: the quickstart's)
                     femnist_min_writer_samples=350),
     "cifar10": dict(dataset="cifar10", distribution="iid", n_clients=10, n_byzantine=3),
 }  # fmt: skip
+PROFILE_STEPS, PROFILE_ROWS = 2, 15  # --profile: timed steps under the profiler, rows of each table
+HEADER = ("dataset", "precision", "engine", "group", "images/s", "TFLOP/s", "% of peak", "first s")
 
 
 def engines_for(device: torch.device) -> tuple[str, ...]:
@@ -42,6 +54,24 @@ def engines_for(device: torch.device) -> tuple[str, ...]:
     from prodigy_core import step_variants
 
     return ("batched", *step_variants.VARIANTS, *(("compiled",) if device.type == "cuda" else ()))
+
+
+def use_data(data: Path, datasets: list[str]) -> list[str]:
+    """Read the data sets from the GPU driver's `data` folder only: FEMNIST's writers in place, CIFAR-10's
+    JPEG copy decoded into a scratch folder (as `gpu_run` does). Returns `datasets` less those whose folder
+    is not there (each said), which would otherwise be read from this machine's other data folders."""
+    from prodigy_core.data import decode_cifar10_jpeg
+
+    where = {"femnist": data / FEMNIST_FOLDER, "cifar10": data / CIFAR10_ARCHIVE}
+    missing = [d for d in datasets if d in where and not where[d].exists()]
+    for dataset in missing:
+        print(f"{dataset}: skipped (no {where[dataset]})")
+    os.environ["PRODIGY_FEMNIST_DIR"] = str(where["femnist"])
+    if "cifar10" in datasets and "cifar10" not in missing:
+        scratch = Path(tempfile.mkdtemp(prefix="prodigy-throughput-"))
+        os.environ["PRODIGY_DATA_DIR"] = str(scratch)
+        decode_cifar10_jpeg(where["cifar10"], scratch, progress=False)
+    return [d for d in datasets if d not in missing]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,20 +90,48 @@ def main(argv: list[str] | None = None) -> int:
         "--peak-size", type=int, help="the peak's matrix size (default 8192 on CUDA, 2048 on a CPU)"
     )
     p.add_argument("--smoke", action="store_true", help="digits, group size 1, fp32, 1 step, a small product")
+    p.add_argument("--data", type=Path, help="the GPU driver's data folder (cifar10-jpeg/, femnist-leaf-24/)")
+    p.add_argument("--out", type=Path, help="write throughput.md (and variants-profile.txt) there too")
+    p.add_argument("--profile", action="store_true", help="profile each dataset and engine at its fastest")
+    p.add_argument("--budget", type=float, help="seconds; what would start after them is not timed")
     args = p.parse_args(argv)
     if args.smoke:
         args.datasets, args.sizes, args.steps = ["digits"], args.sizes or [1], 1
         args.precisions, args.peak_size = args.precisions or ["fp32"], args.peak_size or 128
+    start = time.perf_counter()
+    if args.data is not None:
+        args.datasets = use_data(args.data, args.datasets)
     device = resolve_device("auto")
-    space = CANDIDATES["cuda" if device.type == "cuda" else "cpu"]
-    name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"CPU, {torch.get_num_threads()} threads"
-    )
-    peak, what = peak_tflops(device, args.peak_size or (8192 if device.type == "cuda" else 2048))
-    print(f"device: {name}; torch {torch.__version__}; peak {peak:.3g} TFLOP/s ({what})")
-    print("dataset | precision | engine | group | images/s | TFLOP/s | % of peak | first s")
+    cuda = device.type == "cuda"
+    space = CANDIDATES["cuda" if cuda else "cpu"]
+    name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    peak, what = peak_tflops(device, args.peak_size or (8192 if cuda else 2048))
+    title = f"device: {name}; torch {torch.__version__}; peak {peak:.3g} TFLOP/s ({what})"
+    print(title)
+    print(" | ".join(HEADER))
+    rows: list[tuple[str, ...]] = []
+    profiles = ""
+
+    def fits(engine: str) -> bool:  # within --budget, a compiled step's compilation included
+        needed = COMPILE_S if engine == "compiled" else 0.0
+        return args.budget is None or time.perf_counter() - start + needed <= args.budget
+
+    def say(*cells: str) -> None:
+        rows.append(cells)
+        print(" | ".join(c for c in cells if c), flush=True)  # the file's table keeps the empty cells
+
+    def write() -> (
+        None
+    ):  # after every row and profile: a command killed by its timeout keeps what it measured
+        if args.out is None:
+            return
+        args.out.mkdir(parents=True, exist_ok=True)
+        table = [f"| {' | '.join(r)} |" for r in (HEADER, ("---",) * len(HEADER), *rows)]
+        (args.out / "throughput.md").write_text(f"{title}\n\n" + "\n".join(table) + "\n", encoding="utf-8")
+        if profiles:
+            (args.out / "variants-profile.txt").write_text(profiles, encoding="utf-8")
+
+    loaded = {}  # dataset: (config, federation, FLOPs per image)
     for dataset in args.datasets:
         config = RunConfig(**SETTINGS[dataset], device=str(device), batch_size=64)
         try:
@@ -81,24 +139,60 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - data absent: this dataset is skipped, the others run
             print(f"{dataset}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
             continue
-        flops = flops_per_image(dataset, fed.image_shape)
-        for engine in args.engines or engines_for(device):
-            for precision in args.precisions or space["precision"]:
-                for size in args.sizes or space["size"]:
-                    row = f"{dataset} | {precision} | {engine} | {size}"
-                    tic = time.perf_counter()
-                    try:
-                        seconds = time_step(config, fed, precision, engine, size, args.steps)
-                    except Exception as e:  # noqa: BLE001 - refused (no CUDA, no compiler): said, not fatal
-                        print(f"{row} | refused: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                        break
-                    first = time.perf_counter() - tic - args.steps * seconds
-                    images = size * config.n_clients * config.batch_size / seconds
-                    rate = images * flops / 1e12
-                    print(f"{row} | {images:,.0f} | {rate:.3g} | {100 * rate / peak:.2g}% | {first:.3g}",
-                          flush=True)  # fmt: skip
-        print(f"{dataset}: {flops / 1e9:.4f} GFLOP per training image (forward + backward)")
+        loaded[dataset] = config, fed, flops_per_image(dataset, fed.image_shape)
+        print(f"{dataset}: {loaded[dataset][2] / 1e9:.4f} GFLOP per training image (forward + backward)")
+    engines = args.engines or engines_for(device)
+    # compiled last, for every dataset: its compilations are the longest, and --budget cuts the end first
+    for selected in ([e for e in engines if e != "compiled"], [e for e in engines if e == "compiled"]):
+        for dataset, (config, fed, flops) in loaded.items():
+            fastest: dict[str, tuple[float, str, int]] = {}  # engine: (images/s, precision, size)
+            for engine in selected:
+                for precision in args.precisions or space["precision"]:
+                    for size in args.sizes or space["size"]:
+                        row = (dataset, precision, engine, str(size))
+                        if not fits(engine):
+                            say(*row, "not timed: the --budget was spent", "", "", "")
+                            continue
+                        tic = time.perf_counter()
+                        try:
+                            seconds = time_step(config, fed, precision, engine, size, args.steps)
+                        except Exception as e:  # noqa: BLE001 - refused (no CUDA, no compiler): said, not fatal
+                            reason = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                            say(*row, reason, "", "", "")
+                            break
+                        first = time.perf_counter() - tic - args.steps * seconds
+                        images = size * config.n_clients * config.batch_size / seconds
+                        rate = images * flops / 1e12
+                        say(
+                            *row, f"{images:,.0f}", f"{rate:.3g}", f"{100 * rate / peak:.2g}%", f"{first:.3g}"
+                        )
+                        fastest[engine] = max(fastest.get(engine, (0.0, "", 0)), (images, precision, size))
+                        write()
+            if args.profile:
+                profiles += profile_engines(config, fed, fastest, cuda, fits)
+                write()
+    write()
     return 0
+
+
+def profile_engines(config: RunConfig, fed, fastest: dict, cuda: bool, fits) -> str:
+    """torch.profiler over PROFILE_STEPS local steps (and the warm-up step before them) of each engine at
+    its fastest (precision, size): its top kernels and ops, the "why" of issue 44 for a variant that falls
+    short. An engine whose profile would pass the budget is said to be skipped."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    text = ""
+    for engine, (images, precision, size) in fastest.items():
+        what = f"# {config.dataset}, {engine}, {precision}, a group of {size} ({images:,.0f} images/s)"
+        if not fits(engine):
+            text += f"\n{what}: not profiled, the --budget was spent\n"
+            continue
+        with profile(activities=activities) as prof:
+            time_step(config, fed, precision, engine, size, PROFILE_STEPS)
+        text += f"\n{what}: {PROFILE_STEPS} steps after a warm-up, all profiled\n"
+        text += profile_tables(prof, cuda, PROFILE_ROWS)
+    return text
 
 
 if __name__ == "__main__":

@@ -345,6 +345,57 @@ def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsy
     assert rows["cuda_graphs"][4].startswith("refused: ConfigError: engine='cuda_graphs'")
 
 
+def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 44's GPU command on the CPU: --out gets throughput.md (the printed rows as a markdown table) and,
+    with --profile, variants-profile.txt with one profile per engine that ran, at its fastest (precision,
+    size); --budget 0 times nothing and says so in each row; --data reads a folder without the data sets
+    and skips them with the reason, the others running."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import throughput
+
+    out = tmp_path / "out"
+    assert throughput.main(["--smoke", "--profile", "--out", str(out), "--budget", "600"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("digits | fp32")]
+    table = (out / "throughput.md").read_text().splitlines()
+    assert table[0].startswith("device: CPU") and table[2] == f"| {' | '.join(throughput.HEADER)} |"
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split(" | ") if c.strip()]
+
+    assert [cells(line) for line in table[4:]] == [cells(line) for line in printed]
+    profiles = (out / "variants-profile.txt").read_text()
+    ran = [line.split(" | ")[2] for line in printed if not line.split(" | ")[4].startswith("refused")]
+    assert [line.split(", ")[1] for line in profiles.splitlines() if line.startswith("# digits")] == ran
+    assert profiles.count("## top 15 CPU ops by self_cpu_time_total") == len(ran) == 3
+
+    capsys.readouterr()
+    none = tmp_path / "none"
+    assert throughput.main(["--smoke", "--budget", "0", "--out", str(none)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("digits | fp32")]
+    assert len(rows) == 1 + len(step_variants.VARIANTS)
+    assert all("not timed: the --budget was spent" in row for row in rows)
+
+    calls = []  # compiled last, after every other engine of every dataset; cut first by the budget
+    monkeypatch.setattr(throughput, "time_step", lambda c, f, p, engine, *a: calls.append(engine) or 0.01)
+    assert throughput.main(["--smoke", "--engines", "compiled", "batched", "--sizes", "1", "2"]) == 0
+    assert calls == ["batched", "batched", "compiled", "compiled"]
+    monkeypatch.setattr(throughput, "COMPILE_S", 10**6)
+    calls.clear()
+    assert throughput.main(["--smoke", "--engines", "compiled", "batched", "--budget", "600"]) == 0
+    assert calls == ["batched"] and "compiled | 1 | not timed" in capsys.readouterr().out
+
+    monkeypatch.setenv("PRODIGY_FEMNIST_DIR", "")  # restored after the test: --data sets it for the process
+    capsys.readouterr()
+    femnist = ["--datasets", "femnist", "--peak-size", "128", "--data", str(tmp_path / "empty")]
+    assert throughput.main(femnist) == 0
+    assert "femnist: skipped" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------------ groups
 @pytest.mark.parametrize(
     ("engine", "distribution"),
