@@ -170,9 +170,10 @@ class Driver:
         # The estimates (`estimate`), from measurements, updated after every group: one run's server side per
         # round in steady state, per (dataset, defense, attack), from the gate or the finished runs of that
         # kind; the measured local steps of finished groups / their prediction from the autotune's step_s,
-        # per dataset; a run-round's evaluation, per dataset.
+        # per dataset and per (dataset, trained share) (`local_factor_for`); a run-round's evaluation, per
+        # dataset.
         self.server_s: dict[tuple[str, str, str], float] = {}
-        self.local_factor: dict[str, float] = {}
+        self.local_factor: dict[str | tuple[str, float], float] = {}
         self.eval_s: dict[str, float] = {}
         self.rows: list[dict[str, Any]] = []  # summary rows
         self.left: dict[str, list[Any]] = {}  # step -> its runs no time was left for (so far)
@@ -285,19 +286,25 @@ class Driver:
 
     def local_estimate(self, batch: list[Any], rounds: int | None = None) -> float:
         """Seconds of a group's local steps: rounds (its longest run's) x E x the autotune's step of the
-        smallest measured group at least as large x the share of the group's clients that train (a run's
-        idle Byzantine clients take no step: `attacks.idle_byzantine`), x what finished groups of the dataset
-        measured against that prediction."""
-        from prodigy_core.attacks import idle_byzantine
-
+        smallest measured group at least as large x the share of the group's clients that train
+        (`trained_share`), x what finished groups measured against that prediction (`local_factor_for`)."""
         first, step_s = batch[0], self.step_s(batch[0].dataset)
         upper = min((s for s in step_s if s >= len(batch)), default=None)
         if upper is None:
             return float("inf")
         rounds = max(c.rounds for c in batch) if rounds is None else rounds
-        idle = [idle_byzantine(c.attack, c.n_byzantine, c.variant, c.attack_params) for c in batch]
-        share = sum(1 - k / c.n_clients for k, c in zip(idle, batch, strict=True)) / len(batch)
-        return self.local_factor.get(first.dataset, 1.0) * rounds * first.local_steps * step_s[upper] * share
+        share = trained_share(batch)
+        return (
+            self.local_factor_for(first.dataset, share) * rounds * first.local_steps * step_s[upper] * share
+        )
+
+    def local_factor_for(self, dataset: str, share: float) -> float:
+        """Measured local seconds / predicted, of the dataset's finished groups with this trained share, else
+        of its latest finished group, else 1. Per share because idle clients save what the device makes of
+        fewer rows: on a CPU about their share, on the H200 of 2026-11-27 nothing for a FEMNIST run alone
+        (0.050-0.068 s a round with 14 of 20 clients training, 0.054-0.064 s with all 20); one factor for all
+        shares swung the estimates by the last group's share (ProDiGy + ALIE 45 s estimated, 62 s taken)."""
+        return self.local_factor.get((dataset, round(share, 3)), self.local_factor.get(dataset, 1.0))
 
     def server_estimate(self, config: Any) -> float:
         """One run's server side per round: measured for its (dataset, defense, attack) (the gate, then its
@@ -365,10 +372,11 @@ class Driver:
         self.eval_s[dataset] = sum(r["phase_seconds"]["eval"] for _, r in done) / rounds
         # the group's local steps ran for its longest member's rounds (a diverged member stops early)
         ran = max(max(r.get("rounds_completed") or 0, 1) for _, r in done)
-        predicted = self.local_estimate(batch, ran) / self.local_factor.get(dataset, 1.0)
+        share = trained_share(batch)
+        predicted = self.local_estimate(batch, ran) / self.local_factor_for(dataset, share)
         measured = sum(r["phase_seconds"]["local"] for _, r in done)
         if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
-            self.local_factor[dataset] = measured / predicted
+            self.local_factor[dataset] = self.local_factor[dataset, round(share, 3)] = measured / predicted
 
     def prepare(self, dataset: str, config: Any, first: bool = False) -> bool:
         """Make `dataset` ready when the first step that trains it comes up (`config`: one of its runs): the
@@ -768,6 +776,15 @@ def run(args: argparse.Namespace) -> int:
 
     with shared_federations():  # every data set loaded once in this process
         return drive(driver, args, work)
+
+
+def trained_share(batch: list[Any]) -> float:
+    """The share of a group's client rows that train: a run's idle Byzantine clients take no local step
+    (`attacks.idle_byzantine`)."""
+    from prodigy_core.attacks import idle_byzantine
+
+    idle = [idle_byzantine(c.attack, c.n_byzantine, c.variant, c.attack_params) for c in batch]
+    return sum(1 - k / c.n_clients for k, c in zip(idle, batch, strict=True)) / len(batch)
 
 
 def profile_tables(prof: Any, cuda: bool, rows: int = PROFILE_ROWS) -> str:

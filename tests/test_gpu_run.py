@@ -191,14 +191,15 @@ def trained_share(batch) -> float:
     return sum(1 - idle(c) * c.n_byzantine / c.n_clients for c in batch) / len(batch)
 
 
-def true_seconds(batch) -> float:
-    local = (
-        max(c.rounds for c in batch) * batch[0].local_steps * TRUE_STEP_S[len(batch)] * trained_share(batch)
-    )
+def true_seconds(batch, idle_saves: bool = True) -> float:
+    """A group's seconds on the fake machine: idle clients save their share of a step (a CPU), or nothing
+    (`idle_saves` False: the H200 of 2026-11-27, a FEMNIST run alone)."""
+    share = trained_share(batch) if idle_saves else 1.0
+    local = max(c.rounds for c in batch) * batch[0].local_steps * TRUE_STEP_S[len(batch)] * share
     return local + sum(c.rounds * TRUE_SERVER_S[c.defense, c.attack] for c in batch)
 
 
-def fake_window(gpu_run, monkeypatch, tune_step_s):
+def fake_window(gpu_run, monkeypatch, tune_step_s, idle_saves: bool = True):
     """A window on a fake machine: a clock that only the fake training moves, a group taking `true_seconds`,
     and an autotune that reports `tune_step_s` and the gate's kinds at their true server cost. Returns the
     groups trained: [(configs, seconds)]."""
@@ -219,15 +220,15 @@ def fake_window(gpu_run, monkeypatch, tune_step_s):
         records = []
         for c in batch:
             server = c.rounds * TRUE_SERVER_S[c.defense, c.attack]
-            local = (max(b.rounds for b in batch) * c.local_steps * TRUE_STEP_S[len(batch)]
-                     * trained_share(batch) / len(batch))  # fmt: skip
+            server_all = sum(b.rounds * TRUE_SERVER_S[b.defense, b.attack] for b in batch)
+            local = (true_seconds(batch, idle_saves) - server_all) / len(batch)
             phases = {"local": local, "craft": server / 2, "aggregate": server / 2, "eval": 0.0, "rest": 0.0}
             result = RunResult(config=c.to_dict(), final_accuracy=50.0, final_loss=1.0,
                                rounds_completed=c.rounds, phase_seconds=phases)  # fmt: skip
             store.save_record(folder, c.key(), result.to_dict(), exp.results_name)
             records.append(store.stored_record(folder, c.key()))
-        now[0] += true_seconds(batch)
-        trained.append((batch, true_seconds(batch)))
+        now[0] += true_seconds(batch, idle_saves)
+        trained.append((batch, true_seconds(batch, idle_saves)))
         return records
 
     monkeypatch.setattr(gpu_run.Driver, "train_group", train_group)
@@ -267,6 +268,31 @@ def test_the_schedule_fills_the_window_from_measured_costs_issue_41_item_2(
     left = [c for s in gpu_run.plan("paper", simulate=True) for c in driver.experiment(s).configs
             if c.key() not in done]  # fmt: skip
     assert left and deadline - used < min(true_seconds([c]) for c in left)  # no run that fitted was left out
+
+
+def test_the_local_estimate_learns_what_idle_clients_save_on_this_device(
+    gpu_run, tmp_path, data, monkeypatch
+):
+    """On the H200 a FEMNIST run alone took as long with 14 of 20 clients training as with 20, while the
+    estimate scaled its step by the share (and one learned factor for all shares swung by the last group's).
+    On a fake machine where idle clients save nothing, a group whose trained share and kinds a finished group
+    already measured is estimated at its true seconds (x GROUP_MARGIN), whatever group came just before."""
+    from benchmarks.gpu_run import trained_share as shares
+
+    trained = fake_window(gpu_run, monkeypatch, {1: 0.25, 2: 0.375}, idle_saves=False)
+    code, out, work = simulate(gpu_run, tmp_path, data, "--deadline", "1000", "--no-profile")
+    assert code == 0
+    lines = [x for x in (work / "log.txt").read_text().splitlines() if x.strip().startswith("group of")]
+    estimates = [float(x.split("estimated ")[1].split(" s")[0]) for x in lines]
+    known, seen, checked = set(GATE_KINDS), set(), 0
+    for (batch, seconds), estimate in zip(trained, estimates, strict=True):
+        share = round(shares(batch), 3)
+        if share in seen and {(c.defense, c.attack) for c in batch} <= known:
+            assert estimate == pytest.approx(gpu_run.GROUP_MARGIN * seconds, rel=0.01)
+            checked += 1
+        known |= {(c.defense, c.attack) for c in batch}
+        seen.add(share)
+    assert checked >= 1 and len({round(shares(b), 3) for b, _ in trained}) >= 2  # shares alternate
 
 
 def test_an_earlier_autotune_is_reused_on_the_same_gpu_and_software_issue_41_item_3(
