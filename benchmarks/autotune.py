@@ -53,11 +53,11 @@ def engine_candidates(device_type: str) -> tuple[str, ...]:
     return ("batched", *variants, "compiled")
 
 
-# The variants most likely to pay first, while the budget lasts: the 2026-11-27 window's profile put about
-# 75% of a FEMNIST step in the per-client kernels cuDNN runs for vmap's grouped convolutions (bmm_conv
-# replaces them), launches next (cuda_graphs); channels_last timed slower than batched there (90k against
-# 120k images/s, fp32, alone).
-VARIANT_ORDER = ("bmm_conv", "cuda_graphs", "channels_last")
+# The variants most likely to pay first, while the budget lasts: the third H200 window of 2026-11-27 timed a
+# FEMNIST step alone at bf16 at 201k images/s under channels_last, 145k batched, 126k cuda_graphs and 43k
+# bmm_conv, and its profile put 56% of the channels_last step in cuDNN's per-client weight-gradient kernels,
+# which bmm_wgrad replaces.
+VARIANT_ORDER = ("channels_last", "bmm_wgrad", "cuda_graphs", "bmm_conv")
 
 
 # What is tried, per device type: engines cheapest first (`engine_candidates`); tf32 exists only on CUDA. The

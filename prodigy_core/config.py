@@ -21,9 +21,18 @@ from typing import Any
 
 from prodigy_core.names import DATASETS, DISTRIBUTIONS, PRECISIONS, TYPE_WORDS, VARIANTS, did_you_mean
 
-# compiled: batched under torch.compile; channels_last, bmm_conv, cuda_graphs: variants of batched's kernels
-# (`step_variants`)
-ENGINES = ("auto", "batched", "sequential", "compiled", "channels_last", "bmm_conv", "cuda_graphs")
+# compiled: batched under torch.compile; channels_last, bmm_conv, bmm_wgrad, cuda_graphs: variants of
+# batched's kernels (`step_variants`)
+ENGINES = (
+    "auto",
+    "batched",
+    "sequential",
+    "compiled",
+    "channels_last",
+    "bmm_conv",
+    "bmm_wgrad",
+    "cuda_graphs",
+)
 # fp32: full float32 (on CUDA TF32 off, deterministic kernels); tf32: TF32 convolutions and matmuls (CUDA
 # only); bf16: bfloat16 autocast of the model's forward and backward (`seeding.precision_mode`).
 # RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.

@@ -52,7 +52,7 @@ def _model():
 
 
 @pytest.mark.parametrize("distribution", ["iid", "dirichlet"])
-@pytest.mark.parametrize(("conv", "channels_last"), [("grouped", True), ("bmm", False)])
+@pytest.mark.parametrize(("conv", "channels_last"), [("grouped", True), ("bmm", False), ("bmm_wgrad", True)])
 def test_client_folded_variants_equal_batched_in_float64(distribution, conv, channels_last):
     """channels_last and bmm_conv: the client-folded layers give the batched engine's pseudo-gradients and
     BatchNorm buffers to float64 rounding, with one batch width (iid) and several (Dirichlet's small
@@ -175,7 +175,7 @@ def test_static_buffer_steps_of_a_group_are_each_runs_own():
 
 
 @pytest.mark.parametrize(("kernel", "padding"), [(5, 2), (3, 1)])  # the FEMNIST and CIFAR-10 convolutions
-@pytest.mark.parametrize(("impl", "channels_last"), [("grouped", True), ("bmm", False)])
+@pytest.mark.parametrize(("impl", "channels_last"), [("grouped", True), ("bmm", False), ("bmm_wgrad", True)])
 def test_folded_convolution_and_batchnorm_are_each_clients_own(kernel, padding, impl, channels_last):
     """Against each client's own nn.functional call (float64), forward and gradients."""
     gen = torch.Generator().manual_seed(0)
@@ -205,6 +205,30 @@ def test_folded_convolution_and_batchnorm_are_each_clients_own(kernel, padding, 
     assert state["num_batches_tracked"].tolist() == [1] * n
 
 
+def test_the_batched_weight_gradient_passes_autograds_gradcheck_and_keeps_dtypes_under_autocast():
+    """bmm_wgrad's hand-written backward against finite differences (float64, torch.autograd.gradcheck), for
+    the input, the weights and the bias; under bf16 autocast the convolution runs in bf16 (as F.conv2d's
+    would) and each gradient comes back in its input's dtype, close to the float32 gradients."""
+    from prodigy_core.step_variants import _BmmWeightGradConv
+
+    gen = torch.Generator().manual_seed(1)
+    conv = _FoldedConv(nn.Conv2d(2, 3, 3, padding=1), "bmm_wgrad", True)
+    x = torch.randn(2, 3, 2, 5, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, 2, 3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: _BmmWeightGradConv.apply(*t, conv), (x, w, bias))
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _BmmWeightGradConv.apply(x32, w32, b32, conv)
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.float().square().sum(), (x32, w32, b32))
+    ref = conv._grouped(x32, w32, b32)
+    refs = torch.autograd.grad(ref.square().sum(), (x32, w32, b32))
+    for g, r in zip(grads, refs, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * float(r.abs().max()))
+
+
 def test_cuda_graphs_engine_is_refused_on_a_cpu_in_one_line():
     with pytest.raises(ConfigError, match=r"^engine='cuda_graphs' .*needs a CUDA device.*engine='batched'"):
         training.run(RunConfig(**TINY, engine="cuda_graphs"), progress=False)
@@ -214,7 +238,7 @@ def test_a_run_records_the_variant_it_ran_and_keeps_the_batched_key():
     """The variant is an engine: named in the record's environment, out of the result key (one key, one
     computation to float rounding: docs/semantics.md)."""
     batched = training.run(RunConfig(**TINY, engine="batched"), progress=False)
-    for engine in ("channels_last", "bmm_conv"):
+    for engine in ("channels_last", "bmm_conv", "bmm_wgrad"):
         config = RunConfig(**TINY, engine=engine)
         result = training.run(config, progress=False)
         assert result.environment["engine"] == engine
@@ -294,11 +318,17 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
     from prodigy_core.experiments import load_experiment
 
     # the variants most likely to pay first (autotune.VARIANT_ORDER: the 2026-11-27 profile)
-    assert autotune.engine_candidates("cpu") == ("batched", "bmm_conv", "channels_last", "compiled")
+    assert autotune.engine_candidates("cpu") == (
+        "batched",
+        "channels_last",
+        "bmm_wgrad",
+        "bmm_conv",
+        "compiled",
+    )
     assert "cuda_graphs" in autotune.CANDIDATES["cuda"]["engine"]
     space = {"precision": ("fp32",), "size": (1,), "engine": autotune.engine_candidates("cpu")}
     monkeypatch.setitem(autotune.CANDIDATES, "cpu", space)
-    speed = {"bmm_conv": 4.0, "channels_last": 2.0, "batched": 1.0, "compiled": 0.5}
+    speed = {"bmm_conv": 4.0, "channels_last": 2.0, "bmm_wgrad": 1.5, "batched": 1.0, "compiled": 0.5}
     timed = []
 
     def timer(resolved, fed, precision, engine, size):
@@ -371,7 +401,9 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
     profiles = (out / "variants-profile.txt").read_text()
     ran = [line.split(" | ")[2] for line in printed if not line.split(" | ")[4].startswith("refused")]
     assert [line.split(", ")[1] for line in profiles.splitlines() if line.startswith("# digits")] == ran
-    assert profiles.count("## top 15 CPU ops by self_cpu_time_total") == len(ran) == 3
+    assert (
+        profiles.count("## top 15 CPU ops by self_cpu_time_total") == len(ran) == len(step_variants.VARIANTS)
+    )
 
     capsys.readouterr()
     none = tmp_path / "none"
@@ -399,7 +431,12 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
 # ------------------------------------------------------------------------------------------------ groups
 @pytest.mark.parametrize(
     ("engine", "distribution"),
-    [("channels_last", "dirichlet"), ("bmm_conv", "dirichlet"), ("cuda_graphs", "iid")],
+    [
+        ("channels_last", "dirichlet"),
+        ("bmm_conv", "dirichlet"),
+        ("bmm_wgrad", "dirichlet"),
+        ("cuda_graphs", "iid"),
+    ],
 )
 def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeypatch, engine, distribution):
     """tests/test_groups.py's four runs (CClip + ALIE, ProDiGy + LF: its own labels, NNM + TM + SF at another
@@ -461,7 +498,7 @@ def test_cuda_graph_replays_take_the_batched_engines_steps():
 
 
 @cuda
-@pytest.mark.parametrize("engine", ["channels_last", "bmm_conv"])
+@pytest.mark.parametrize("engine", ["channels_last", "bmm_conv", "bmm_wgrad"])
 def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
     fed = load_federation("digits", 4, distribution="iid", seed=0, device=torch.device("cuda"))
     plain = fed.train_batch
@@ -482,7 +519,7 @@ def test_a_cuda_graphs_run_trains_and_records_its_engine():
 
 
 @pytest.mark.parametrize(("dataset", "image"), [("femnist", (1, 28, 28)), ("cifar10", (3, 32, 32))])
-@pytest.mark.parametrize(("conv", "channels_last"), [("grouped", True), ("bmm", False)])
+@pytest.mark.parametrize(("conv", "channels_last"), [("grouped", True), ("bmm", False), ("bmm_wgrad", True)])
 def test_client_folded_variants_equal_batched_on_the_papers_models(dataset, image, conv, channels_last):
     """The window's autotune times the variants on the paper's CNNs (5x5 convolutions without BatchNorm for
     FEMNIST; 3x3, ReLU before BatchNorm and dropout for CIFAR-10), not on the digits model the tests above
