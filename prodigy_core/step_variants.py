@@ -15,8 +15,8 @@ by float rounding only) and named in the record's `environment["engine"]`. `auto
 - ``bmm_conv``: every client's convolution as one batched matrix product, unfold + `baddbmm` over the R N
   clients (`FoldedGrad`), instead of a grouped convolution with R N groups.
 - ``bmm_wgrad``: ``channels_last``'s grouped convolutions forward and for the input gradient, their weight
-  gradient as one batched matrix product over the clients (unfold + einsum, `_BmmWeightGradConv`), where
-  cuDNN runs one kernel per client and step (the H200 profile of 2026-11-27: 56% of a FEMNIST step).
+  gradient as one batched matrix product over the clients and images (unfold + bmm, `_BmmWeightGradConv`),
+  where cuDNN runs one kernel per client and step (the H200 profile of 2026-11-27: 56% of a FEMNIST step).
 - ``cuda_graphs``: the batched step with every per-step input (images, labels, dropout masks, the clients'
   weights and BatchNorm buffers) in static buffers, the step captured once in a CUDA graph per shape and
   step size and replayed at every later step (`StaticSteps`). CUDA only: on a CPU the engine is refused in
@@ -140,13 +140,15 @@ class _FoldedConv(nn.Module):
         return gx.reshape(b, n, c, *x.shape[3:]).transpose(0, 1)
 
     def _weight_grad(self, x: Tensor, weight: Tensor, g: Tensor) -> Tensor:
-        """d loss / d weight (clients, O, C, k, k) of `_grouped` as one batched product over the clients:
-        sum over images and positions of g (clients, B, O, L) x unfold(x) (clients, B, C kk, L)."""
+        """d loss / d weight (clients, O, C, k, k) of `_grouped` as one batched product: per client and image
+        g (O, L) x unfold(x)^T (L, C kk), summed over the images. The unfolded input is read as it is laid
+        out (its transpose is a view), never copied: CIFAR-10's largest is about 1.5 GB in float32 per 10
+        clients."""
         n, b, c = x.shape[:3]
         cols = F.unfold(x.reshape(n * b, c, *x.shape[3:]), weight.shape[3:], self.dilation, self.padding,
                         self.stride)  # fmt: skip
-        cols = cols.view(n, b, cols.shape[1], -1)
-        return torch.einsum("nbol,nbkl->nok", g.reshape(n, b, g.shape[2], -1), cols).reshape(weight.shape)
+        per_image = torch.bmm(g.reshape(n * b, g.shape[2], -1), cols.transpose(1, 2))  # (n b, O, C kk)
+        return per_image.view(n, b, *per_image.shape[1:]).sum(dim=1).reshape(weight.shape)
 
     def _bmm(self, x: Tensor) -> Tensor:
         n, b, c, h, w = x.shape
