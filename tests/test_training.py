@@ -322,7 +322,9 @@ def test_a_compiled_step_is_built_once_per_process_and_architecture():
 
 
 # ------------------------------------------------------------------------------- where a round goes (41)
-SLEEP = {"craft": 0.04, "aggregate": 0.03, "eval": 0.05}
+# eval's sleep outweighs two real evaluations on a loaded 2-core CI machine (0.057 s once, over the 0.05 s of
+# slack a 0.05 s sleep left); the aggregate's is short because an attack's search calls the pipeline often
+SLEEP = {"craft": 0.04, "aggregate": 0.03, "eval": 0.25}
 
 
 def _slowed(monkeypatch):
@@ -359,7 +361,7 @@ def test_a_record_says_where_its_rounds_went_issue_41_item_1(monkeypatch):
     assert json.loads(json.dumps(result.to_dict()))["phase_seconds"] == pytest.approx(phases)
     rounds, evaluations = 4, 2  # an attack's search calls the pipeline too: aggregate only counts the last
     assert SLEEP["craft"] * rounds <= phases["craft"] < SLEEP["craft"] * rounds + 2.0
-    assert SLEEP["aggregate"] * rounds <= phases["aggregate"] < SLEEP["aggregate"] * (rounds + 1)
+    assert SLEEP["aggregate"] * rounds <= phases["aggregate"] < SLEEP["aggregate"] * (rounds + 2)
     assert SLEEP["eval"] * evaluations <= phases["eval"] < SLEEP["eval"] * (evaluations + 1)
     timed = sum(result.round_times) + phases["eval"]  # round_times: from the local steps to the server step
     assert timed <= sum(phases.values()) <= timed + 0.1
