@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(cells)
         print(" | ".join(c for c in cells if c), flush=True)  # the file's table keeps the empty cells
 
-    def write() -> (
-        None
-    ):  # after every row and profile: a command killed by its timeout keeps what it measured
+    def write() -> None:
+        """After every row and profile: a command killed by its timeout keeps what it measured."""
         if args.out is None:
             return
         args.out.mkdir(parents=True, exist_ok=True)
@@ -188,8 +187,12 @@ def profile_engines(config: RunConfig, fed, fastest: dict, cuda: bool, fits) -> 
         if not fits(engine):
             text += f"\n{what}: not profiled, the --budget was spent\n"
             continue
-        with profile(activities=activities) as prof:
-            time_step(config, fed, precision, engine, size, PROFILE_STEPS)
+        try:
+            with profile(activities=activities) as prof:
+                time_step(config, fed, precision, engine, size, PROFILE_STEPS)
+        except Exception as e:  # noqa: BLE001 - one engine's profile (out of memory, say) spares the others
+            text += f"\n{what}: profile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})\n"
+            continue
         text += f"\n{what}: {PROFILE_STEPS} steps after a warm-up, all profiled\n"
         text += profile_tables(prof, cuda, PROFILE_ROWS)
     return text

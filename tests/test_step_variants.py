@@ -421,6 +421,19 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
     assert throughput.main(["--smoke", "--engines", "compiled", "batched", "--budget", "600"]) == 0
     assert calls == ["batched"] and "compiled | 1 | not timed" in capsys.readouterr().out
 
+    def out_of_memory_when_profiled(c, f, p, engine, size, steps):
+        if steps == throughput.PROFILE_STEPS:
+            raise RuntimeError("CUDA out of memory")
+        return 0.01
+
+    monkeypatch.setattr(throughput, "time_step", out_of_memory_when_profiled)
+    failing = tmp_path / "failing"
+    assert throughput.main(["--smoke", "--engines", "batched", "--profile", "--out", str(failing)]) == 0
+    assert (
+        "profile failed (RuntimeError: CUDA out of memory)" in (failing / "variants-profile.txt").read_text()
+    )
+    assert "| digits | fp32 | batched | 1 |" in (failing / "throughput.md").read_text()
+
     monkeypatch.setenv("PRODIGY_FEMNIST_DIR", "")  # restored after the test: --data sets it for the process
     capsys.readouterr()
     femnist = ["--datasets", "femnist", "--peak-size", "128", "--data", str(tmp_path / "empty")]
