@@ -532,14 +532,14 @@ def time_left_out(
     rows = tune["timings"]
     left_out = [i for i, row in enumerate(rows) if row.get("error") == NOT_TIMED]
     timed = []
-    for i in sorted(left_out, key=lambda i: tune["timings"][i]["engine"] == "compiled"):
-        old = tune["timings"][i]
+    for i in sorted(left_out, key=lambda i: rows[i]["engine"] == "compiled"):
+        old = rows[i]
         if seconds_left() < need + (COMPILE_S if old["engine"] == "compiled" else 0.0):
             continue
         row = time_row(timer, resolved, fed, old["precision"], old["engine"], old["size"])
         row["after_runs"] = True
         add_row_rates(row, tune.get("gflop_per_image", 0.0), peak)
-        tune["timings"][i] = row
+        rows[i] = row
         timed.append(row)
     return timed
 

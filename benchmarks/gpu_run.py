@@ -170,10 +170,11 @@ class Driver:
         # The estimates (`estimate`), from measurements, updated after every group: one run's server side per
         # round in steady state, per (dataset, defense, attack), from the gate or the finished runs of that
         # kind; the measured local steps of finished groups / their prediction from the autotune's step_s,
-        # per dataset and per (dataset, trained share) (`local_factor_for`); a run-round's evaluation, per
-        # dataset.
+        # per dataset (the latest group's) and per (dataset, trained share) (`local_factor_for`); a
+        # run-round's evaluation, per dataset.
         self.server_s: dict[tuple[str, str, str], float] = {}
-        self.local_factor: dict[str | tuple[str, float], float] = {}
+        self.local_factor: dict[str, float] = {}
+        self.share_factor: dict[tuple[str, float], float] = {}
         self.eval_s: dict[str, float] = {}
         self.rows: list[dict[str, Any]] = []  # summary rows
         self.left: dict[str, list[Any]] = {}  # step -> its runs no time was left for (so far)
@@ -304,7 +305,7 @@ class Driver:
         fewer rows: on a CPU about their share, on the H200 of 2026-11-27 nothing for a FEMNIST run alone
         (0.050-0.068 s a round with 14 of 20 clients training, 0.054-0.064 s with all 20); one factor for all
         shares swung the estimates by the last group's share (ProDiGy + ALIE 45 s estimated, 62 s taken)."""
-        return self.local_factor.get((dataset, round(share, 3)), self.local_factor.get(dataset, 1.0))
+        return self.share_factor.get(share_key(dataset, share), self.local_factor.get(dataset, 1.0))
 
     def server_estimate(self, config: Any) -> float:
         """One run's server side per round: measured for its (dataset, defense, attack) (the gate, then its
@@ -376,7 +377,7 @@ class Driver:
         predicted = self.local_estimate(batch, ran) / self.local_factor_for(dataset, share)
         measured = sum(r["phase_seconds"]["local"] for _, r in done)
         if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
-            self.local_factor[dataset] = self.local_factor[dataset, round(share, 3)] = measured / predicted
+            self.local_factor[dataset] = self.share_factor[share_key(dataset, share)] = measured / predicted
 
     def prepare(self, dataset: str, config: Any, first: bool = False) -> bool:
         """Make `dataset` ready when the first step that trains it comes up (`config`: one of its runs): the
@@ -785,6 +786,11 @@ def trained_share(batch: list[Any]) -> float:
 
     idle = [idle_byzantine(c.attack, c.n_byzantine, c.variant, c.attack_params) for c in batch]
     return sum(1 - k / c.n_clients for k, c in zip(idle, batch, strict=True)) / len(batch)
+
+
+def share_key(dataset: str, share: float) -> tuple[str, float]:
+    """`Driver.share_factor`'s key: equal shares of different groups (float sums) fall together."""
+    return dataset, round(share, 3)
 
 
 def profile_tables(prof: Any, cuda: bool, rows: int = PROFILE_ROWS) -> str:

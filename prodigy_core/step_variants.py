@@ -116,28 +116,32 @@ class _FoldedConv(nn.Module):
         return self._grouped(x)
 
     def _grouped(self, x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-        n, b, c = x.shape[:3]
+        n, b = x.shape[:2]
         weight, bias = (self.weight, self.bias) if weight is None else (weight, bias)
-        w = weight.reshape(-1, *weight.shape[2:])  # (n O, C, k, k)
-        xi = x.transpose(0, 1).reshape(b, n * c, *x.shape[3:])
-        if self.channels_last:
-            xi = xi.contiguous(memory_format=torch.channels_last)
-            w = w.contiguous(memory_format=torch.channels_last)
         bias = None if bias is None else bias.reshape(-1)
-        out = F.conv2d(xi, w, bias, self.stride, self.padding, self.dilation, groups=n)
+        out = F.conv2d(self._into_channels(x), self._grouped_weight(weight), bias, self.stride, self.padding,
+                       self.dilation, groups=n)  # fmt: skip
         return out.reshape(b, n, -1, *out.shape[2:]).transpose(0, 1)
 
     def _input_grad(self, x: Tensor, weight: Tensor, g: Tensor) -> Tensor:
         """d loss / d x of `_grouped`, from the output's gradient `g`: the grouped convolution's own
         (transposed) kernel."""
         n, b, c = x.shape[:3]
-        w = weight.reshape(-1, *weight.shape[2:])
-        gi = g.transpose(0, 1).reshape(b, -1, *g.shape[3:])
-        if self.channels_last:
-            w, gi = (t.contiguous(memory_format=torch.channels_last) for t in (w, gi))
         shape = (b, n * c, *x.shape[3:])
-        gx = torch.nn.grad.conv2d_input(shape, w, gi, self.stride, self.padding, self.dilation, groups=n)
+        gx = torch.nn.grad.conv2d_input(shape, self._grouped_weight(weight), self._into_channels(g),
+                                        self.stride, self.padding, self.dilation, groups=n)  # fmt: skip
         return gx.reshape(b, n, c, *x.shape[3:]).transpose(0, 1)
+
+    def _into_channels(self, t: Tensor) -> Tensor:
+        """(clients, B, C, H, W) -> (B, clients C, H, W), the grouped convolution's layout (channels-last
+        memory when asked)."""
+        t = t.transpose(0, 1).reshape(t.shape[1], -1, *t.shape[3:])
+        return t.contiguous(memory_format=torch.channels_last) if self.channels_last else t
+
+    def _grouped_weight(self, weight: Tensor) -> Tensor:
+        """(clients, O, C, k, k) -> (clients O, C, k, k), the grouped convolution's weight."""
+        w = weight.reshape(-1, *weight.shape[2:])
+        return w.contiguous(memory_format=torch.channels_last) if self.channels_last else w
 
     def _weight_grad(self, x: Tensor, weight: Tensor, g: Tensor) -> Tensor:
         """d loss / d weight (clients, O, C, k, k) of `_grouped` as one batched product: per client and image
