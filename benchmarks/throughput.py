@@ -4,11 +4,11 @@
                                     [--data GPU_DATA] [--out DIR] [--profile] [--budget S]
 
 One local SGD step (all N clients of the dataset's paper setting, batch 64) of R stacked runs, timed as the
-GPU window's autotune times it (`autotune.time_step`: a warm-up step, then CUDA events or perf_counter),
+GPU window's autotune times it (`autotune.time_step`: two warm-up steps, then CUDA events or perf_counter),
 printed as training images/s, TFLOP/s and the share of the device's peak, for every engine: batched, its
 variants (`prodigy_core.step_variants`; one the device cannot run is printed as refused, with its reason)
 and, on CUDA, compiled. The peak is measured in the same run: a large matrix product (bf16 8192^3 on CUDA,
-fp32 on a CPU). "first s" is the warm-up step's seconds (compilation, graph capture), from the wall clock
+fp32 on a CPU). "first s" is the warm-up steps' seconds (compilation, graph capture), from the wall clock
 less the timed steps. FLOPs per image: torch.utils.flop_counter's count of one forward and backward pass of
 the model on a batch, divided by the batch (convolutions and matmuls; the elementwise rest is not counted).
 A dataset whose data is not on this machine is skipped with a line saying so. `--smoke`: digits, one group
@@ -35,7 +35,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.autotune import CANDIDATES, COMPILE_S, flops_per_image, peak_tflops, time_step  # noqa: E402
+from benchmarks.autotune import (  # noqa: E402
+    CANDIDATES,
+    COMPILE_S,
+    WARMUP_STEPS,
+    flops_per_image,
+    peak_tflops,
+    time_step,
+)
 from benchmarks.gpu_run import CIFAR10_ARCHIVE, FEMNIST_FOLDER, profile_tables  # noqa: E402
 from prodigy_core.config import RunConfig  # noqa: E402
 
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def profile_engines(config: RunConfig, fed, fastest: dict, cuda: bool, fits) -> str:
-    """torch.profiler over PROFILE_STEPS local steps (and the warm-up step before them) of each engine at
+    """torch.profiler over PROFILE_STEPS local steps (and the warm-up steps before them) of each engine at
     its fastest (precision, size): its top kernels and ops, the "why" of issue 44 for a variant that falls
     short. An engine whose profile would pass the budget is said to be skipped."""
     from torch.profiler import ProfilerActivity, profile
@@ -193,7 +200,7 @@ def profile_engines(config: RunConfig, fed, fastest: dict, cuda: bool, fits) -> 
         except Exception as e:  # noqa: BLE001 - one engine's profile (out of memory, say) spares the others
             text += f"\n{what}: profile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})\n"
             continue
-        text += f"\n{what}: {PROFILE_STEPS} steps after a warm-up, all profiled\n"
+        text += f"\n{what}: {PROFILE_STEPS} steps after {WARMUP_STEPS} warm-up steps, all profiled\n"
         text += profile_tables(prof, cuda, PROFILE_ROWS)
     return text
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from prodigy_core.names import DATASETS, DISTRIBUTIONS, PRECISIONS, TYPE_WORDS, VARIANTS, did_you_mean
 
-# compiled: batched under torch.compile; channels_last, bmm_conv, bmm_wgrad, cuda_graphs: variants of
-# batched's kernels (`step_variants`)
+# compiled: batched under torch.compile; channels_last, bmm_conv, bmm_wgrad, cuda_graphs and the captured
+# channels_last_graphs, bmm_wgrad_graphs: variants of batched's kernels (`step_variants`)
 ENGINES = (
     "auto",
     "batched",
@@ -32,6 +32,8 @@ ENGINES = (
     "bmm_conv",
     "bmm_wgrad",
     "cuda_graphs",
+    "channels_last_graphs",
+    "bmm_wgrad_graphs",
 )
 # fp32: full float32 (on CUDA TF32 off, deterministic kernels); tf32: TF32 convolutions and matmuls (CUDA
 # only); bf16: bfloat16 autocast of the model's forward and backward (`seeding.precision_mode`).

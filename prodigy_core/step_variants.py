@@ -21,6 +21,9 @@ by float rounding only) and named in the record's `environment["engine"]`. `auto
   weights and BatchNorm buffers) in static buffers, the step captured once in a CUDA graph per shape and
   step size and replayed at every later step (`StaticSteps`). CUDA only: on a CPU the engine is refused in
   one line; the static-buffer path itself runs there without capture (tested).
+- ``channels_last_graphs``, ``bmm_wgrad_graphs``: ``channels_last``'s and ``bmm_wgrad``'s step captured and
+  replayed as ``cuda_graphs`` captures batched's (`GRAPHED`), for a step whose host, launching its kernels,
+  is slower than its GPU (docs/results.md: the third H200 window's profile). CUDA only, like ``cuda_graphs``.
 - every stacked engine with one batch width draws the batches and dropout masks of all R runs in one go
   (`training.draw_group`): the same values as run by run, and a step's device kernels do not grow with R.
 - ``compiled`` (not a variant of this module): `training.cached_compiled_grad` keeps one compiled step per
@@ -56,31 +59,38 @@ VARIANTS = {
     "bmm_conv": "every client's convolution as one batched matrix product (unfold + baddbmm)",
     "bmm_wgrad": "channels_last's grouped convolutions with the weight gradient as one batched product",
     "cuda_graphs": "the step in static buffers, captured once in a CUDA graph and replayed (CUDA only)",
+    "channels_last_graphs": "channels_last's step captured in a CUDA graph, as cuda_graphs' (CUDA only)",
+    "bmm_wgrad_graphs": "bmm_wgrad's step captured in a CUDA graph, as cuda_graphs' (CUDA only)",
 }
 # the engines that stack the clients (and runs) in one step: `groups.group_key` groups runs of these
 STACKED_ENGINES = ("batched", "compiled", *VARIANTS)
-CUDA_ONLY = ("cuda_graphs",)
+# the client-folded variants (`FoldedGrad`): engine -> (its convolutions, channels-last memory)
+FOLDED = {"channels_last": ("grouped", True), "bmm_conv": ("bmm", False), "bmm_wgrad": ("bmm_wgrad", True)}
+# the captured variants (`StaticSteps`): engine -> the engine whose step it captures
+GRAPHED = {"cuda_graphs": "batched", "channels_last_graphs": "channels_last", "bmm_wgrad_graphs": "bmm_wgrad"}
+CUDA_ONLY = tuple(GRAPHED)
 
 
-def make_grad(engine: str, base: Callable) -> Callable:
+def make_grad(engine: str, base: Callable, capture: bool = True) -> Callable:
     """The gradient function of engine variant `engine`, from `base`, the batched engine's uncompiled one
     for the run's model (`training.ClientGrad`: `.net`, `(params, buffers, x, y, masks) -> grads`), with the
-    same interface; ``cuda_graphs``' also has `.local_steps`, which `training.local_steps_stacked` hands the
-    whole E steps to. A CUDA-only engine on another device raises a one-line `ConfigError`."""
+    same interface; a captured one's (`GRAPHED`) also has `.local_steps`, which
+    `training.local_steps_stacked` hands the whole E steps to. ``capture=False`` gives a captured engine's
+    static-buffer path uncaptured (the tests, on a CPU). A CUDA-only engine on another device raises a
+    one-line `ConfigError`."""
     device = next(base.net.template.parameters()).device
-    if engine in CUDA_ONLY and device.type != "cuda":
+    if engine in CUDA_ONLY and capture and device.type != "cuda":
+        uncaptured = GRAPHED[engine]
         raise ConfigError(
             f"engine={engine!r} captures the local steps in CUDA graphs and needs a CUDA device (this run's "
-            f"is {device}); use engine='batched': the same computation, uncaptured"
+            f"is {device}); use engine={uncaptured!r}: the same computation, uncaptured"
         )
-    if engine == "channels_last":
-        return FoldedGrad(base.net, conv="grouped", channels_last=True)
-    if engine == "bmm_conv":
-        return FoldedGrad(base.net, conv="bmm")
-    if engine == "bmm_wgrad":
-        return FoldedGrad(base.net, conv="bmm_wgrad", channels_last=True)
-    if engine == "cuda_graphs":
-        return StaticSteps(base, capture=True)
+    if engine in FOLDED:
+        conv, channels_last = FOLDED[engine]
+        return FoldedGrad(base.net, conv=conv, channels_last=channels_last)
+    if engine in GRAPHED:
+        inner = GRAPHED[engine]
+        return StaticSteps(base if inner == "batched" else make_grad(inner, base), capture=capture)
     raise ValueError(f"engine={engine!r} is not an engine variant; valid: {', '.join(VARIANTS)}")
 
 
@@ -418,4 +428,4 @@ class StaticSteps:
             graph.replay()
 
 
-__all__ = ["VARIANTS", "STACKED_ENGINES", "FoldedGrad", "StaticSteps", "make_grad"]
+__all__ = ["VARIANTS", "STACKED_ENGINES", "FOLDED", "GRAPHED", "FoldedGrad", "StaticSteps", "make_grad"]

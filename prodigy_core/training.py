@@ -553,8 +553,9 @@ def pick_engine(engine: str, device: torch.device, dataset: str) -> str:
       later runs of the same shapes reuse it; a new batch width, e.g. a small client's, may recompile).
       It takes the same dropout masks as `batched`, so the two agree to float32 rounding (tested with
       dropout). Opt-in: `auto` never picks it (see benchmarks/README.md's notes for where it pays).
-    - ``channels_last``, ``bmm_conv``, ``cuda_graphs``: variants of batched's kernels, the same computation,
-      for the GPU window's autotune (`prodigy_core.step_variants`; cuda_graphs is refused off CUDA).
+    - ``channels_last``, ``bmm_conv``, ``bmm_wgrad``, ``cuda_graphs``, ``channels_last_graphs``,
+      ``bmm_wgrad_graphs``: variants of batched's kernels, the same computation, for the GPU window's
+      autotune (`prodigy_core.step_variants`; the captured ones, ``*_graphs``, are refused off CUDA).
     - ``auto``: batched on CUDA; on a CPU the faster one as measured by `benchmarks/training.py`
       (`AUTO_CPU_ENGINE`).
     """

@@ -136,9 +136,12 @@ def test_a_runs_idle_clients_are_its_byzantine_ones_when_its_attack_ignores_them
 
 
 @pytest.mark.parametrize("authors", [False, True])  # the authors' batch stream: drawn run by run
-def test_static_buffer_steps_are_the_batched_engines_bit_for_bit(authors):
-    """cuda_graphs' static-buffer path (the capture itself is CUDA's): the same kernels on the same values,
-    so the same bits as `batched`, float64 and float32."""
+@pytest.mark.parametrize("engine", list(step_variants.GRAPHED))
+def test_static_buffer_steps_are_their_uncaptured_engines_bit_for_bit(engine, authors):
+    """A captured engine's static-buffer path (the capture itself is CUDA's): the same kernels on the same
+    values, so the same bits as the engine it captures (cuda_graphs: batched; channels_last_graphs and
+    bmm_wgrad_graphs: their folded step), float64 and float32; in float64 batched's to rounding, with
+    dropout on."""
     for dtype in (torch.float64, torch.float32):
         fed = (
             _float64_federation("iid")
@@ -146,12 +149,24 @@ def test_static_buffer_steps_are_the_batched_engines_bit_for_bit(authors):
             else load_federation("digits", 4, distribution="iid", seed=0)
         )
         model = _model().to(dtype)
-        g_ref, buf_ref = _steps(fed, None, model, authors=authors)
-        static = StaticSteps(training.ClientGrad(model))
+        uncaptured = step_variants.GRAPHED[engine]
+        plain = (
+            None
+            if uncaptured == "batched"
+            else step_variants.make_grad(uncaptured, training.ClientGrad(model))
+        )
+        g_ref, buf_ref = _steps(fed, plain, model, authors=authors)
+        static = step_variants.make_grad(engine, training.ClientGrad(model), capture=False)
+        assert isinstance(static, StaticSteps)
         g, buf = _steps(fed, static, model, authors=authors)
         assert static.static["x"].dtype == dtype  # the static path, not the loop of several batch widths
         assert torch.equal(g, g_ref)
         assert all(torch.equal(buf[k], buf_ref[k]) for k in buf_ref)
+        if dtype == torch.float64 and plain is not None:
+            g_batched, buf_batched = _steps(fed, None, model, authors=authors)
+            torch.testing.assert_close(g, g_batched, rtol=1e-10, atol=1e-10)
+            for k in buf_batched:
+                torch.testing.assert_close(buf[k], buf_batched[k], rtol=1e-10, atol=1e-10)
 
 
 def test_static_buffer_steps_of_a_group_are_each_runs_own():
@@ -229,34 +244,12 @@ def test_the_batched_weight_gradient_passes_autograds_gradcheck_and_keeps_dtypes
         torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * float(r.abs().max()))
 
 
-def test_cuda_graphs_engine_is_refused_on_a_cpu_in_one_line():
-    with pytest.raises(ConfigError, match=r"^engine='cuda_graphs' .*needs a CUDA device.*engine='batched'"):
-        training.run(RunConfig(**TINY, engine="cuda_graphs"), progress=False)
-
-
-def test_a_run_records_the_variant_it_ran_and_keeps_the_batched_key():
-    """The variant is an engine: named in the record's environment, out of the result key (one key, one
-    computation to float rounding: docs/semantics.md)."""
-    batched = training.run(RunConfig(**TINY, engine="batched"), progress=False)
-    for engine in ("channels_last", "bmm_conv", "bmm_wgrad"):
-        config = RunConfig(**TINY, engine=engine)
-        result = training.run(config, progress=False)
-        assert result.environment["engine"] == engine
-        assert config.key() == RunConfig(**TINY, engine="batched").key()
-        assert result.final_accuracy == pytest.approx(batched.final_accuracy, abs=2.0)
-
-
-def test_a_layer_without_a_folded_form_is_refused_in_one_line():
-    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
-    with pytest.raises(ValueError, match=r"^the model's Tanh layers have no client-folded form; use engine="):
-        FoldedGrad(training.FunctionalNet(model))
-
-
-def test_the_compiled_step_is_built_once_per_process_and_architecture():
-    a, b = make_model("digits"), make_model("digits")
-    assert training.cached_compiled_grad(a) is training.cached_compiled_grad(b)
-    assert training.per_client_grad(a, engine="compiled") is training.cached_compiled_grad(a)
-    assert training.cached_compiled_grad(a.double()) is not training.cached_compiled_grad(b)
+@pytest.mark.parametrize("engine", list(step_variants.GRAPHED))
+def test_a_captured_engine_is_refused_on_a_cpu_in_one_line_naming_its_uncaptured_one(engine):
+    uncaptured = step_variants.GRAPHED[engine]
+    refusal = rf"^engine='{engine}' .*needs a CUDA device.*engine='{uncaptured}'"
+    with pytest.raises(ConfigError, match=refusal):
+        training.run(RunConfig(**TINY, engine=engine), progress=False)
 
 
 # ------------------------------------------------------------------------------------ launches per step
@@ -325,7 +318,9 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
         "bmm_conv",
         "compiled",
     )
-    assert "cuda_graphs" in autotune.CANDIDATES["cuda"]["engine"]
+    cuda_engines = autotune.CANDIDATES["cuda"]["engine"]
+    assert set(step_variants.VARIANTS) <= set(cuda_engines) and cuda_engines[-1] == "compiled"
+    assert cuda_engines[1:3] == ("bmm_wgrad_graphs", "channels_last_graphs")  # captured first
     space = {"precision": ("fp32",), "size": (1,), "engine": autotune.engine_candidates("cpu")}
     monkeypatch.setitem(autotune.CANDIDATES, "cpu", space)
     speed = {"bmm_conv": 4.0, "channels_last": 2.0, "bmm_wgrad": 1.5, "batched": 1.0, "compiled": 0.5}
@@ -354,6 +349,32 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
         assert row["peak_share"] == pytest.approx(row["tflops"] / report["peak"]["tflops"])
 
 
+def test_a_step_is_timed_in_steady_state_after_a_captured_engines_warm_up_and_capture(monkeypatch):
+    """`autotune.time_step` times steady state: a captured engine's first step is eager (its warm-up), its
+    second records the CUDA graph, and only the replays after them are what the window's runs take. With
+    steps costing 9 s, 5 s, then 1 s each (a fake clock), 3 timed steps give 1 s a step; timing from the
+    second step, as before, gave (5 + 1 + 1) / 3."""
+    import sys
+    import types
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import autotune
+    from prodigy_core.experiments import load_experiment
+
+    clock, costs = [0.0], iter([9.0, 5.0, 1.0, 1.0, 1.0])
+
+    def step(*args, **kwargs):
+        clock[0] += next(costs)
+
+    monkeypatch.setattr(autotune.training, "local_steps_stacked", step)
+    monkeypatch.setattr(autotune, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    config = load_experiment("quickstart_digits", scale="smoke").configs[0].replace(device="cpu")
+    fed = training._load_federation(config.resolved(), torch.device("cpu"))
+    assert autotune.time_step(config, fed, "fp32", "batched", 1, steps=3) == 1.0
+    assert next(costs, None) is None  # every step taken: 2 warm-up, 3 timed
+
+
 def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsys):
     """benchmarks/throughput.py --smoke on the CPU: the measured peak, then per engine its images/s, TFLOP/s,
     share of the peak and warm-up seconds; cuda_graphs refused in its row with the reason."""
@@ -372,7 +393,8 @@ def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsy
         images, tflops, share, first = rows[engine][4:]
         assert float(images.replace(",", "")) > 0 and float(tflops) > 0 and share.endswith("%")
         assert float(first) >= -0.5  # wall clock less the timed steps: noise can make it a little negative
-    assert rows["cuda_graphs"][4].startswith("refused: ConfigError: engine='cuda_graphs'")
+    for engine in step_variants.CUDA_ONLY:
+        assert rows[engine][4].startswith(f"refused: ConfigError: engine='{engine}'")
 
 
 def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
@@ -401,9 +423,8 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
     profiles = (out / "variants-profile.txt").read_text()
     ran = [line.split(" | ")[2] for line in printed if not line.split(" | ")[4].startswith("refused")]
     assert [line.split(", ")[1] for line in profiles.splitlines() if line.startswith("# digits")] == ran
-    assert (
-        profiles.count("## top 15 CPU ops by self_cpu_time_total") == len(ran) == len(step_variants.VARIANTS)
-    )
+    ran_expected = 1 + len(step_variants.VARIANTS) - len(step_variants.CUDA_ONLY)  # batched, CPU variants
+    assert profiles.count("## top 15 CPU ops by self_cpu_time_total") == len(ran) == ran_expected
 
     capsys.readouterr()
     none = tmp_path / "none"
@@ -449,13 +470,16 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
         ("bmm_conv", "dirichlet"),
         ("bmm_wgrad", "dirichlet"),
         ("cuda_graphs", "iid"),
+        ("channels_last_graphs", "iid"),
+        ("bmm_wgrad_graphs", "iid"),
     ],
 )
 def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeypatch, engine, distribution):
     """tests/test_groups.py's four runs (CClip + ALIE, ProDiGy + LF: its own labels, NNM + TM + SF at another
     lr, average) in float64, grouped under a variant, against each alone under `batched`: the same models,
-    momentum, attack parameters and zeroed clients after 2 rounds. cuda_graphs runs its static-buffer path
-    uncaptured (the capture is CUDA's), on iid data (one batch width: Dirichlet's fall back to the loop)."""
+    momentum, attack parameters and zeroed clients after 2 rounds. The captured engines run their
+    static-buffer path uncaptured (the capture is CUDA's), on iid data (one batch width: Dirichlet's fall
+    back to the loop)."""
     import test_groups as tg
 
     from prodigy_core.data import Federation
@@ -463,8 +487,9 @@ def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeyp
     normalise = Federation.normalise
     monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
     static_rows = []
-    if engine == "cuda_graphs":
-        monkeypatch.setattr(step_variants, "make_grad", lambda e, base: StaticSteps(base))
+    if engine in step_variants.GRAPHED:
+        make_grad = step_variants.make_grad
+        monkeypatch.setattr(step_variants, "make_grad", lambda e, base: make_grad(e, base, capture=False))
         step = StaticSteps._step
 
         def counted(self, st, *args):
@@ -483,7 +508,8 @@ def test_a_group_of_variant_runs_equals_each_run_alone_batched(tmp_path, monkeyp
     for config in configs:
         tg._assert_same_run(grouped[config.key()], solo[config.key()])
         assert grouped[config.key()]["result"]["environment"]["engine"] == engine
-    assert static_rows == ([4 * 6 - 2] * 2 * tg.STOP if engine == "cuda_graphs" else [])  # static steps taken
+    static_steps = [4 * 6 - 2] * 2 * tg.STOP if engine in step_variants.GRAPHED else []
+    assert static_rows == static_steps
 
 
 # ------------------------------------------------------------------------- on a GPU (skipped without one)
@@ -491,14 +517,15 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
-def test_cuda_graph_replays_take_the_batched_engines_steps():
+@pytest.mark.parametrize("engine", list(step_variants.GRAPHED))
+def test_cuda_graph_replays_take_the_batched_engines_steps(engine):
     """Captured once, replayed: two rounds of 3 steps (the first: a warm-up step, the capture, replays; the
     second: replays only) give the batched engine's pseudo-gradients and buffers."""
     fed = load_federation("digits", 4, distribution="iid", seed=0, device=torch.device("cuda"))
     torch.manual_seed(0)
     model = make_model("digits").cuda().train()
     cfg = RunConfig(**{**TINY, "device": "cuda"}).resolved()
-    static = step_variants.make_grad("cuda_graphs", training.ClientGrad(model))
+    static = step_variants.make_grad(engine, training.ClientGrad(model))
     for _ in range(2):
         (ref,), (got,) = (
             training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
@@ -526,9 +553,10 @@ def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
 
 
 @cuda
-def test_a_cuda_graphs_run_trains_and_records_its_engine():
-    result = training.run(RunConfig(**{**TINY, "device": "cuda", "engine": "cuda_graphs"}), progress=False)
-    assert result.environment["engine"] == "cuda_graphs" and not result.diverged
+@pytest.mark.parametrize("engine", list(step_variants.GRAPHED))
+def test_a_captured_run_trains_and_records_its_engine(engine):
+    result = training.run(RunConfig(**{**TINY, "device": "cuda", "engine": engine}), progress=False)
+    assert result.environment["engine"] == engine and not result.diverged
 
 
 @pytest.mark.parametrize(("dataset", "image"), [("femnist", (1, 28, 28)), ("cifar10", (3, 32, 32))])
