@@ -408,3 +408,39 @@ def test_the_time_no_run_can_use_times_what_the_autotune_left_out(gpu_run, tmp_p
     assert set(server) == kinds and all(v > 0 for v in server.values())  # the simulated plan's six kinds
     log = (work / "log.txt").read_text()
     assert "after the runs, digits: the server side of 6 more kinds measured" in log
+
+
+@pytest.mark.parametrize("in_first_group", [False, True])
+def test_the_profile_adds_the_costliest_server_side_when_the_first_group_lacks_it(
+    gpu_run, tmp_path, in_first_group
+):
+    """`Driver.profile`: the first step's first group, then the step's run whose server side is estimated
+    costliest (`server_estimate`), alone, in a section of its own, when its kind is not in that group: the
+    third H200 window's profile covered no attack's search, a third of such a run. Its kind in the first
+    group: one section."""
+    import argparse
+
+    args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=1, deadline=10**5)
+    driver = gpu_run.Driver(args, tmp_path)
+    driver.start = gpu_run.time.monotonic()
+    driver.tune = {"femnist": {"step_s": {1: 0.01}, "chosen": {"precision": "bf16", "engine": "batched"}}}
+    driver.eval_s["femnist"] = 0.0
+    configs = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs
+    driver.server_s = {("femnist", c.defense, c.attack): 0.01 for c in configs}
+    first, _ = driver.choose_group(configs)
+    head = [(c.defense, c.attack) for c in first]
+    costliest = head[0] if in_first_group else ("nnm+trimmed_mean", "alie")
+    assert (costliest in head) == in_first_group
+    driver.server_s[("femnist", *costliest)] = 0.05
+    profiled = []
+
+    def fake(name, batch, cuda):
+        profiled.append([(c.defense, c.attack) for c in batch])
+        return f"section {len(profiled)}\n"
+
+    driver.profiled = fake
+    driver.profile()
+    assert profiled == ([head] if in_first_group else [head, [costliest]])
+    assert (driver.work / "profile.txt").read_text() == "".join(
+        f"section {i + 1}\n" for i in range(len(profiled))
+    )
