@@ -298,6 +298,32 @@ def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerato
     assert kernels[1] == kernels[4] == kernels[16] > 0
 
 
+@pytest.mark.parametrize("engine", list(step_variants.GRAPHED))
+def test_a_captured_step_never_reads_the_device(on_accelerator, monkeypatch, engine):
+    """What a captured engine records in its CUDA graph (`StaticSteps._step`: the gradient, weight decay and
+    SGD update on the static buffers) runs on the device only: on the emulated accelerator it reads nothing
+    back to the host (a read, `.item()`, `.tolist()`, a boolean mask, would break the capture), in each of
+    the steps of a round, and it launches kernels."""
+    fed = load_federation("digits", 4, distribution="iid", seed=0)
+    fed._cpu_sizes = fed._cpu_sizes.clone()  # the host's copy of the client sizes (test_host_waits.py)
+    data = [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
+    cfg = RunConfig(**{**TINY, "batch_size": 16, "weight_decay": 1e-2}).resolved()
+    torch.manual_seed(0)
+    model = make_model("digits").train()
+    grad_fn = step_variants.make_grad(engine, training.ClientGrad(model), capture=False)
+    step, recorded = StaticSteps._step, []
+
+    def watched(self, *args):
+        waits, kernels = accelerator.waits, accelerator.kernels
+        step(self, *args)
+        recorded.append((accelerator.waits - waits, accelerator.kernels - kernels))
+
+    monkeypatch.setattr(StaticSteps, "_step", watched)
+    with on_accelerator(*model.parameters(), *model.buffers(), *data) as accelerator:
+        training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
+    assert len(recorded) == 3 and all(waits == 0 and kernels > 0 for waits, kernels in recorded)
+
+
 # ------------------------------------------------------------------------------------ the autotune's choice
 def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
     """On the CPU of `gpu_run.py --simulate`, given the variants (`engine_candidates("cpu")`) and a timer
