@@ -814,6 +814,19 @@ def share_key(dataset: str, share: float) -> tuple[str, float]:
     return dataset, round(share, 3)
 
 
+def init_profiler_for_cuda_graphs() -> None:
+    """torch.profiler started once, on CUDA, before any CUDA graph is captured: profiling the replay of a
+    graph captured before the profiler's first use has raised illegal memory accesses, which end the process
+    (pytorch/pytorch#75504; torch's workaround, #100441). The captured engines (`step_variants.GRAPHED`)
+    capture theirs in the autotune, before the profiling step."""
+    import torch
+
+    if torch.cuda.is_available():
+        from torch.profiler._utils import _init_for_cuda_graphs
+
+        _init_for_cuda_graphs()
+
+
 def profile_tables(prof: Any, cuda: bool, rows: int = PROFILE_ROWS) -> str:
     """A finished torch.profiler's top `rows` CUDA kernels (when `cuda`) and CPU ops by their own time."""
     averages = prof.key_averages()
@@ -855,6 +868,8 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
     """The plan's steps, each dataset made ready when its first step comes up (`Driver.prepare`), the first
     step's profiled (`run` after the preflight and the setup)."""
     first = driver.experiment(plan(args.profile, args.simulate)[0]).configs[0]
+    if getattr(args, "profile_step", True):
+        init_profiler_for_cuda_graphs()  # before the autotune captures any graph
     driver.prepare(first.dataset, first, first=True)
     if getattr(args, "profile_step", True):
         driver.profile()

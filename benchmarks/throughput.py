@@ -43,7 +43,12 @@ from benchmarks.autotune import (  # noqa: E402
     peak_tflops,
     time_step,
 )
-from benchmarks.gpu_run import CIFAR10_ARCHIVE, FEMNIST_FOLDER, profile_tables  # noqa: E402
+from benchmarks.gpu_run import (  # noqa: E402
+    CIFAR10_ARCHIVE,
+    FEMNIST_FOLDER,
+    init_profiler_for_cuda_graphs,
+    profile_tables,
+)
 from prodigy_core.config import RunConfig  # noqa: E402
 
 SETTINGS = {  # the paper's client side (digits: the quickstart's)
@@ -110,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         args.datasets = use_data(args.data, args.datasets)
     device = resolve_device("auto")
     cuda = device.type == "cuda"
+    if args.profile:
+        init_profiler_for_cuda_graphs()  # before the timings capture any graph
     space = CANDIDATES["cuda" if cuda else "cpu"]
     name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     peak, what = peak_tflops(device, args.peak_size or (8192 if cuda else 2048))

@@ -444,3 +444,21 @@ def test_the_profile_adds_the_costliest_server_side_when_the_first_group_lacks_i
     assert (driver.work / "profile.txt").read_text() == "".join(
         f"section {i + 1}\n" for i in range(len(profiled))
     )
+
+
+def test_the_profiler_starts_before_the_autotune_captures_any_graph(gpu_run, tmp_path, data, monkeypatch):
+    """Profiling the replay of a CUDA graph captured before the profiler's first use has raised illegal
+    memory accesses (pytorch#75504): with its profiling step on, the driver starts the profiler
+    (`init_profiler_for_cuda_graphs`) before the autotune, whose captured engines make graphs; with
+    --no-profile it never does."""
+    from benchmarks import autotune
+
+    calls = []
+    tune = autotune.autotune
+    monkeypatch.setattr(gpu_run, "init_profiler_for_cuda_graphs", lambda: calls.append("profiler"))
+    monkeypatch.setattr(autotune, "autotune", lambda *a, **k: calls.append("autotune") or tune(*a, **k))
+    code, _, _ = simulate(gpu_run, tmp_path / "a", data, "--deadline", "60")
+    assert code == 0 and calls[:2] == ["profiler", "autotune"] and calls.count("profiler") == 1
+    calls.clear()
+    code, _, _ = simulate(gpu_run, tmp_path / "b", data, "--deadline", "60", "--no-profile")
+    assert code == 0 and "profiler" not in calls and "autotune" in calls

@@ -488,6 +488,26 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
     assert "femnist: skipped" in capsys.readouterr().out
 
 
+def test_throughput_starts_the_profiler_before_its_timings_capture_any_graph(monkeypatch):
+    """benchmarks/throughput.py --profile starts the profiler (`gpu_run.init_profiler_for_cuda_graphs`)
+    before its first timing, whose captured engines make CUDA graphs; without --profile it never does."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import throughput
+
+    calls = []
+    monkeypatch.setattr(throughput, "init_profiler_for_cuda_graphs", lambda: calls.append("profiler"))
+    monkeypatch.setattr(throughput, "time_step", lambda *a, **k: calls.append("timing") or 0.01)
+    monkeypatch.setattr(throughput, "profile_engines", lambda *a, **k: "")
+    assert throughput.main(["--smoke", "--engines", "batched", "--profile"]) == 0
+    assert calls == ["profiler", "timing"]
+    calls.clear()
+    assert throughput.main(["--smoke", "--engines", "batched"]) == 0
+    assert calls == ["timing"]
+
+
 # ------------------------------------------------------------------------------------------------ groups
 @pytest.mark.parametrize(
     ("engine", "distribution"),
