@@ -494,19 +494,25 @@ class Driver:
             kinds = {(c.defense, c.attack) for c in batches[0]}
             if self.server_estimate(costliest) > 0 and (costliest.defense, costliest.attack) not in kinds:
                 batches.append([costliest])
-            cuda = torch.cuda.is_available() and not self.args.simulate
-            text = ""
-            for i, runs in enumerate(batches):
-                if i and self.elapsed() + PROFILE_S / 2 > self.args.deadline:
-                    self.log("profile: the costliest server side skipped (deadline)")
-                    break
-                tic = time.monotonic()
-                text += self.profiled(step.name, runs, cuda)
-                what = f"{len(runs)} runs" if len(runs) > 1 else f"{runs[0].defense}/{runs[0].attack}"
-                self.log(f"profile: {what} x {PROFILE_ROUNDS} rounds in {time.monotonic() - tic:.1f} s")
-            (self.work / "profile.txt").write_text(text, encoding="utf-8")
         except Exception as e:  # noqa: BLE001 - the profile informs; the window's runs go on without it
             self.log(f"profile: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            return
+        cuda = torch.cuda.is_available() and not self.args.simulate
+        text = ""
+        for i, runs in enumerate(batches):
+            what = f"{len(runs)} runs" if len(runs) > 1 else f"{runs[0].defense}/{runs[0].attack}"
+            if i and self.elapsed() + PROFILE_S / 2 > self.args.deadline:
+                self.log(f"profile: {what} skipped (deadline)")
+                break
+            tic = time.monotonic()
+            try:
+                text += self.profiled(step.name, runs, cuda)
+            except Exception as e:  # noqa: BLE001 - one section's failure keeps the others
+                reason = str(e).splitlines()[0] if str(e) else ""
+                self.log(f"profile: {what} failed ({type(e).__name__}: {reason})")
+                continue
+            (self.work / "profile.txt").write_text(text, encoding="utf-8")  # each section as it comes
+            self.log(f"profile: {what} x {PROFILE_ROUNDS} rounds in {time.monotonic() - tic:.1f} s")
 
     @staticmethod
     def profiled(name: str, batch: list[Any], cuda: bool) -> str:

@@ -444,6 +444,19 @@ def test_the_profile_adds_the_costliest_server_side_when_the_first_group_lacks_i
     assert (driver.work / "profile.txt").read_text() == "".join(
         f"section {i + 1}\n" for i in range(len(profiled))
     )
+    if not in_first_group:  # the second section failing (out of memory, say) keeps the first
+        profiled.clear()
+
+        def second_fails(name, batch, cuda):
+            if profiled:
+                raise RuntimeError("CUDA out of memory")
+            return fake(name, batch, cuda)
+
+        driver.profiled = second_fails
+        driver.profile()
+        assert (driver.work / "profile.txt").read_text() == "section 1\n"
+        log = driver.log_path.read_text()
+        assert "profile: nnm+trimmed_mean/alie failed (RuntimeError: CUDA out of memory)" in log
 
 
 def test_the_profiler_starts_before_the_autotune_captures_any_graph(gpu_run, tmp_path, data, monkeypatch):
