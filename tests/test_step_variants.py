@@ -253,17 +253,19 @@ def test_a_captured_engine_is_refused_on_a_cpu_in_one_line_naming_its_uncaptured
 
 
 # ------------------------------------------------------------------------------------ launches per step
-def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool, idle: bool = False) -> int:
-    """Device kernels of one local step of a group of `runs` digits runs (4 clients each), on the emulated
-    accelerator: a round of 2 steps minus a round of 1 (the per-round stacking and outputs cancel). `idle`:
-    every other run (the first included) has 2 idle clients (`training.RunState.idle`)."""
+def _kernels_per_step(on_accelerator, monkeypatch, runs: int, engine: str, idle: bool = False) -> int:
+    """Device kernels of one local step of a group of `runs` digits runs (4 clients each) under `engine`
+    (a captured one on its static-buffer path), on the emulated accelerator: a round of 2 steps minus a round
+    of 1 (the per-round stacking and outputs cancel). `idle`: every other run (the first included) has 2 idle
+    clients (`training.RunState.idle`)."""
     fed = load_federation("digits", 4, distribution="iid", seed=0)
     fed._cpu_sizes = fed._cpu_sizes.clone()  # the host's copy of the client sizes (test_host_waits.py)
     data = [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
     cfg = RunConfig(**{**TINY, "batch_size": 16}).resolved()
     torch.manual_seed(0)
     models = [make_model("digits").train() for _ in range(runs)]
-    grad_fn = StaticSteps(training.ClientGrad(models[0])) if static else training.ClientGrad(models[0])
+    base = training.ClientGrad(models[0])
+    grad_fn = base if engine == "batched" else step_variants.make_grad(engine, base, capture=False)
     tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
     counts = []
     with on_accelerator(*tensors, *data) as accelerator:
@@ -288,13 +290,14 @@ def _kernels_per_step(on_accelerator, monkeypatch, runs: int, static: bool, idle
 
 
 @pytest.mark.parametrize("idle", [False, True])
-@pytest.mark.parametrize("static", [False, True])
-def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch, static, idle):
-    """The batched step (and the static-buffer one) draws all R runs' batches and masks at once
-    (`training.draw_group`): its device kernels per local step are the same at R = 1, 4 and 16. Before,
-    every run drew its own: 111 kernels a step at R = 1, 189 at R = 4. With idle clients in some runs, the
-    rows that train are taken from that one draw in one gather per tensor, whatever R."""
-    kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, static, idle) for r in (1, 4, 16)}
+@pytest.mark.parametrize("engine", ["batched", *step_variants.VARIANTS])
+def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch, engine, idle):
+    """Every stacked engine's step (the captured ones on their static-buffer path) draws all R runs' batches
+    and masks at once (`training.draw_group`) and computes the R N clients in one pass: its device kernels
+    per local step are the same at R = 1, 4 and 16. Before, every run drew its own: 111 kernels a step at
+    R = 1, 189 at R = 4. With idle clients in some runs, the rows that train are taken from that one draw
+    in one gather per tensor, whatever R."""
+    kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, engine, idle) for r in (1, 4, 16)}
     assert kernels[1] == kernels[4] == kernels[16] > 0
 
 
