@@ -286,18 +286,22 @@ class Driver:
         return {int(k): float(v) for k, v in (self.tune.get(dataset) or {}).get("step_s", {}).items()}
 
     def local_estimate(self, batch: list[Any], rounds: int | None = None) -> float:
-        """Seconds of a group's local steps: rounds (its longest run's) x E x the autotune's step of the
-        smallest measured group at least as large x the share of the group's clients that train
-        (`trained_share`), x what finished groups measured against that prediction (`local_factor_for`)."""
+        """Seconds of a group's local steps: the autotune's prediction (`local_prediction`) x what finished
+        groups measured against that prediction (`local_factor_for`)."""
+        predicted, share = self.local_prediction(batch, rounds)
+        return self.local_factor_for(batch[0].dataset, share) * predicted
+
+    def local_prediction(self, batch: list[Any], rounds: int | None = None) -> tuple[float, float]:
+        """The autotune's seconds of a group's local steps, rounds (its longest run's) x E x the step of the
+        smallest measured group at least as large x the share of the group's clients that train, and that
+        share (`trained_share`)."""
         first, step_s = batch[0], self.step_s(batch[0].dataset)
+        share = trained_share(batch)
         upper = min((s for s in step_s if s >= len(batch)), default=None)
         if upper is None:
-            return float("inf")
+            return float("inf"), share
         rounds = max(c.rounds for c in batch) if rounds is None else rounds
-        share = trained_share(batch)
-        return (
-            self.local_factor_for(first.dataset, share) * rounds * first.local_steps * step_s[upper] * share
-        )
+        return rounds * first.local_steps * step_s[upper] * share, share
 
     def local_factor_for(self, dataset: str, share: float) -> float:
         """Measured local seconds / predicted, of the dataset's finished groups with this trained share, else
@@ -373,8 +377,7 @@ class Driver:
         self.eval_s[dataset] = sum(r["phase_seconds"]["eval"] for _, r in done) / rounds
         # the group's local steps ran for its longest member's rounds (a diverged member stops early)
         ran = max(max(r.get("rounds_completed") or 0, 1) for _, r in done)
-        share = trained_share(batch)
-        predicted = self.local_estimate(batch, ran) / self.local_factor_for(dataset, share)
+        predicted, share = self.local_prediction(batch, ran)
         measured = sum(r["phase_seconds"]["local"] for _, r in done)
         if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
             self.local_factor[dataset] = self.share_factor[share_key(dataset, share)] = measured / predicted
@@ -874,10 +877,11 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
     """The plan's steps, each dataset made ready when its first step comes up (`Driver.prepare`), the first
     step's profiled (`run` after the preflight and the setup)."""
     first = driver.experiment(plan(args.profile, args.simulate)[0]).configs[0]
-    if getattr(args, "profile_step", True):
+    profiling = getattr(args, "profile_step", True)
+    if profiling:
         init_profiler_for_cuda_graphs()  # before the autotune captures any graph
     driver.prepare(first.dataset, first, first=True)
-    if getattr(args, "profile_step", True):
+    if profiling:
         driver.profile()
     driver.refresh_out()
     steps = plan(args.profile, args.simulate)
