@@ -39,6 +39,7 @@ from benchmarks.autotune import (  # noqa: E402
     CANDIDATES,
     COMPILE_S,
     WARMUP_STEPS,
+    engine_candidates,
     flops_per_image,
     peak_tflops,
     time_step,
@@ -62,10 +63,11 @@ HEADER = ("dataset", "precision", "engine", "group", "images/s", "TFLOP/s", "% o
 
 
 def engines_for(device: torch.device) -> tuple[str, ...]:
-    """batched, every variant (a CPU refuses the CUDA-only ones: printed as refused), compiled on CUDA."""
-    from prodigy_core import step_variants
-
-    return ("batched", *step_variants.VARIANTS, *(("compiled",) if device.type == "cuda" else ()))
+    """The autotune's engines on CUDA in its order (`autotune.engine_candidates`: batched, the variants most
+    likely to pay first, compiled last); on another device the same less compiled, the CUDA-only variants
+    kept so that their rows say why they are refused."""
+    engines = engine_candidates("cuda")
+    return engines if device.type == "cuda" else tuple(e for e in engines if e != "compiled")
 
 
 def use_data(data: Path, datasets: list[str]) -> list[str]:
