@@ -253,14 +253,20 @@ def test_a_captured_engine_is_refused_on_a_cpu_in_one_line_naming_its_uncaptured
 
 
 # ------------------------------------------------------------------------------------ launches per step
+def _digits_on_device():
+    """digits for 4 clients and its tensors to place on the emulated accelerator (all but the host's copy of
+    the client sizes, test_host_waits.py)."""
+    fed = load_federation("digits", 4, distribution="iid", seed=0)
+    fed._cpu_sizes = fed._cpu_sizes.clone()
+    return fed, [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
+
+
 def _kernels_per_step(on_accelerator, monkeypatch, runs: int, engine: str, idle: bool = False) -> int:
     """Device kernels of one local step of a group of `runs` digits runs (4 clients each) under `engine`
     (a captured one on its static-buffer path), on the emulated accelerator: a round of 2 steps minus a round
     of 1 (the per-round stacking and outputs cancel). `idle`: every other run (the first included) has 2 idle
     clients (`training.RunState.idle`)."""
-    fed = load_federation("digits", 4, distribution="iid", seed=0)
-    fed._cpu_sizes = fed._cpu_sizes.clone()  # the host's copy of the client sizes (test_host_waits.py)
-    data = [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
+    fed, data = _digits_on_device()
     cfg = RunConfig(**{**TINY, "batch_size": 16}).resolved()
     torch.manual_seed(0)
     models = [make_model("digits").train() for _ in range(runs)]
@@ -307,9 +313,7 @@ def test_a_captured_step_never_reads_the_device(on_accelerator, monkeypatch, eng
     SGD update on the static buffers) runs on the device only: on the emulated accelerator it reads nothing
     back to the host (a read, `.item()`, `.tolist()`, a boolean mask, would break the capture), in each of
     the steps of a round, and it launches kernels."""
-    fed = load_federation("digits", 4, distribution="iid", seed=0)
-    fed._cpu_sizes = fed._cpu_sizes.clone()  # the host's copy of the client sizes (test_host_waits.py)
-    data = [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
+    fed, data = _digits_on_device()
     cfg = RunConfig(**{**TINY, "batch_size": 16, "weight_decay": 1e-2}).resolved()
     torch.manual_seed(0)
     model = make_model("digits").train()
