@@ -774,6 +774,13 @@ def preflight(args: argparse.Namespace) -> str | None:
     return None
 
 
+def read_data_from(data: Path, scratch: Path) -> None:
+    """Point the data loaders at the driver's `data` folder only: FEMNIST's writers are read in place,
+    CIFAR-10 from `scratch`, where its JPEG copy is decoded; never this machine's other data folders."""
+    os.environ["PRODIGY_DATA_DIR"] = str(scratch)
+    os.environ["PRODIGY_FEMNIST_DIR"] = str(data / FEMNIST_FOLDER)
+
+
 def run(args: argparse.Namespace) -> int:
     reason = preflight(args)
     if reason:
@@ -781,8 +788,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_PREFLIGHT
     work = Path(args.work or tempfile.mkdtemp(prefix="prodigy-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
-    os.environ["PRODIGY_DATA_DIR"] = str(work / "data")
-    os.environ["PRODIGY_FEMNIST_DIR"] = str(args.data / FEMNIST_FOLDER)
+    read_data_from(args.data, work / "data")
     os.environ["PRODIGY_PROGRESS"] = "text"
     flags = set_precision()
     env = environment_text(flags, args.simulate)

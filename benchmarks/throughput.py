@@ -24,7 +24,6 @@ brings the table home.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from benchmarks.gpu_run import (  # noqa: E402
     FEMNIST_FOLDER,
     init_profiler_for_cuda_graphs,
     profile_tables,
+    read_data_from,
 )
 from prodigy_core.config import RunConfig  # noqa: E402
 
@@ -80,10 +80,9 @@ def use_data(data: Path, datasets: list[str]) -> list[str]:
     missing = [d for d in datasets if d in where and not where[d].exists()]
     for dataset in missing:
         print(f"{dataset}: skipped (no {where[dataset]})")
-    os.environ["PRODIGY_FEMNIST_DIR"] = str(where["femnist"])
+    scratch = Path(tempfile.mkdtemp(prefix="prodigy-throughput-"))
+    read_data_from(data, scratch)
     if "cifar10" in datasets and "cifar10" not in missing:
-        scratch = Path(tempfile.mkdtemp(prefix="prodigy-throughput-"))
-        os.environ["PRODIGY_DATA_DIR"] = str(scratch)
         decode_cifar10_jpeg(where["cifar10"], scratch, progress=False)
     return [d for d in datasets if d not in missing]
 

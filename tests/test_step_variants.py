@@ -437,6 +437,7 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
     with --profile, variants-profile.txt with one profile per engine that ran, at its fastest (precision,
     size); --budget 0 times nothing and says so in each row; --data reads a folder without the data sets
     and skips them with the reason, the others running."""
+    import os
     import sys
     from pathlib import Path
 
@@ -488,11 +489,15 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
     )
     assert "| digits | fp32 | batched | 1 |" in (failing / "throughput.md").read_text()
 
-    monkeypatch.setenv("PRODIGY_FEMNIST_DIR", "")  # restored after the test: --data sets it for the process
+    for name in ("PRODIGY_FEMNIST_DIR", "PRODIGY_DATA_DIR"):  # restored after the test: --data sets them
+        monkeypatch.setenv(name, "")
     capsys.readouterr()
     femnist = ["--datasets", "femnist", "--peak-size", "128", "--data", str(tmp_path / "empty")]
     assert throughput.main(femnist) == 0
     assert "femnist: skipped" in capsys.readouterr().out
+    # the loaders read that folder only (as gpu_run's), CIFAR-10 from a scratch folder of its own
+    assert Path(os.environ["PRODIGY_FEMNIST_DIR"]).parent == tmp_path / "empty"
+    assert Path(os.environ["PRODIGY_DATA_DIR"]).name.startswith("prodigy-throughput-")
 
 
 def test_throughput_starts_the_profiler_before_its_timings_capture_any_graph(monkeypatch):
