@@ -32,10 +32,10 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.flop_counter import FlopCounterMode
 
 from prodigy_core import step_variants, training
-from prodigy_core.config import RunConfig
+from prodigy_core.config import ENGINES, PRECISIONS, RunConfig
 from prodigy_core.data import Federation
-from prodigy_core.groups import GROUPED_PRECISIONS
 from prodigy_core.models import make_model
+from prodigy_core.results import finite_number
 from prodigy_core.seeding import precision_mode, resolve_device
 from prodigy_core.streams import ClientStreams
 
@@ -74,8 +74,8 @@ CANDIDATES = {
     "cpu": {"precision": ("fp32", "bf16"), "engine": ("batched",), "size": (1, 2)},
 }
 REFERENCE = ("fp32", "batched")  # today's exact mode; accepted by definition
-# The group size each candidate is timed at first: 4 for a grouped precision (the size with the most images/s
-# of fp32 in both 2026-11-27 windows, FEMNIST and CIFAR-10), the first size otherwise (`probe_size`)
+# The group size each candidate is timed at first: 4 (the size with the most images/s of fp32 in both
+# 2026-11-27 windows, FEMNIST and CIFAR-10), or the largest size below it (`probe_size`)
 PROBE_SIZE = 4
 BUDGET_S = 45.0  # the whole autotune, timing and gate, of a dataset the window trains (issue 41: 45 s)
 # Of the budget for the timings; the gate gets the rest: its references always run (the floor, the server
@@ -120,11 +120,8 @@ TOLERANCES = {
 }
 
 
-def probe_size(space: dict[str, Any], precision: str) -> int:
-    """The group size a candidate is timed at first: `PROBE_SIZE` (or the largest size below it) for the
-    precisions that share groups (`groups.GROUPED_PRECISIONS`), 1 (the first size) for the others."""
-    if precision not in GROUPED_PRECISIONS:
-        return space["size"][0]
+def probe_size(space: dict[str, Any]) -> int:
+    """The group size every candidate is timed at first: `PROBE_SIZE`, or the largest size below it."""
     return max((z for z in space["size"] if z <= PROBE_SIZE), default=space["size"][0])
 
 
@@ -187,25 +184,36 @@ def time_row(
 
 
 def trajectory(
-    config: RunConfig, fed: Federation, precision: str, engine: str, rounds: int, other_stream: bool = False
+    config: RunConfig,
+    fed: Federation,
+    precision: str,
+    engine: str,
+    rounds: int,
+    other_stream: bool = False,
+    size: int = 1,
 ) -> dict[str, Any]:
     """`rounds` rounds of `config` at `precision` with `engine`, the run's own step functions (`training`);
     returns what the gate compares and the server side's seconds per round in steady state (the rounds
     after the first, which pays the start-up). `other_stream`: the clients' batches and dropout masks from
-    the streams of seed + 1, the same initial model (the gate's noise floor)."""
+    the streams of seed + 1, the same initial model (the gate's noise floor). `size`: the run's local steps
+    stacked with size - 1 others (the runs of seeds + 1, + 2, ..., whose steps are only computed), as in a
+    group of that size, whose kernels round differently from one run's."""
     device = resolve_device(config.device)
     st = training.start_run(config.replace(precision=precision), device, "batched", fed=fed)
     if other_stream:
         st.streams = ClientStreams(st.resolved.seed + 1, st.resolved.n_clients)
+    others = [training.start_run(config.replace(precision=precision, seed=st.resolved.seed + i), device,
+                                 "batched", fed=fed) for i in range(1, size)]  # fmt: skip
     theta0 = parameters_to_vector(st.model.parameters()).detach().clone()
     grad_fn = training.per_client_grad(st.model, engine=engine)
     server: list[float] = []
     for r in range(1, rounds + 1):
         gamma = st.resolved.lr_at(r - 1)
+        members = [st, *others]
         with precision_mode(precision, device):
-            ((grads, buffers),) = training.local_steps_stacked(
-                [st.model], [st.fed], st.resolved.local_steps, [gamma], st.resolved, [st.streams], grad_fn,
-                streams=[st.stream],
+            (grads, buffers), *_ = training.local_steps_stacked(
+                [m.model for m in members], [st.fed] * size, st.resolved.local_steps, [gamma] * size,
+                st.resolved, [m.streams for m in members], grad_fn, streams=[m.stream for m in members],
             )  # fmt: skip
         if not timed_server_round(st, r, gamma, grads, buffers, server):
             break
@@ -322,15 +330,78 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
 
 def mismatch(report: Any, here: dict[str, Any], datasets: list[str]) -> str | None:
     """Why an earlier `autotune.json` cannot be reused here (None: it can): another GPU, torch, CUDA, cuDNN or
-    tuned code (`fingerprint`), or a dataset it did not tune."""
+    tuned code (`fingerprint`), a dataset it did not tune, or a field the driver reads that is not what
+    `autotune` writes (`invalid_field`)."""
     if not isinstance(report, dict) or not isinstance(report.get("datasets"), dict):
         return "not an autotune report"
-    theirs = report.get("fingerprint") or {}
+    theirs = report.get("fingerprint") if isinstance(report.get("fingerprint"), dict) else {}
     differ = [f"{k} {theirs.get(k)!r} (here {v!r})" for k, v in here.items() if theirs.get(k) != v]
     if differ:
         return "another " + ", ".join(differ)
     missing = [d for d in datasets if not isinstance(report["datasets"].get(d), dict)]
-    return f"no {', '.join(missing)} in it" if missing else None
+    if missing:
+        return f"no {', '.join(missing)} in it"
+    return invalid_field(report, datasets)
+
+
+def positive(value: Any, zero: bool = False) -> bool:
+    """A finite number (`results.finite_number`) > 0, or >= 0 with `zero`."""
+    return finite_number(value) and (value >= 0 if zero else value > 0)
+
+
+def invalid_field(report: dict[str, Any], datasets: list[str]) -> str | None:
+    """What the driver (`gpu_run.Driver`) would trip on in a report's fields (None: nothing), the datasets'
+    as `autotune` writes them: timings, a list of rows (a row's wall_s seconds >= 0; a not-timed row's
+    precision and engine as chosen's, its size a whole number >= 1); chosen {precision: one of PRECISIONS,
+    engine: one of ENGINES}; step_s {group size >= 1: seconds > 0}; server_s {"<defense>/<attack>": seconds
+    >= 0}; gflop_per_image >= 0; the report's peak {tflops: > 0 or null}. Each but timings may be absent."""
+    peak = report.get("peak")
+    tflops = peak.get("tflops") if isinstance(peak, dict) else None
+    if peak is not None and (not isinstance(peak, dict) or not (tflops is None or positive(tflops))):
+        return f"peak={short(peak)} is not {{tflops: a number > 0 or null}}"
+    for dataset in datasets:
+        why = invalid_tune(report["datasets"][dataset])
+        if why is not None:
+            return f"its {dataset} entry's {why}"
+    return None
+
+
+def invalid_tune(tune: dict[str, Any]) -> str | None:
+    """`invalid_field` of one dataset's entry: "<field>=<value> is not <what it should be>", or None."""
+    choices = {"precision": PRECISIONS, "engine": ENGINES}
+    timings, chosen = tune.get("timings"), tune.get("chosen", {})
+    step_s, server_s = tune.get("step_s", {}), tune.get("server_s", {})
+    if not isinstance(timings, list) or not all(map(valid_row, timings)):
+        return f"timings={short(timings)} is not a list of timing rows"
+    if not isinstance(chosen, dict) or any(v not in choices.get(k, ()) for k, v in chosen.items()):
+        return f"chosen={short(chosen)} is not {{precision: one of PRECISIONS, engine: one of ENGINES}}"
+    if not isinstance(step_s, dict) or not all(
+        str(k).isdecimal() and int(k) >= 1 and positive(v) for k, v in step_s.items()
+    ):
+        return f"step_s={short(step_s)} is not {{group size >= 1: seconds > 0}}"
+    if not isinstance(server_s, dict) or not all(positive(v, zero=True) for v in server_s.values()):
+        return f'server_s={short(server_s)} is not {{"<defense>/<attack>": seconds >= 0}}'
+    if not positive(tune.get("gflop_per_image", 0), zero=True):
+        return f"gflop_per_image={short(tune['gflop_per_image'])} is not a number >= 0"
+    return None
+
+
+def valid_row(row: Any) -> bool:
+    """A row of `timings` as `time_left_out` reads it: its wall_s seconds >= 0, a not-timed row's precision
+    and engine known, its size a whole number >= 1."""
+    if not isinstance(row, dict) or ("wall_s" in row and not positive(row["wall_s"], zero=True)):
+        return False
+    size = row.get("size")
+    return row.get("error") != NOT_TIMED or (
+        row.get("precision") in PRECISIONS and row.get("engine") in ENGINES
+        and isinstance(size, int) and not isinstance(size, bool) and size >= 1
+    )  # fmt: skip
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """`value` as repr, at most `limit` characters (a log line's)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def autotune(
@@ -349,7 +420,7 @@ def autotune(
 
     {dataset: {"timings": [{precision, engine, size, step_s, wall_s, images_per_s, tflops, peak_share}
                            or {precision, engine, size, error}],
-               "gate": [{precision, engine, defense, measures, bounds, accepted}],
+               "gate": [{precision, engine, size, defense, measures, bounds, accepted}],
                "floor": {defense: the measures between the two fp32 references},
                "chosen": {precision, engine},
                "step_s": {size: seconds of one local step of the chosen candidate},
@@ -383,7 +454,7 @@ def autotune(
         rate: dict[tuple[str, str], float] = {}
         for engine in space["engine"]:
             for precision in space["precision"]:
-                size = probe_size(space, precision)
+                size = probe_size(space)
                 # the reference's first size is always timed: without it nothing can be chosen
                 if (precision, engine) != REFERENCE and not room(engine):
                     timings.append({"precision": precision, "engine": engine, "size": size,
@@ -393,9 +464,7 @@ def autotune(
                 if "step_s" in row:
                     rate[precision, engine] = row["images_per_s"]
         for precision, engine in sorted(rate, key=lambda k: (k != REFERENCE, -rate[k])):
-            if precision not in GROUPED_PRECISIONS:  # bf16 and tf32 runs never share a group: timed alone
-                continue
-            probe = probe_size(space, precision)
+            probe = probe_size(space)
             # every smaller group (the driver's estimate of a small group needs its own step time)
             for size in [z for z in space["size"] if z < probe]:
                 if not room(engine):
@@ -411,10 +480,11 @@ def autotune(
                     break  # failed, or past the fastest size
                 last = row["images_per_s"]
         best: dict[tuple[str, str], float] = {}
+        best_size: dict[tuple[str, str], int] = {}  # where it is fastest: the group size the gate runs it at
         for row in timings:
-            if "step_s" in row:
-                key = (row["precision"], row["engine"])
-                best[key] = max(best.get(key, 0.0), row["images_per_s"])
+            key = (row["precision"], row["engine"])
+            if "step_s" in row and row["images_per_s"] > best.get(key, 0.0):
+                best[key], best_size[key] = row["images_per_s"], row["size"]
         fastest = sorted((k for k in best if k != REFERENCE), key=lambda k: -best[k])[:2]
         gate: list[dict[str, Any]] = []
         accepted = {REFERENCE}
@@ -433,12 +503,13 @@ def autotune(
                                  "measures": {"error": "not gated: the autotune's budget was spent"},
                                  "accepted": False})  # fmt: skip
                     continue
+                size = best_size[precision, engine]
                 try:
-                    measures = compare(ref, trajectory(base, fed, precision, engine, GATE_ROUNDS))
+                    measures = compare(ref, trajectory(base, fed, precision, engine, GATE_ROUNDS, size=size))
                     ok = all(measures[name] <= limit for name, limit in bound.items())
                 except Exception as e:  # noqa: BLE001
                     measures, ok = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, False
-                gate.append({"precision": precision, "engine": engine, "defense": defense,
+                gate.append({"precision": precision, "engine": engine, "size": size, "defense": defense,
                              "measures": measures, "bounds": bound, "accepted": ok})  # fmt: skip
         kinds = [k for k in (server_kinds or {}).get(dataset, []) if "/".join(k) not in server]
         server.update(server_costs(config, fed, kinds, lambda: budget_s - (time.perf_counter() - tic)))

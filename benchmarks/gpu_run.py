@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_run.py [--data DIR] [--out DIR] [--deadline S] [--profile paper|mini] [--simulate]
                                  [--resume TARBALL] [--autotune AUTOTUNE_JSON] [--no-profile]
-    python benchmarks/gpu_run.py import TARBALL [--env ENV_TXT] [--summary SUMMARY_TXT]
+    python benchmarks/gpu_run.py import TARBALL [--results-root DIR] [--figures-root DIR]
 
 The run: preflight (CUDA, both data sets, $OUT writable; else exit 2 with one line), env.txt, a CUDA probe
 (a 2-member group x 2 rounds of each dataset; if it fails, one run at a time), the autotune and its gate
@@ -15,14 +15,16 @@ that do, from any later step. Each data set is loaded once
 holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json, profile.txt, the earlier
 commands' log; no checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status;
 what never started; seconds used and unused) and env.txt. Exit 0 when every started step finished without
-a failed run, 1 otherwise or when no run fitted the --deadline, 2 for a failed preflight (a --resume tarball
-that cannot be read whole is one). --simulate
+a failed run, 1 otherwise or when no group trained while runs were left (none fitted the --deadline, or their
+data set was not prepared), 2 for a failed preflight (a --resume tarball that cannot be read whole, a --work
+that is not a folder, a missing --autotune file). --simulate
 runs the same driver on the CPU over a tiny digits grid, either profile's shape (the CI test).
 
 The import unpacks the records into results/gpu/ (apart from the CPU's results/), writes the reports of both
 variants beside the paper into figures/gpu/ (one per precision: bf16's named so) and figures/gpu/PROVENANCE.md
-(GPU, precision, date); a tarball that cannot be read whole, or expands past MAX_TOTAL_BYTES, is refused in
-one line before anything is written (exit 2). Steps and what to commit: benchmarks/README.md.
+(GPU, precision, date); a tarball that cannot be read whole, fails its gzip CRC or length, or expands past
+MAX_TOTAL_BYTES, is refused in one line before anything is written (exit 2). Steps and what to commit:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -245,22 +247,20 @@ class Driver:
         self.use_autotune(report)
 
     def earlier_autotune(self) -> tuple[Any, str | None]:
-        """(report, where it came from) of --autotune FILE, else of the --resume tarball's autotune.json;
-        (None, None) when there is none; (None, source) when it is not JSON (then it is not reused)."""
+        """(report, where it came from) of --autotune FILE, else of the --resume tarball's autotune.json (as
+        `read_tarball` names it: ./autotune.json too); (None, None) when there is none; (None, source) when it
+        is not JSON (then it is not reused)."""
         text, source = None, None
         given, resume = getattr(self.args, "autotune", None), getattr(self.args, "resume", None)
         try:
             if given is not None:
                 source = str(given)
                 text = given.read_text(encoding="utf-8")
-            elif resume is not None:
-                with tarfile.open(resume) as tar:
-                    member = next((m for m in tar.getmembers() if m.name == "autotune.json"), None)
-                    if member is not None and tar_member_kind(member) is None:
-                        source = f"{resume}:autotune.json"
-                        text = tar.extractfile(member).read().decode("utf-8")
+            elif resume is not None and "autotune.json" in resumed_members(self.args):
+                source = f"{resume}:autotune.json"
+                text = resumed_members(self.args)["autotune.json"].decode("utf-8")
             return (json.loads(text) if text is not None else None), source
-        except (OSError, ValueError, tarfile.TarError):
+        except (OSError, ValueError, RecursionError, Refused):
             return None, source
 
     def use_autotune(self, report: dict[str, Any]) -> None:
@@ -268,9 +268,7 @@ class Driver:
         those kinds (`estimate`); joined to the datasets tuned before in `autotune.json` (`save_autotune`)."""
         self.save_autotune(report)
         for dataset, tune in report["datasets"].items():
-            server = tune.get("server_s")
-            kinds = server.items() if isinstance(server, dict) else []  # an older report: one float, unused
-            for kind, seconds in kinds:
+            for kind, seconds in (tune.get("server_s") or {}).items():  # a reused one: `autotune.mismatch`
                 defense, _, attack = kind.rpartition("/")
                 self.server_s[dataset, defense, attack] = float(seconds)
 
@@ -528,7 +526,7 @@ class Driver:
         batch = [c.replace(rounds=PROFILE_ROUNDS, eval_every=PROFILE_ROUNDS) for c in batch]
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            if len(batch) == 1 or groups.group_key(batch[0]) is None:  # a run alone (bf16, tf32 always)
+            if len(batch) == 1 or groups.group_key(batch[0]) is None:  # a run alone (or sequential engine)
                 training.run(batch[0], progress=False)
             else:
                 groups.run_group(batch)
@@ -547,10 +545,9 @@ class Driver:
         self.left.pop(step.name, None)
         try:
             exp = self.experiment(step)
-            if exp.configs[0].dataset not in self.ready:
-                if not self.prepare(exp.configs[0].dataset, exp.configs[0]):
-                    return  # "not started": too little time left to make its dataset ready
-                exp = self.experiment(step)  # at the autotune's choice
+            first = exp.configs[0]
+            prepared = first.dataset in self.ready or self.prepare(first.dataset, first)
+            exp = self.experiment(step) if prepared else exp  # at the autotune's choice
         except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
             row["status"] = f"failed: {type(e).__name__}: {e}"
             self.log(f"== {step.name}: {row['status']}")
@@ -559,6 +556,9 @@ class Driver:
         stored = {c.key() for c in exp.configs if made(folder, c)}
         todo = [c for c in exp.configs if c.key() not in stored and c.key() not in self.failed_keys]
         row["planned"], row["done"] = len(exp.configs), len(stored)
+        if not prepared:  # "not started": too little time left to make its data set ready
+            self.left[step.name] = todo
+            return
         self.log(f"== {step.name}: {len(todo)} runs (t = {self.elapsed():.0f} s)")
         while todo:
             batch, estimate = self.choose_group(todo)
@@ -616,8 +616,8 @@ class Driver:
         return [store.stored_record(folder, c.key()) for c in batch]
 
     def cheapest(self, todo: list[Any]) -> float:
-        """The estimate of the cheapest single run of `todo` (inf when none)."""
-        return min((self.estimate([c]) for c in todo), default=float("inf"))
+        """The estimate of the cheapest single run of `todo` whose data set is ready (inf when none)."""
+        return min((self.estimate([c]) for c in todo if c.dataset in self.ready), default=float("inf"))
 
     # --------------------------------------------------------------------------------- what comes home
     def refresh_out(self) -> None:
@@ -646,13 +646,18 @@ class Driver:
                   for r in self.rows]  # fmt: skip
         started = {r["step"] for r in self.rows}
         never = [s.name for s in plan(self.args.profile, self.args.simulate) if s.name not in started]
-        never += [r["step"] for r in self.rows if r["status"] == "not started" or self.too_slow(r)]
+        never += [r["step"] for r in self.rows if self.never_started(r)]
         if final or never:
             lines.append("never started: " + (", ".join(never) if never else "none"))
         if final:
             used = self.elapsed()
             left = [c for todo in self.left.values() for c in todo]
-            cheapest = f"~{self.cheapest(left):.0f} s" if left else "none left"
+            cheapest = self.cheapest(left)
+            cheapest = (
+                "none left" if not left
+                else f"~{cheapest:.0f} s" if cheapest < float("inf")
+                else "not estimated, its data set was not prepared"
+            )  # fmt: skip
             lines.append(
                 f"used {used:.0f} s of the {self.args.deadline:.0f} s deadline, unused "
                 f"{max(self.args.deadline - used, 0.0):.0f} s (the cheapest run left: {cheapest})"
@@ -662,14 +667,23 @@ class Driver:
         (self.out / "summary.txt").write_text(text, encoding="utf-8")
 
     def failed(self) -> bool:
-        """A run failed, or none could start: no group trained and a step was too slow for the --deadline."""
-        stuck = any(map(self.too_slow, self.rows)) and not any(r["seconds"] > 0 for r in self.rows)
+        """A run failed, or none could start: no group trained in this command while a step's runs were left
+        for want of time (`waiting`)."""
+        stuck = any(map(self.waiting, self.rows)) and not any(r["seconds"] > 0 for r in self.rows)
         return stuck or any(r["status"].startswith("failed") for r in self.rows)
 
     @staticmethod
-    def too_slow(row: dict[str, Any]) -> bool:
-        """A step none of whose runs started: one run needs more than the whole --deadline."""
-        return row["status"] == "too slow" and row["seconds"] == 0
+    def waiting(row: dict[str, Any]) -> bool:
+        """A step whose runs were left for want of time: its data set not prepared ("not started"), one run
+        needing more than the whole --deadline ("too slow"), or none fitting the time left."""
+        status = row["status"]
+        return status in ("not started", "too slow") or status.startswith("stopped by the deadline")
+
+    @classmethod
+    def never_started(cls, row: dict[str, Any]) -> bool:
+        """A step left for want of time (`waiting`) before any of its runs was done, here or in a resumed
+        command."""
+        return cls.waiting(row) and row["seconds"] == 0 and row["done"] == 0
 
 
 def throughput(driver: Driver, rounds: int = 5) -> None:
@@ -764,6 +778,14 @@ def preflight(args: argparse.Namespace) -> str | None:
             args.resumed = read_tarball(args.resume, who="gpu_run --resume")
         except Refused as e:
             return f"--resume {e}"
+    given = getattr(args, "autotune", None)
+    if given is not None and not given.is_file():
+        return f"--autotune {given}: no such file (an earlier autotune.json; leave it out to tune here)"
+    if getattr(args, "work", None) is not None:
+        try:
+            args.work.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return f"--work {args.work} is not a folder that can be used ({e.strerror or e}); pass a folder"
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         probe = args.out / ".write-test"
@@ -798,7 +820,7 @@ def run(args: argparse.Namespace) -> int:
     driver.log(env.rstrip())
     if args.resume:  # an earlier command's records: its finished runs are not run again
         earlier = {}
-        for name, content in getattr(args, "resumed", None) or read_tarball(args.resume, "gpu_run --resume"):
+        for name, content in resumed_members(args).items():
             if name.startswith("results/"):  # the records, as `import_results` reads them
                 target = work / name
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -813,6 +835,14 @@ def run(args: argparse.Namespace) -> int:
 
     with shared_federations():  # every data set loaded once in this process
         return drive(driver, args, work)
+
+
+def resumed_members(args: argparse.Namespace) -> dict[str, bytes]:
+    """The --resume tarball's members, {name: content} as `read_tarball` names them, read once (`preflight`
+    reads it whole before anything is written)."""
+    if getattr(args, "resumed", None) is None:
+        args.resumed = read_tarball(args.resume, who="gpu_run --resume")
+    return dict(args.resumed)
 
 
 def trained_share(batch: list[Any]) -> float:
@@ -955,8 +985,9 @@ def tar_member_kind(member: tarfile.TarInfo) -> str | None:
 
 def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, bytes]]:
     """(name, content) of each member of a results tarball to import, read whole before anything is
-    written: Refused (one line) when it is missing, not a tar archive, truncated, or expands past
-    MAX_TOTAL_BYTES or MAX_MEMBERS (checked from each member's declared size before it is read). A member
+    written, its compressed stream to the end (its CRC and length checked): Refused (one line) when it is
+    missing, not a tar archive, truncated, corrupted, or expands past MAX_TOTAL_BYTES or MAX_MEMBERS
+    (checked from each member's declared size before it is read, and over the stream's rest). A member
     `tar_member_kind` skips, or a second member of a name already read (tar would keep the last copy, a
     listing both), is skipped with a warning naming it."""
     if not path.is_file():
@@ -964,15 +995,17 @@ def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, byt
     members: list[tuple[str, bytes]] = []
     seen: set[str] = set()
     total = 0
+
+    def too_big(at: str) -> Refused:
+        return Refused(f"{path}: expands past {MAX_TOTAL_BYTES:,} bytes or {MAX_MEMBERS:,} members (at "
+                       f"{at}): not a results tarball of gpu_run.py; nothing imported")  # fmt: skip
+
     try:
         with tarfile.open(path, "r:*") as tar:
             for count, member in enumerate(tar, start=1):  # lazily: a header at a time
                 total += tarfile.BLOCKSIZE + -(-max(member.size, 0) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
                 if total > MAX_TOTAL_BYTES or count > MAX_MEMBERS:
-                    raise Refused(
-                        f"{path}: expands past {MAX_TOTAL_BYTES:,} bytes or {MAX_MEMBERS:,} members (at "
-                        f"{member.name!r}): not a results tarball of gpu_run.py; nothing imported"
-                    )
+                    raise too_big(repr(member.name))
                 name = Path(member.name).as_posix()
                 why = tar_member_kind(member)
                 if why is None and name in seen:
@@ -982,10 +1015,17 @@ def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, byt
                     continue
                 seen.add(name)
                 members.append((name, tar.extractfile(member).read()))
-    except (tarfile.TarError, EOFError, OSError) as e:  # zlib's errors come as ReadError
+            # tarfile stops at the end-of-archive blocks: the rest of the stream is read too, so that the
+            # checks at a compressed stream's end run (gzip's CRC and length, xz's and bzip2's checks)
+            while chunk := tar.fileobj.read(2**20):
+                total += len(chunk)
+                if total > MAX_TOTAL_BYTES:
+                    raise too_big("the end of the archive")
+    except (tarfile.TarError, EOFError, OSError) as e:  # zlib's errors: ReadError; gzip's CRC: OSError
         why = " ".join(str(e).split())  # tarfile's "could not be opened" lists each method on a line
         raise Refused(
-            f"{path}: not a tar archive, or a truncated one ({type(e).__name__}: {why}); nothing read"
+            f"{path}: not a tar archive, or a truncated or corrupted one ({type(e).__name__}: {why}); "
+            "nothing read"
         ) from None
     return members
 
@@ -999,7 +1039,7 @@ def read_record(content: bytes, file_name: str) -> tuple[dict, bool, str | None]
 
     try:
         record = json.loads(content.decode("utf-8"))
-    except ValueError as e:  # UnicodeDecodeError too
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError too; nesting past the recursion limit
         return {}, False, f"not JSON ({e})"
     if not isinstance(record, dict):
         return {}, False, f"not a JSON object ({type(record).__name__})"
@@ -1042,7 +1082,6 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     one that cannot be read or expands too far is Refused before anything is written. One report per
     precision and data source of a folder's records (`report.write_report`: bf16's named as such)."""
     from prodigy_core import results as store
-    from prodigy_core.config import ConfigError
     from prodigy_core.experiments import load_experiment
     from prodigy_core.report import write_report
 
@@ -1100,9 +1139,13 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
                         continue
                     out = figures_dir if variant == "paper" else figures_dir / "authors"
                     written += write_report(v, df, out, results_dir=results_dir)
-            except (ConfigError, ValueError, FileNotFoundError) as e:
-                print(f"gpu_run import: no report of {folder} at {fields}: {e}", file=sys.stderr)
-    written.append(write_provenance(records, figures_dir))
+            except Exception as e:  # noqa: BLE001 - the records are in: one line, then the other reports
+                why = " ".join(str(e).split())
+                print(f"gpu_run import: no report of {folder} at {fields}: {type(e).__name__}: {why}",
+                      file=sys.stderr)  # fmt: skip
+    imported = {target for target, _ in files}
+    earlier = [p for p in results_dir.rglob("*.json") if p not in imported and ".failed" not in p.name]
+    written.append(write_provenance(records, figures_dir, len(earlier)))
     return written
 
 
@@ -1112,42 +1155,63 @@ def provenance_cell(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -> Path:
+def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path, earlier: int = 0) -> Path:
     """figures_dir/PROVENANCE.md: env.txt, summary.txt and one row per record of the tarball, (results
     folder, record, whether its key is current) as `import_results` read them (a record whose key the
     current code no longer makes, e.g. an `authors` record of an older `AUTHORS_REVISION`, is listed with
-    "current: no": the reports leave it out). The precision is the config's (the key's), not the record's
-    environment; a field a record lacks shows its default, an odd one as text (`provenance_cell`)."""
+    "current: no": the reports leave it out), and how many records of results/gpu/ came from `earlier`
+    imports (the reports use them too; this file does not describe them). The precision is the config's
+    (the key's), not the record's environment; a field a record lacks shows its default, an odd one as text
+    (`provenance_cell`); a record that cannot be listed says why in one line and has a row saying so."""
     from prodigy_core.config import RunConfig
+    from prodigy_core.results import finite_number
 
     defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-    env = (figures_dir / "env.txt").read_text() if (figures_dir / "env.txt").exists() else "(no env.txt)\n"
-    summary = (figures_dir / "summary.txt").read_text() if (figures_dir / "summary.txt").exists() else ""
+
+    def text(name: str, missing: str) -> str:  # as the tarball brought it, whatever its bytes
+        path = figures_dir / name
+        return path.read_text(encoding="utf-8", errors="replace") if path.exists() else missing
+
+    env, summary = text("env.txt", "(no env.txt)\n"), text("summary.txt", "")
     rows = []
     setting = ("variant", "defense", "attack")
 
     def field(r: dict, k: str) -> Any:  # a stale record is listed as it is, with defaults where it is partial
         return r["config"].get(k, defaults.get(k))
 
-    for folder, r, current in sorted(
-        records, key=lambda fr: (fr[0], *(str(field(fr[1], k)) for k in setting))
-    ):
+    def cells(folder: str, r: dict, current: bool) -> list[Any]:
         e = r.get("environment") if isinstance(r.get("environment"), dict) else {}
         times = r.get("round_times")
         seconds = (
-            f"{sum(t for t in times if isinstance(t, int | float) and not isinstance(t, bool)):.1f}"
-            if isinstance(times, list)
-            else "n/a"
+            f"{sum(float(t) for t in times if finite_number(t)):.1f}" if isinstance(times, list) else "n/a"
         )
         accuracy = r.get("final_accuracy")
-        accuracy = f"{accuracy:.2f}" if isinstance(accuracy, int | float) else accuracy
+        accuracy = f"{accuracy:.2f}" if finite_number(accuracy) else accuracy
         phases = r.get("phase_seconds") if isinstance(r.get("phase_seconds"), dict) else {}
-        spent = "/".join(f"{phases[p]:.0f}" if type(phases.get(p)) in (int, float) else "-" for p in PHASES)
-        cells = [folder, *(field(r, k) for k in (*setting, "local_momentum", "rounds")), accuracy, seconds,
-                 spent, e.get("gpu", e.get("device")), e.get("torch"), field(r, "precision"),
-                 f"{e.get('tf32_matmul')}/{e.get('tf32_cudnn')}", e.get("deterministic"),
-                 "yes" if current else "no"]  # fmt: skip
-        rows.append("| " + " | ".join(provenance_cell(c) for c in cells) + " |")
+        spent = "/".join(f"{phases[p]:.0f}" if finite_number(phases.get(p)) else "-" for p in PHASES)
+        return [folder, *(field(r, k) for k in (*setting, "local_momentum", "rounds")), accuracy, seconds,
+                spent, e.get("gpu", e.get("device")), e.get("torch"), field(r, "precision"),
+                f"{e.get('tf32_matmul')}/{e.get('tf32_cudnn')}", e.get("deterministic"),
+                "yes" if current else "no"]  # fmt: skip
+
+    for folder, r, current in sorted(
+        records, key=lambda fr: (fr[0], *(str(field(fr[1], k)) for k in setting))
+    ):
+        try:
+            row = cells(folder, r, current)
+        except Exception as e:  # noqa: BLE001 - one odd record never costs PROVENANCE.md the others
+            why = f"not listed ({type(e).__name__}: {' '.join(str(e).split())})"
+            print(
+                f"gpu_run import: PROVENANCE.md: record {r.get('key')!r} of {folder}: {why}", file=sys.stderr
+            )
+            row = [folder, f"record {r.get('key')!r} {why}"]
+        rows.append("| " + " | ".join(provenance_cell(c) for c in row) + " |")
+    others = (
+        f"\n{earlier} records of results/gpu/ came from earlier imports: the reports of their folders use "
+        "them too; this file does not describe them (their env and summary were those imports').\n"
+        if earlier
+        else ""
+    )
     path = figures_dir / "PROVENANCE.md"
     path.write_text(
         "# Provenance of the GPU outputs in this folder\n\n"
@@ -1165,7 +1229,8 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path) -
         + "|---" * 15
         + "|\n"
         + "\n".join(rows)
-        + "\n",
+        + "\n"
+        + others,
         encoding="utf-8",
     )
     return path

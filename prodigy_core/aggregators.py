@@ -378,7 +378,10 @@ class Rule:
         return (self.aggregate(G) if out is None else out).to(G.dtype), record
 
     def aggregate(self, G: Tensor) -> Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} has no aggregate(G): implement it, or set by_weights = True when the "
+            "rule gives its output as combine(K, D, bad)"
+        )
 
     def reference(self, G: Tensor) -> Tensor | None:
         """The one point besides the inputs that ``combine`` may weigh (CClip: its start v_0), (d,) like a
@@ -742,8 +745,10 @@ class ProDiGy(Rule):
 
     Guards: a zero distance sum is floored at 1e-12 x the median one and a zero mean norm at 1e-12 x the
     median client norm (medians over the good clients, which no Byzantine vector of any size can move out
-    of the honest range), so that clusters of identical vectors get large but finite scores; if every kept
-    score is 0 (a degenerate input, e.g. all vectors equal), the output is the coordinate-wise median.
+    of the honest range), so that no division is by 0. Identical vectors still score 0: their neighbourhood
+    has sigma = 0, which is how the rule discards colluders sending one vector (ALIE), and a cluster of
+    identical honest vectors is discarded the same way (hence no NNM in front: `REFUSED_DEFENSES`). If every
+    kept score is 0 (e.g. all vectors equal), the output is the coordinate-wise median.
     Needs 2 <= f < N/2 (f = 1 makes every s_d zero). A call (not a ``peek``) keeps the scores of its input
     in ``last_scores``, on the CPU (logging them waits for no device); ``scores(G)`` returns them on G's
     device."""
@@ -1137,11 +1142,28 @@ class Pipeline:
 
 
 contract("defense", Rule)
-BASE_NAMES = RULES.names()
 # Pre-aggregators a defense name may put in front of a rule: ``nnm+krum``.
 PRE_AGGREGATORS: dict[str, type[Rule]] = {"nnm": NNM, "bucketing": Bucketing}
 PRE_PREFIXES = tuple(p + "+" for p in PRE_AGGREGATORS)
-AGGREGATOR_NAMES = BASE_NAMES + tuple(p + b for p in PRE_PREFIXES for b in BASE_NAMES)
+# Compositions refused by name, with the reason: the pre-aggregator's output defeats the rule. NNM's output
+# is still `Pipeline("nnm+prodigy", ProDiGy(f), [NNM(f)])` in Python, for whoever studies the failure.
+REFUSED_DEFENSES = {
+    "nnm+prodigy": "NNM mixes the honest clients into (near-)identical vectors, whose dissimilarity score "
+    "(the spread of a neighbourhood over its mean's norm) is 0, so ProDiGy discards them and f distinct "
+    "Byzantine vectors far away move the output without bound (docs/semantics.md); use prodigy alone",
+}
+
+
+def aggregator_names() -> tuple[str, ...]:
+    """Every defense name a params file can write now: each registered rule (`RULES`, those registered after
+    import too), alone and behind each pre-aggregator, less `REFUSED_DEFENSES`."""
+    base = RULES.names()
+    composed = (p + b for p in PRE_PREFIXES for b in base)
+    return base + tuple(n for n in composed if n not in REFUSED_DEFENSES)
+
+
+BASE_NAMES = RULES.names()  # the package's own rules, as imported (menus, tests)
+AGGREGATOR_NAMES = aggregator_names()
 
 
 def split_defense(name: str) -> tuple[str, str]:
@@ -1163,10 +1185,13 @@ def canonical_defense(name: str, params: dict[str, Any] | None = None) -> tuple[
     (Bucketing's ``s``) checked against it, the rule's against the rule."""
     key = normalise_defense(name)
     prefix, base = split_defense(key)
-    if not is_plugin(base) and key not in AGGREGATOR_NAMES:
-        hint = did_you_mean(key, AGGREGATOR_NAMES)
+    if key in REFUSED_DEFENSES:
+        raise ValueError(f"defense {name!r} is refused: {REFUSED_DEFENSES[key]}")
+    names = aggregator_names()
+    if not is_plugin(base) and key not in names:
+        hint = did_you_mean(key, names)
         if not hint.startswith("; valid"):
-            hint += f"; valid: {', '.join(AGGREGATOR_NAMES)}"
+            hint += f"; valid: {', '.join(names)}"
         raise ValueError(f"unknown defense {name!r}{hint}")
     pre_cls, pre, params = _split_settings(prefix, params or {})
     base, rule = RULES.canonical(base, params)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,30 +31,23 @@ GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data
 CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
-# The precisions whose runs share groups: a grouped run's record is the one it gets alone only where the
-# stacked step rounds as one run's does (fp32; see group_key). The GPU autotune times the others alone.
-GROUPED_PRECISIONS = ("fp32",)
-
-
 def group_key(config: RunConfig) -> tuple | None:
     """Runs with equal keys can share a group; None: the run trains alone (its engine is `sequential`).
 
     Compatible: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
     data_seed is None, data_dir), E, batch size, weight decay, device and precision, and runs that would use
-    the same engine alone, `batched` or `compiled` (`training.pick_engine`; a compiled group's step is under
-    torch.compile). `variant` is part of the key only where it changes the
+    the same engine alone (a stacked engine: `batched`, `compiled` or a variant, `training.pick_engine`).
+    `variant` is part of the key only where it changes the
     split (iid and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`);
     otherwise it changes the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`),
     the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode)
     and the diverged accuracy, all of which run per member. Runs with different splits are not stacked (it
     would need per-run index tables and width groups); they go to other groups.
 
-    Only fp32 runs are grouped: under bf16 or tf32 the stacked step's kernels round differently than one
-    run's (a bf16 run grouped ended 0.56 points from the same run alone after 3 rounds), so each such run
-    trains alone and its record is the one it gets alone (docs/usage.md)."""
+    Every precision: the stacked step's kernels round differently from one run's (a local round's
+    pseudo-gradients 1e-8 to 2e-6 apart, relative, in fp32 and bf16 on a CPU), as another engine's do, and the
+    key leaves both out (docs/usage.md; the GPU autotune gates each candidate at its group size)."""
     resolved = config.resolved()
-    if resolved.precision not in GROUPED_PRECISIONS:
-        return None
     try:
         device = resolve_device(resolved.device)
     except ValueError:  # the run alone reports it
@@ -87,14 +79,6 @@ def make_groups(configs: Sequence[RunConfig], size: int | str = "auto") -> list[
             if key is not None:
                 open_groups[key] = group
         group.append(config)
-    alone = sorted({c.precision for c in configs if c.precision not in GROUPED_PRECISIONS})
-    if size not in ("auto", 1) and alone:
-        warnings.warn(
-            f"precision={', '.join(alone)} runs train one at a time, never in a group: stacked, their "
-            "kernels round differently from a run alone (docs/usage.md, --batch-runs)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
     return groups
 
 
@@ -185,9 +169,10 @@ def iter_group(
     the global one and saved back afterwards. Run i thus consumes the same random numbers in the same order as
     alone, and its record (same key, same fields, same checkpoint file) does not depend on which runs share
     the group or on their order; in float64 the parameters agree with a run alone to rounding
-    (tests/test_groups.py). Only `round_times` differ: a member's round time is its share of the group's
-    local steps plus its own server side (`sync_timing` as in `training.run`; without it the local steps'
-    device time falls mostly to the first member's server side); `environment.group_size` records R.
+    (tests/test_groups.py), in lower precisions to their rounding of a larger step (`group_key`). Only
+    `round_times` differ: a member's round time is its share of the group's local steps plus its own server
+    side (`sync_timing` as in `training.run`; without it the local steps' device time falls mostly to the
+    first member's server side); `environment.group_size` records R.
 
     A member that diverges is frozen and recorded as diverged, one whose server side raises is reported with
     its error, an ``authors`` member with a client smaller than a batch with its
@@ -198,12 +183,6 @@ def iter_group(
     configs = [c if isinstance(c, RunConfig) else RunConfig.from_dict(c) for c in configs]
     if not configs:
         return
-    alone = sorted({c.precision for c in configs if c.precision not in GROUPED_PRECISIONS})
-    if len(configs) > 1 and alone:
-        raise ValueError(
-            f"run_group: precision={', '.join(alone)} runs never share a group (stacked, their kernels round "
-            "differently from a run alone); train them one at a time"
-        )
     keys = {group_key(c) for c in configs}
     if None in keys or len(keys) > 1:
         raise ValueError(

@@ -57,6 +57,12 @@ class Registry:
         presets = {n: (d, dict(p)) for n, (d, p) in getattr(cls, "presets", {}).items()}
         own = {cls.name: (cls.display or cls.name, {})}
         names = {**presets, **own} if _needs_settings(cls) else {**own, **presets}  # ready names first
+        for name in names:  # as a params file writes it: read in lower case, split at "+" and ":"
+            if not isinstance(name, str) or not name or name != name.lower() or set(name) & set("+: /\t\n"):
+                raise ValueError(
+                    f"{self.kind} {cls.__name__}: the name {name!r} cannot be written in a params file; give "
+                    "the class a lower-case name without spaces, '+', ':' or '/' (name = 'my_rule')"
+                )
         for name, (display, params) in names.items():
             known = self._entries.get(name)
             if known is not None and known.cls is not cls:

@@ -1076,7 +1076,8 @@ def detection_frame(df: pd.DataFrame) -> pd.DataFrame:
     if attacked.empty:
         return pd.DataFrame()
     varying = [c for c in setting if c not in ("defense", "seed") and df[c].astype(str).nunique() > 1]
-    frame = attacked[[*varying, "defense", "attack", "seed", *DETECTION_COLUMNS]].copy()
+    # a column no record has (an older record with a precision and no recall): NaN, shown as such
+    frame = attacked.reindex(columns=[*varying, "defense", "attack", "seed", *DETECTION_COLUMNS])
     frame = frame.rename(columns=DETECTION_COLUMNS)
     frame[NO_ATTACK_RATE] = [baseline.get(same_split(row), math.nan) for _, row in attacked.iterrows()]
     return frame.reset_index(drop=True)

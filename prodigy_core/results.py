@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import stat
@@ -123,8 +124,10 @@ def save_record(folder: Path, key: str, result: dict[str, Any], experiment: str)
 
 def check_record(record: Any, path: Path) -> str | None:
     """Why `record`, read from `path`, is not a valid finished run; None when it is one: a JSON object whose
-    key matches its file name and its config, status done, final_accuracy in [0, 100]. An invalid record is
-    not counted; the grid moves it aside and reruns that run (`stored_record`)."""
+    key matches its file name and its config, status done, final_accuracy in [0, 100], accuracy_curve
+    [round, accuracy %] pairs of finite numbers, detection_precision and detection_recall absent, null or in
+    [0, 1] (what the reports read). An invalid record is not counted; the grid moves it aside and reruns that
+    run (`stored_record`)."""
     if not isinstance(record, dict):
         return f"a record is a JSON object, this is {type(record).__name__}"
     key = path.name.removesuffix(".json")
@@ -148,13 +151,24 @@ def check_record(record: Any, path: Path) -> str | None:
         return f"final_accuracy={accuracy!r} is not a percentage in [0, 100]"
     curve = record.get("accuracy_curve", [])
     if not isinstance(curve, list) or not all(
-        isinstance(p, list)
-        and len(p) == 2
-        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in p)
-        for p in curve
+        isinstance(p, list) and len(p) == 2 and all(map(finite_number, p)) for p in curve
     ):
-        return f"accuracy_curve={_short(curve)} is not a list of [round, accuracy %] pairs of numbers"
+        return f"accuracy_curve={_short(curve)} is not a list of [round, accuracy %] pairs of finite numbers"
+    for name in ("detection_precision", "detection_recall"):
+        share = record.get(name)
+        if share is not None and not (finite_number(share) and 0 <= share <= 1):
+            return f"{name}={_short(share)} is not null nor a share in [0, 1]"
     return None
+
+
+def finite_number(value: Any) -> bool:
+    """A JSON number a float holds: no bool, NaN, infinity or integer past a float's range."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past 1.8e308
+        return False
 
 
 def record_config_key(record: dict[str, Any]) -> str:
@@ -198,7 +212,7 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
         data = fh.read()
     try:
         return json.loads(data.decode("utf-8")), None
-    except (UnicodeDecodeError, ValueError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError too; nesting past the recursion limit
         return None, f"not valid JSON ({e})"
 
 

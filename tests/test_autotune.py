@@ -52,9 +52,11 @@ def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scal
         within = all(gate["measures"][k] <= v for k, v in gate["bounds"].items())
         assert gate["accepted"] is within
     assert tune["chosen"] == {"precision": "bf16" if scale else "fp32", "engine": "batched"}
-    assert tune["step_s"] == ({1: 0.1} if scale else {1: 1.0, 2: 2.0})  # the chosen's rates
-    # bf16 runs never share a group (issue 42 finding 7: groups.GROUPED_PRECISIONS), so it is timed alone
-    assert {row["size"] for row in tune["timings"] if row["precision"] == "bf16"} == {1}
+    assert tune["step_s"] == ({1: 0.1, 2: 0.2} if scale else {1: 1.0, 2: 2.0})  # the chosen's rates
+    # every precision groups (hostile round 5): bf16 is timed at both sizes and gated in a group of 2, its
+    # probe size, which no other size beats (the fake rates are equal)
+    assert {row["size"] for row in tune["timings"] if row["precision"] == "bf16"} == {1, 2}
+    assert {gate["size"] for gate in verdicts.values()} == {2}
 
 
 @pytest.mark.parametrize(("times_floor", "accepted"), [(1.5, True), (3.0, False)])
@@ -68,7 +70,7 @@ def test_the_gate_bounds_a_candidate_by_twice_its_noise_floor_issue_41_item_4(
     config, fed = digits
     real, seen = autotune.trajectory, {}
 
-    def candidate_off_by(config, fed, precision, engine, rounds, other_stream=False):
+    def candidate_off_by(config, fed, precision, engine, rounds, other_stream=False, size=1):
         if precision == "fp32":
             found = real(config, fed, precision, engine, rounds, other_stream)
             seen[config.defense, other_stream] = found
@@ -301,7 +303,7 @@ class FakeClock:
 
 def grouped_rates(precision, engine, size):
     """images/s by candidate and group size: fp32 rises to 4 runs and falls beyond (what both 2026-11-27
-    windows measured); bf16 is timed alone; bmm_conv is the fastest engine."""
+    windows measured), bf16 1.5x fp32's; bmm_conv is the fastest engine."""
     by_size = {1: 100.0, 2: 150.0, 4: 200.0, 8: 120.0, 16: 110.0}[size]
     return (
         by_size
@@ -321,8 +323,8 @@ def grouped_space(monkeypatch):
 def test_every_candidate_is_timed_once_before_any_group_size_is_explored(digits, grouped_space, monkeypatch):
     """The 2026-11-27 window timed precision by precision: fp32's four sizes took the timing share, and no
     engine variant, nor CIFAR-10's tf32 and bf16, was ever timed. Breadth first: every (precision, engine)
-    at its probe size (4 for fp32, 1 for bf16, which runs alone), then the reference's other sizes and the
-    fastest grouped candidate's, the smaller ones all, the larger ones until the rate falls."""
+    at its probe size (4; every precision groups since hostile round 5), then the reference's other sizes and
+    each other candidate's by rate, the smaller ones all, the larger ones until the rate falls."""
     config, fed = digits
     clock, calls = FakeClock(0.01), []
     monkeypatch.setattr(autotune, "time", clock)
@@ -334,16 +336,18 @@ def test_every_candidate_is_timed_once_before_any_group_size_is_explored(digits,
         return size * resolved.n_clients * resolved.batch_size / grouped_rates(precision, engine, size)
 
     report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
-    probes = [(p, e, 4 if p == "fp32" else 1) for e in grouped_space["engine"] for p in ("fp32", "bf16")]
+    probes = [(p, e, 4) for e in grouped_space["engine"] for p in ("fp32", "bf16")]
     assert calls[: len(probes)] == probes
     explored = calls[len(probes) :]
-    # the reference, then the fp32 candidates by rate (bmm_conv, batched is the reference, channels_last)
-    assert explored == [("fp32", e, z) for e in ("batched", "bmm_conv", "channels_last") for z in (1, 2, 8)]
+    # the reference, then the others by rate: 600, 400, 300, 240 and 160 images/s at their probe size
+    by_rate = [("fp32", "batched"), ("bf16", "bmm_conv"), ("fp32", "bmm_conv"), ("bf16", "batched"),
+               ("bf16", "channels_last"), ("fp32", "channels_last")]  # fmt: skip
+    assert explored == [(p, e, z) for p, e in by_rate for z in (1, 2, 8)]
     tune = report["datasets"]["digits"]
     assert tune["chosen"]["engine"] == "bmm_conv"  # accepted: bmm_conv is batched's computation
     assert tune["step_s"] == {z: pytest.approx(z * 10 * 64 / grouped_rates(tune["chosen"]["precision"],
-                              "bmm_conv", z)) for z in ((1, 2, 4, 8) if tune["chosen"]["precision"] == "fp32"
-                              else (1,))}  # fmt: skip
+                              "bmm_conv", z)) for z in (1, 2, 4, 8)}  # fmt: skip
+    assert {gate["size"] for gate in tune["gate"]} == {4}  # each gated at its fastest size
 
 
 def test_a_candidate_the_timing_budget_leaves_out_is_listed_as_not_timed(digits, grouped_space, monkeypatch):
@@ -366,8 +370,8 @@ def test_a_candidate_the_timing_budget_leaves_out_is_listed_as_not_timed(digits,
                                log=lines.append)  # fmt: skip
     rows = report["datasets"]["digits"]["timings"]
     assert [(r["precision"], r["engine"], r["size"], "step_s" in r) for r in rows] == [
-        ("fp32", "batched", 4, True), ("bf16", "batched", 1, True), ("fp32", "channels_last", 4, True),
-        ("bf16", "channels_last", 1, False), ("fp32", "bmm_conv", 4, False), ("bf16", "bmm_conv", 1, False),
+        ("fp32", "batched", 4, True), ("bf16", "batched", 4, True), ("fp32", "channels_last", 4, True),
+        ("bf16", "channels_last", 4, False), ("fp32", "bmm_conv", 4, False), ("bf16", "bmm_conv", 4, False),
     ]  # fmt: skip
     assert all(r["error"] == "not timed: the timing budget was spent" for r in rows[3:])
     assert "not timed or failed: bf16/channels_last, fp32/bmm_conv, bf16/bmm_conv;" in "\n".join(lines)

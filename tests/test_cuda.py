@@ -27,7 +27,7 @@ def updates(n: int = 20, d: int = 3000, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "name", [n for n in BASE_NAMES if n != "none"] + ["nnm+prodigy", "nnm+krum", "nnm+geomed", "nnm+cclip"]
+    "name", [n for n in BASE_NAMES if n != "none"] + ["nnm+krum", "nnm+geomed", "nnm+cclip"]
 )
 def test_every_rule_matches_the_cpu(name):
     G = updates()

@@ -155,13 +155,14 @@ def test_resume_skips_the_runs_an_earlier_command_finished(gpu_run, tmp_path, da
 def test_a_cell_made_at_another_precision_is_not_made_again(gpu_run, tmp_path, data):
     """The third window of 2026-11-27 chose bf16 and remade three cells the second had made in fp32 (155 s of
     its 736): precision is in the key. A cell with a record at any precision counts as made: a command whose
-    (reused) autotune chooses bf16 trains none of the cells an fp32 command finished, and counts them done."""
+    (reused) autotune chooses bf16 trains none of the cells an fp32 command finished, and counts them done
+    (and the other way round, when this CPU's autotune chose bf16)."""
     code, first, work1 = simulate(gpu_run, tmp_path / "1", data, "--no-profile")
     assert code == 0 and finished_keys(work1)
     with tarfile.open(first / "results.tar.gz") as tar:
         report = json.load(tar.extractfile("autotune.json"))
-    assert report["datasets"]["digits"]["chosen"]["precision"] == "fp32"  # the CPU's gate keeps fp32
-    report["datasets"]["digits"]["chosen"]["precision"] = "bf16"
+    chosen = report["datasets"]["digits"]["chosen"]  # fp32 or bf16, as this CPU's timings and gate found
+    chosen["precision"] = {"fp32": "bf16", "bf16": "fp32"}[chosen["precision"]]  # the other one
     given = tmp_path / "autotune.json"
     given.write_text(json.dumps(report))
     resume = ["--resume", str(first / "results.tar.gz"), "--autotune", str(given), "--no-profile"]
@@ -313,14 +314,15 @@ def test_an_earlier_autotune_is_reused_on_the_same_gpu_and_software_issue_41_ite
     given = tmp_path / "autotune.json"
     given.write_text(json.dumps(report))
     for extra in (["--autotune", str(given)], ["--resume", str(first / "results.tar.gz")]):
-        code, out, work = simulate(gpu_run, tmp_path / extra[0].strip("-"), data, "--deadline", "1", *extra)
-        assert code == 0 and not calls
+        # the exit code is not this test's: with --deadline 1, 1 when no run fits the second left
+        _, out, work = simulate(gpu_run, tmp_path / extra[0].strip("-"), data, "--deadline", "1", *extra)
+        assert not calls
         assert "autotune digits: reused from" in (work / "log.txt").read_text()
         assert json.loads((work / "autotune.json").read_text())["datasets"] == report["datasets"]
     report["fingerprint"]["torch"] = "0.0.1"
     given.write_text(json.dumps(report))
-    code, out, work = simulate(gpu_run, tmp_path / "3", data, "--deadline", "1", "--autotune", str(given))
-    assert code == 0 and calls == [1]
+    _, out, work = simulate(gpu_run, tmp_path / "3", data, "--deadline", "1", "--autotune", str(given))
+    assert calls == [1]
     assert f"autotune digits: {given} not reused: another torch '0.0.1'" in (work / "log.txt").read_text()
     assert autotune.BUDGET_S <= 45
 

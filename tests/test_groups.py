@@ -243,3 +243,27 @@ def test_evaluate_runs_gives_each_model_what_its_own_forward_pass_gives(train_mo
         assert batched[i][1] == pytest.approx(loss / total, abs=1e-10)
         assert training.evaluate(model, fed, 128, train_mode, keys[i]) == pytest.approx(batched[i], abs=1e-10)
     assert len({round(s[1], 6) for s in batched}) == 3  # three different models, three different losses
+
+
+def test_group_rounding_benchmark_prints_each_source_of_difference_and_a_group_moves_a_run_least():
+    """benchmarks/group_rounding.py (docs/usage.md quotes it): one row per source of difference with the
+    gate's measures; a group's rounding moves a run far less (under 1/100) than another stream, the noise
+    floor (of which the gate admits twice), in fp32 and bf16."""
+    import contextlib
+    import io
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import group_rounding
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert group_rounding.main(["--rounds", "1"]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in out.getvalue().splitlines()
+            if line.startswith("| ") and not line.startswith("| what")}  # fmt: skip
+    assert list(rows) == list(group_rounding.PAIRS)
+    floor = float(rows["another stream, fp32 (the floor)"][0])
+    assert floor > 0
+    for group in ("a group of 4, fp32", "a group of 4, bf16"):
+        assert float(rows[group][0]) < floor / 100, (group, rows[group][0], floor)

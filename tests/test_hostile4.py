@@ -250,21 +250,43 @@ def test_42_29_a_strategy_with_an_attack_and_no_byzantine_client_is_refused():
 
 
 # --------------------------------------------------------------------------- config, groups and the CLI
-def test_42_7_a_bf16_run_is_never_grouped_and_fp32_runs_still_are():
-    """Stacked, bf16 kernels round differently from a run alone: bf16 (and tf32) runs train alone, so the
-    record equal to the one alone holds; fp32 runs group as before, with a warning only for the others."""
-    from prodigy_core import groups
+@pytest.mark.parametrize("engine", ["batched", "channels_last"])
+def test_42_7_a_grouped_run_is_the_run_alone_to_rounding_in_every_precision(engine):
+    """Round 4 found a bf16 run grouped 0.56 points from the run alone and stopped grouping bf16; round 5
+    measured why: grouping changes a local round by rounding only, in fp32 as in bf16 (1e-8 to 2e-6 relative
+    on an AVX-512 CPU), as the engine does (which the key also leaves out), and the points were that
+    rounding amplified by training. So every precision groups again, and a run's local round in a group of 4
+    is the run alone's within 1e-4 relative: under one bf16 unit of rounding (2^-8 = 3.9e-3), so the stacked
+    step is the same computation, not a coarser one."""
+    from prodigy_core import groups, training
     from prodigy_core.config import RunConfig
+    from prodigy_core.models import make_model
+    from prodigy_core.seeding import precision_mode
+    from prodigy_core.streams import ClientStreams
 
-    base = dict(dataset="digits", rounds=2, device="cpu", engine="batched")
+    base = dict(dataset="digits", rounds=2, device="cpu", engine=engine)
     fp32 = [RunConfig(**base, defense=d) for d in ("prodigy", "nnm+median", "median")]
     bf16 = [c.replace(precision="bf16") for c in fp32]
-    assert groups.make_groups(fp32, size=4) == [fp32]
-    with pytest.warns(RuntimeWarning, match="precision=bf16 runs train one at a time"):
-        assert groups.make_groups(bf16, size=4) == [[c] for c in bf16]
-    assert groups.group_key(bf16[0]) is None and groups.batch_size_for(bf16[0]) == 1
-    with pytest.raises(ValueError, match="precision=bf16 runs never share a group"):
-        list(groups.iter_group(bf16[:2]))
+    for configs in (fp32, bf16):
+        assert groups.make_groups(configs, size=4) == [configs]
+    resolved = fp32[0].resolved()
+    fed = training._load_federation(resolved, torch.device("cpu"))
+
+    def local_round(members: list, precision: str) -> torch.Tensor:
+        """The first run's pseudo-gradients after one local round of `members` stacked."""
+        grad_fn = training.per_client_grad(members[0], engine=engine)
+        with precision_mode(precision, torch.device("cpu")):
+            rounds = training.local_steps_stacked(
+                members, [fed] * len(members), resolved.local_steps, [resolved.lr] * len(members),
+                resolved, [ClientStreams(i, resolved.n_clients) for i in range(len(members))], grad_fn,
+            )  # fmt: skip
+        return rounds[0][0]
+
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        models = [make_model("digits").train() for _ in range(4)]
+        alone, grouped = local_round(models[:1], precision), local_round(models, precision)
+        assert float((grouped - alone).norm() / alone.norm()) <= 1e-4, (precision, engine)
 
 
 @pytest.mark.parametrize("device", ["meta", "mps", "xla", "ipu", "cuda:x"])

@@ -105,7 +105,6 @@ def one_by_one(attack, honest: torch.Tensor, f: int, defense: str) -> list[float
 
 WEIGHTED = [
     "prodigy",
-    "nnm+prodigy",
     "krum",
     "multikrum",
     "geomed",
@@ -126,13 +125,14 @@ def test_the_batched_search_and_the_aggregation_from_its_gram_matrix_equal_the_o
     """float64: the parameter the search chooses, and the aggregate of [crafted; honest] given the search's
     Gram matrix (and, for a pipeline that gives weights, its batch's weights), equal the pipeline's own on
     each candidate. Krum under FOE ε=100 (seed 1) has exact ties among candidates (the same honest client
-    chosen): one product over all candidates' rows rounded equal candidates apart and chose another."""
+    chosen): one product over all candidates' rows rounded equal candidates apart and chose another. GeoMed's
+    Weiszfeld iterations carry a product's last bits: 6e-12 relative with two threads' sums, hence 1e-10."""
     G = updates(20, 3000, seed, torch.float64) + 0.3 * seed
     attack, server, out = server_side(G, defense, attack_name)
     assert attack.last_param in one_by_one(make_attack(attack_name), G[F:], F, defense)
     want = make_aggregator(defense, F)
     torch.testing.assert_close(
-        out, want(candidate(attack, attack.last_param, G[F:], F)), rtol=1e-12, atol=1e-14
+        out, want(candidate(attack, attack.last_param, G[F:], F)), rtol=1e-10, atol=1e-12
     )
     if defense.endswith("prodigy"):
         for got, ref in zip(server.rule.last_scores, want.rule.last_scores, strict=True):

@@ -1,0 +1,119 @@
+"""Hostile round 5, the rules and the library's names: what a reviewer broke, each as a test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prodigy_core.aggregators import (
+    AGGREGATOR_NAMES,
+    NNM,
+    RULES,
+    Pipeline,
+    ProDiGy,
+    Rule,
+    aggregator_names,
+    make_aggregator,
+)
+from prodigy_core.config import ConfigError, RunConfig
+
+
+def far_distinct_byzantine(scale: float = 1e6) -> tuple[torch.Tensor, torch.Tensor]:
+    """7 honest rows (N(0, 1), d=5) and 3 Byzantine rows at `scale`, each distinct from the others."""
+    honest = torch.randn(7, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    byzantine = torch.zeros(3, 5, dtype=torch.float64)
+    byzantine[:, 0] = scale
+    byzantine[0, 1], byzantine[1, 2], byzantine[2, 3] = scale, scale, scale
+    return byzantine, honest
+
+
+def test_r5_1_nnm_prodigy_is_refused_by_name_because_nnm_makes_the_honest_clients_identical():
+    """Why: with the Byzantine rows far away, every honest client's N-f nearest are the honest ones, so NNM
+    maps them to one vector (their mean); identical vectors have sigma = 0, so ProDiGy scores them 0 and
+    keeps the Byzantine ones: the output lies about the scale away from the honest mean (the reviewer's
+    example), where ProDiGy alone and NNM + median stay within the honest rows' spread. So a params file, a
+    RunConfig and make_aggregator refuse the name with that reason; Python still builds the pipeline."""
+    byzantine, honest = far_distinct_byzantine()
+    G = torch.cat([byzantine, honest])
+    mean, spread = honest.mean(dim=0), (honest - honest.mean(dim=0)).norm(dim=1).max()
+    mixed = NNM(3)(G)
+    assert torch.allclose(mixed[3:], mean.expand(7, 5), atol=1e-9)  # the honest clients, identical
+    composed = Pipeline("nnm+prodigy", ProDiGy(3), [NNM(3)])
+    assert (composed(G) - mean).norm() > 1e5  # a breakdown, hand-predicted above
+    assert composed.rule.last_scores.weight[3:].eq(0).all()  # every honest client discarded
+    assert (make_aggregator("prodigy", 3)(G) - mean).norm() <= spread
+    assert (make_aggregator("nnm+median", 3)(G) - mean).norm() <= spread
+
+    for name in ("nnm+prodigy", " NNM+ProDiGy "):
+        with pytest.raises(ValueError, match=r"is refused: NNM mixes the honest clients.*use prodigy alone"):
+            make_aggregator(name, 3)
+    with pytest.raises(ConfigError, match="is refused"):
+        RunConfig(dataset="digits", defense="nnm+prodigy")
+    assert "nnm+prodigy" not in AGGREGATOR_NAMES and "bucketing+prodigy" in AGGREGATOR_NAMES
+
+
+def test_r5_2_prodigy_discards_a_cluster_of_identical_vectors_as_its_docstring_says():
+    """The paper's s_d is sigma / ||mu|| of a neighbourhood: 0 for identical vectors, whatever the guards
+    (which keep only the divisions finite). 7 identical honest rows and 3 distinct others: the 7 score 0 and
+    every one is zeroed (ties at the threshold), the output the mean of the 3 weighted by their scores."""
+    others = 1 + torch.randn(3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    G = torch.cat([others, torch.ones(7, 5, dtype=torch.float64)])
+    rule = ProDiGy(3)
+    scores = rule.scores(G)
+    assert scores.dissimilarity[3:].eq(0).all() and scores.composite[3:].eq(0).all()
+    assert scores.weight[3:].eq(0).all()
+    assert torch.isclose(scores.weight.sum(), torch.tensor(1.0, dtype=G.dtype))
+    expected = (scores.composite[:3, None] * others).sum(dim=0) / scores.composite[:3].sum()
+    assert torch.allclose(rule(G), expected)
+
+
+@pytest.fixture
+def own_registry(monkeypatch):
+    """RULES as it is, restored after the test (a rule registered here is gone afterwards)."""
+    monkeypatch.setattr(RULES, "_entries", dict(RULES._entries))
+
+
+def test_r5_3_a_rule_registered_after_import_is_built_by_name_alone_and_behind_nnm(own_registry):
+    """`@RULES.register` in a notebook, then the name in make_aggregator and a RunConfig: the names are
+    read from the registry when asked, not from a list made at import."""
+
+    @RULES.register
+    class Mean2(Rule):
+        name = "mean2"
+
+        def __init__(self, f: int):
+            self.f = f
+
+        def aggregate(self, G):
+            return G.mean(dim=0)
+
+    G = torch.arange(15.0).view(5, 3)
+    assert torch.equal(make_aggregator("mean2", 1)(G), G.mean(dim=0))
+    assert torch.equal(make_aggregator("nnm+mean2", 1)(G), NNM(1)(G).mean(dim=0))
+    assert {"mean2", "nnm+mean2"} <= set(aggregator_names()) and "mean2" not in AGGREGATOR_NAMES
+    assert RunConfig(dataset="digits", defense="mean2", n_byzantine=1).defense == "mean2"
+
+
+@pytest.mark.parametrize("name", ["", "Mean3", "my rule", "nnm+x", "my.py:X", None])
+def test_r5_4_a_rule_without_a_name_a_params_file_can_write_is_refused_when_registered(own_registry, name):
+    """A class without a name was filed under '' (an empty entry in the menus); a name with capitals, a
+    space, '+' or ':' could never be read back (names are read in lower case and split at '+' and ':')."""
+    attributes = {"__init__": lambda self, f: None, "aggregate": lambda self, G: G.mean(dim=0)}
+    if name is not None:
+        attributes["name"] = name
+    cls = type("Nameless", (Rule,), attributes)
+    with pytest.raises(ValueError, match=r"defense Nameless: the name .* cannot be written in a params file"):
+        RULES.register(cls)
+    assert name not in RULES and "" not in RULES
+
+
+def test_r5_5_a_rule_with_neither_aggregate_nor_by_weights_names_the_fix():
+    """It gave combine only and forgot by_weights: the error says which two ways fix it (was a bare,
+    empty NotImplementedError)."""
+
+    class CombineOnly(Rule):
+        def __init__(self, f: int):
+            self.f = f
+
+    with pytest.raises(NotImplementedError, match="CombineOnly has no aggregate.*set by_weights = True"):
+        CombineOnly(1)(torch.ones(4, 2))
