@@ -480,7 +480,7 @@ def autotune(
                     break  # failed, or past the fastest size
                 last = row["images_per_s"]
         best: dict[tuple[str, str], float] = {}
-        best_size: dict[tuple[str, str], int] = {}  # where it is fastest: the group size the gate runs it at
+        best_size: dict[tuple[str, str], int] = {}  # where it is fastest (the gate's group, up to the probe)
         for row in timings:
             key = (row["precision"], row["engine"])
             if "step_s" in row and row["images_per_s"] > best.get(key, 0.0):
@@ -503,7 +503,9 @@ def autotune(
                                  "measures": {"error": "not gated: the autotune's budget was spent"},
                                  "accepted": False})  # fmt: skip
                     continue
-                size = best_size[precision, engine]
+                # in a group (its kernels round as a group's), of at most the probe size: a group of 16 would
+                # cost the gate 16 runs' local steps, and a gate out of budget falls back to the reference
+                size = min(best_size[precision, engine], probe_size(space))
                 try:
                     measures = compare(ref, trajectory(base, fed, precision, engine, GATE_ROUNDS, size=size))
                     ok = all(measures[name] <= limit for name, limit in bound.items())

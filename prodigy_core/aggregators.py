@@ -964,6 +964,10 @@ def _combined(
         c = _combine_through(rule, mixers, K, D, bad)
     if c is None or c.weights is None:
         return None, None if c is None else c.record
+    if bad is not None and not mixers and bad.any() and bool(c.weights[:-1][bad.to(c.weights.device)].any()):
+        rows = ", ".join(map(str, bad.nonzero().flatten().tolist()))
+        raise ValueError(f"{rule!r}: its combine gave weight to non-finite input rows ({rows}), which a "
+                         "weighted sum cannot take: give 0 to the rows `bad` marks")  # fmt: skip
     out = _weighted_sum(G, c.weights[:-1], None if mixers else bad)  # None: known finite
     return (out if ref is None else out.add_(ref, alpha=c.weights[-1].item())), c.record
 

@@ -46,7 +46,7 @@ def group_key(config: RunConfig) -> tuple | None:
 
     Every precision: the stacked step's kernels round differently from one run's (a local round's
     pseudo-gradients 1e-8 to 2e-6 apart, relative, in fp32 and bf16 on a CPU), as another engine's do, and the
-    key leaves both out (docs/usage.md; the GPU autotune gates each candidate at its group size)."""
+    key leaves both out (docs/usage.md; the GPU autotune gates each candidate in a group)."""
     resolved = config.resolved()
     try:
         device = resolve_device(resolved.device)

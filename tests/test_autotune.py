@@ -431,3 +431,38 @@ def test_the_server_side_of_every_kind_the_window_runs_is_measured_while_the_bud
                                server_kinds={"digits": [("prodigy", "alie"), ("none", "sf")]})  # fmt: skip
     server = report["datasets"]["digits"]["server_s"]
     assert set(server) == {"prodigy/alie", "nnm+trimmed_mean/alie", "none/sf"}  # the gate's two, then ours
+
+
+def test_the_gate_runs_a_candidate_in_a_group_of_its_fastest_size_at_most_the_probe(
+    digits, grouped_space, monkeypatch
+):
+    """Hostile round 5: bf16 groups, so the gate judges a candidate as a group's member (its kernels round
+    as a group's): at the size where it was fastest, here 2 (its rate falls beyond), and where it is fastest
+    in a group of 16, at the probe size 4, which bounds the gate's cost (a gate out of budget would fall back
+    to the reference). The reference's trajectories run alone."""
+    config, fed = digits
+    peak = {"bf16": 2, "fp32": 1}  # each precision's fastest size; bf16 the faster
+    monkeypatch.setattr(autotune, "add_rates", lambda *args: None)
+
+    def timer(resolved, fed, precision, engine, size):
+        rate = (3.0 if precision == "bf16" else 2.0) * (size if size <= peak[precision] else 1.0)
+        return size / rate
+
+    sizes = []
+    real = autotune.trajectory
+
+    def trajectory(config, fed, precision, engine, rounds, other_stream=False, size=1):
+        sizes.append((precision, engine, size))
+        return real(config, fed, precision, engine, 1, other_stream, size)
+
+    monkeypatch.setattr(autotune, "trajectory", trajectory)
+    grouped_space["engine"] = ("batched", "bmm_conv")
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    gate = {(g["precision"], g["engine"]): g["size"] for g in report["datasets"]["digits"]["gate"]}
+    assert gate == {("bf16", "batched"): 2, ("bf16", "bmm_conv"): 2}  # the two fastest, each at 2
+    assert {s for p, e, s in sizes if (p, e) == ("fp32", "batched")} == {1}  # the references, alone
+
+    peak.update(bf16=16)
+    sizes.clear()
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    assert {g["size"] for g in report["datasets"]["digits"]["gate"]} == {autotune.PROBE_SIZE}

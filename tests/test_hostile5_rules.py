@@ -117,3 +117,29 @@ def test_r5_5_a_rule_with_neither_aggregate_nor_by_weights_names_the_fix():
 
     with pytest.raises(NotImplementedError, match="CombineOnly has no aggregate.*set by_weights = True"):
         CombineOnly(1)(torch.ones(4, 2))
+
+
+def test_r5_6_a_rules_weight_on_a_non_finite_row_is_an_error_not_a_silent_zero():
+    """A user's medoid by `D.sum(1).argmin()` picks the NaN row when one is there (every row's sum is inf,
+    argmin takes the first): its weight, dropped with the row by the weighted sum, gave the zero vector. It
+    is now an error naming the rows; with every row finite the medoid is the brute-force one."""
+    from prodigy_core.aggregators import Combination
+
+    class Medoid(Rule):
+        by_weights = True
+
+        def __init__(self, f: int):
+            self.f = f
+
+        def combine(self, K, D, bad):
+            w = torch.zeros(D.shape[-1] + 1, dtype=torch.float64)
+            w[int(D.sum(dim=1).argmin())] = 1.0
+            return Combination(w)
+
+    G = torch.randn(10, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    brute = G[torch.cdist(G, G).pow(2).sum(dim=1).argmin()]
+    assert torch.equal(Medoid(3)(G), brute)
+    G[0] = float("nan")
+    for pipeline in (Medoid(3), Pipeline("nnm+medoid", Medoid(3), [NNM(3)])):
+        with pytest.raises(ValueError, match=r"weight to non-finite input rows \(0\).*give 0 to the rows"):
+            pipeline(G)
