@@ -5,12 +5,13 @@ two attacked runs, pick the fastest one the gate accepts. Used by `gpu_run.py` (
 
     from benchmarks.autotune import autotune, time_step
 
-The gate: the reference (`fp32`, batched) and the two fastest other candidates each train ProDiGy + ALIE and
-NNM + Trimmed mean + ALIE for `GATE_ROUNDS` rounds from the same state (same seed: same initial model,
-batches and dropout masks); a candidate is accepted only if every measure in `TOLERANCES` stays within its
-bound against the reference in both runs. The bound of a measure is max(its tolerance, 2 x its noise floor):
-the same measure between the reference and a second fp32 trajectory that differs only in a stream the paper
-leaves free, the clients' batches and dropout masks (issue 41 item 4). `autotune.json` records the floor.
+The gate: the reference (`fp32`, batched, alone) and the two fastest other candidates (each in a group of its
+fastest size, at most `PROBE_SIZE`) train ProDiGy + ALIE and NNM + Trimmed mean + ALIE for `GATE_ROUNDS`
+rounds from the same state (same seed: same initial model, batches and dropout masks); a candidate is accepted
+only if every measure in `TOLERANCES` stays within its bound against the reference in both runs. The bound of
+a measure is max(its tolerance, 2 x its noise floor): the same measure between the reference and a second fp32
+trajectory that differs only in a stream the paper leaves free, the clients' batches and dropout masks (issue
+41 item 4). `autotune.json` records the floor.
 
 One autotune per GPU and software (issue 41 item 3): a report whose `fingerprint` (GPU, torch, CUDA, cuDNN,
 the hash of `TUNED_CODE`) equals this machine's is reused as it is (`mismatch`).
