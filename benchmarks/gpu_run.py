@@ -30,9 +30,12 @@ benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import bz2
 import dataclasses
 import datetime
+import gzip
 import json
+import lzma
 import os
 import platform
 import shutil
@@ -41,6 +44,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -983,11 +987,29 @@ def tar_member_kind(member: tarfile.TarInfo) -> str | None:
     return None
 
 
+def expanded_bytes(path: Path, limit: int) -> int:
+    """The bytes of `path`'s tar stream decompressed (gzip, bzip2, xz, or none: by its first bytes), counted
+    up to `limit` + 1 without parsing a tar header (tarfile reads a pax or long-name header whole, whatever
+    size it declares), and read to the compressed stream's end when it fits, so that its CRC and length
+    checks run. Corrupted data raises (OSError, EOFError, zlib.error, lzma.LZMAError)."""
+    with path.open("rb") as fh:
+        magic = fh.read(6)
+    openers = {b"\x1f\x8b": gzip.open, b"BZh": bz2.open, b"\xfd7zXZ": lzma.open}
+    opener = next((o for m, o in openers.items() if magic.startswith(m)), None)
+    if opener is None:
+        return path.stat().st_size
+    total = 0
+    with opener(path, "rb") as stream:
+        while total <= limit and (chunk := stream.read(2**20)):
+            total += len(chunk)
+    return total
+
+
 def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, bytes]]:
-    """(name, content) of each member of a results tarball to import, read whole before anything is
-    written, its compressed stream to the end (its CRC and length checked): Refused (one line) when it is
-    missing, not a tar archive, truncated, corrupted, or expands past MAX_TOTAL_BYTES or MAX_MEMBERS
-    (checked from each member's declared size before it is read, and over the stream's rest). A member
+    """(name, content) of each member of a results tarball to import, read whole before anything is written:
+    Refused (one line) when it is missing, not a tar archive, truncated, corrupted (its compressed stream's
+    CRC or length), or expands past MAX_TOTAL_BYTES (the decompressed stream, `expanded_bytes`, before tarfile
+    reads any header) or MAX_MEMBERS (each member's declared size checked before it is read). A member
     `tar_member_kind` skips, or a second member of a name already read (tar would keep the last copy, a
     listing both), is skipped with a warning naming it."""
     if not path.is_file():
@@ -1001,6 +1023,8 @@ def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, byt
                        f"{at}): not a results tarball of gpu_run.py; nothing imported")  # fmt: skip
 
     try:
+        if expanded_bytes(path, MAX_TOTAL_BYTES) > MAX_TOTAL_BYTES:
+            raise too_big("its decompressed stream")
         with tarfile.open(path, "r:*") as tar:
             for count, member in enumerate(tar, start=1):  # lazily: a header at a time
                 total += tarfile.BLOCKSIZE + -(-max(member.size, 0) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
@@ -1015,13 +1039,7 @@ def read_tarball(path: Path, who: str = "gpu_run import") -> list[tuple[str, byt
                     continue
                 seen.add(name)
                 members.append((name, tar.extractfile(member).read()))
-            # tarfile stops at the end-of-archive blocks: the rest of the stream is read too, so that the
-            # checks at a compressed stream's end run (gzip's CRC and length, xz's and bzip2's checks)
-            while chunk := tar.fileobj.read(2**20):
-                total += len(chunk)
-                if total > MAX_TOTAL_BYTES:
-                    raise too_big("the end of the archive")
-    except (tarfile.TarError, EOFError, OSError) as e:  # zlib's errors: ReadError; gzip's CRC: OSError
+    except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:  # gzip's CRC: OSError
         why = " ".join(str(e).split())  # tarfile's "could not be opened" lists each method on a line
         raise Refused(
             f"{path}: not a tar archive, or a truncated or corrupted one ({type(e).__name__}: {why}); "

@@ -363,3 +363,48 @@ def test_r5_9_provenance_counts_the_records_of_earlier_imports(gpu_run, tmp_path
     assert "2 records of results/gpu/ came from earlier imports" in text
     cells = report.markdown_cells((roots[1] / "gpu" / "smoke" / "quickstart_digits.md").read_text())
     assert sorted(v.strip("*") for v in cells.values() if v != "–") == ["11.00", "12.00", "22.00", "23.00"]
+
+
+# ------------------------------------------------------------------ 10: a pax header of any declared size
+
+
+def test_r5_10_a_pax_header_past_the_cap_is_refused_before_tarfile_reads_it(gpu_run, tmp_path, monkeypatch):
+    """tarfile reads a pax (or long-name) header into memory whole, whatever size it declares, before
+    read_tarball sees a member: a 200 KB tarball made it hold 200 MiB, past a 20 MiB cap, and was accepted.
+    The decompressed stream is counted first (`expanded_bytes`), so a header of 2 MiB under a 1 MiB cap is
+    refused in one line; intact gzip, bzip2, xz and plain tarballs are still read whole."""
+    import bz2
+    import gzip
+    import lzma
+
+    monkeypatch.setattr(gpu_run, "MAX_TOTAL_BYTES", 2**20)
+    header = tarfile.TarInfo("././@PaxHeader")
+    header.type, header.size = tarfile.XHDTYPE, 2 * 2**20
+    log = tarfile.TarInfo("log.txt")
+    log.size = 2
+    body = header.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * header.size
+    body += log.tobuf(format=tarfile.USTAR_FORMAT) + b"ok".ljust(512, b"\0") + b"\0" * 1024
+    bomb = tmp_path / "pax.tar.gz"
+    bomb.write_bytes(gzip.compress(body))
+    assert bomb.stat().st_size < 2**20 / 100  # small on disk
+    with pytest.raises(gpu_run.Refused, match=r"expands past 1,048,576 bytes .*its decompressed stream"):
+        gpu_run.read_tarball(bomb)
+
+    plain = io_tar([("log.txt", b"ok"), ("summary.txt", b"done")])
+    for name, pack in [("t.tar.gz", gzip.compress), ("t.tar.bz2", bz2.compress), ("t.tar.xz", lzma.compress),
+                       ("t.tar", lambda data: data)]:  # fmt: skip
+        (tmp_path / name).write_bytes(pack(plain))
+        assert gpu_run.read_tarball(tmp_path / name) == [("log.txt", b"ok"), ("summary.txt", b"done")], name
+
+
+def io_tar(members: list[tuple[str, bytes]]) -> bytes:
+    """An uncompressed tar archive of `members`, as bytes."""
+    import io
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
