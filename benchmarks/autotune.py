@@ -207,10 +207,10 @@ def trajectory(
                                  "batched", fed=fed) for i in range(1, size)]  # fmt: skip
     theta0 = parameters_to_vector(st.model.parameters()).detach().clone()
     grad_fn = training.per_client_grad(st.model, engine=engine)
+    members = [st, *others]
     server: list[float] = []
     for r in range(1, rounds + 1):
         gamma = st.resolved.lr_at(r - 1)
-        members = [st, *others]
         with precision_mode(precision, device):
             (grads, buffers), *_ = training.local_steps_stacked(
                 [m.model for m in members], [st.fed] * size, st.resolved.local_steps, [gamma] * size,

@@ -260,9 +260,11 @@ class Driver:
             if given is not None:
                 source = str(given)
                 text = given.read_text(encoding="utf-8")
-            elif resume is not None and "autotune.json" in resumed_members(self.args):
-                source = f"{resume}:autotune.json"
-                text = resumed_members(self.args)["autotune.json"].decode("utf-8")
+            elif resume is not None:
+                content = resumed_members(self.args).get("autotune.json")
+                if content is not None:
+                    source = f"{resume}:autotune.json"
+                    text = content.decode("utf-8")
             return (json.loads(text) if text is not None else None), source
         except (OSError, ValueError, RecursionError, Refused):
             return None, source
@@ -550,8 +552,9 @@ class Driver:
         try:
             exp = self.experiment(step)
             first = exp.configs[0]
-            prepared = first.dataset in self.ready or self.prepare(first.dataset, first)
-            exp = self.experiment(step) if prepared else exp  # at the autotune's choice
+            prepared = first.dataset in self.ready
+            if not prepared and self.prepare(first.dataset, first):
+                prepared, exp = True, self.experiment(step)  # at the autotune's choice
         except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
             row["status"] = f"failed: {type(e).__name__}: {e}"
             self.log(f"== {step.name}: {row['status']}")
