@@ -36,7 +36,7 @@ from prodigy_core import step_variants, training
 from prodigy_core.config import ENGINES, PRECISIONS, RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.models import make_model
-from prodigy_core.results import finite_number
+from prodigy_core.results import finite_number, short_repr
 from prodigy_core.seeding import precision_mode, resolve_device
 from prodigy_core.streams import ClientStreams
 
@@ -359,7 +359,7 @@ def invalid_field(report: dict[str, Any], datasets: list[str]) -> str | None:
     peak = report.get("peak")
     tflops = peak.get("tflops") if isinstance(peak, dict) else None
     if peak is not None and (not isinstance(peak, dict) or not (tflops is None or positive(tflops))):
-        return f"peak={short(peak)} is not {{tflops: a number > 0 or null}}"
+        return f"peak={short_repr(peak)} is not {{tflops: a number > 0 or null}}"
     for dataset in datasets:
         why = invalid_tune(report["datasets"][dataset])
         if why is not None:
@@ -373,17 +373,17 @@ def invalid_tune(tune: dict[str, Any]) -> str | None:
     timings, chosen = tune.get("timings"), tune.get("chosen", {})
     step_s, server_s = tune.get("step_s", {}), tune.get("server_s", {})
     if not isinstance(timings, list) or not all(map(valid_row, timings)):
-        return f"timings={short(timings)} is not a list of timing rows"
+        return f"timings={short_repr(timings)} is not a list of timing rows"
     if not isinstance(chosen, dict) or any(v not in choices.get(k, ()) for k, v in chosen.items()):
-        return f"chosen={short(chosen)} is not {{precision: one of PRECISIONS, engine: one of ENGINES}}"
+        return f"chosen={short_repr(chosen)} is not {{precision: one of PRECISIONS, engine: one of ENGINES}}"
     if not isinstance(step_s, dict) or not all(
         str(k).isdecimal() and int(k) >= 1 and positive(v) for k, v in step_s.items()
     ):
-        return f"step_s={short(step_s)} is not {{group size >= 1: seconds > 0}}"
+        return f"step_s={short_repr(step_s)} is not {{group size >= 1: seconds > 0}}"
     if not isinstance(server_s, dict) or not all(positive(v, zero=True) for v in server_s.values()):
-        return f'server_s={short(server_s)} is not {{"<defense>/<attack>": seconds >= 0}}'
+        return f'server_s={short_repr(server_s)} is not {{"<defense>/<attack>": seconds >= 0}}'
     if not positive(tune.get("gflop_per_image", 0), zero=True):
-        return f"gflop_per_image={short(tune['gflop_per_image'])} is not a number >= 0"
+        return f"gflop_per_image={short_repr(tune['gflop_per_image'])} is not a number >= 0"
     return None
 
 
@@ -397,12 +397,6 @@ def valid_row(row: Any) -> bool:
         row.get("precision") in PRECISIONS and row.get("engine") in ENGINES
         and isinstance(size, int) and not isinstance(size, bool) and size >= 1
     )  # fmt: skip
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """`value` as repr, at most `limit` characters (a log line's)."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def autotune(

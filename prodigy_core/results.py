@@ -153,11 +153,12 @@ def check_record(record: Any, path: Path) -> str | None:
     if not isinstance(curve, list) or not all(
         isinstance(p, list) and len(p) == 2 and all(map(finite_number, p)) for p in curve
     ):
-        return f"accuracy_curve={_short(curve)} is not a list of [round, accuracy %] pairs of finite numbers"
+        return (f"accuracy_curve={short_repr(curve)} is not a list of [round, accuracy %] pairs of finite "
+                "numbers")  # fmt: skip
     for name in ("detection_precision", "detection_recall"):
         share = record.get(name)
         if share is not None and not (finite_number(share) and 0 <= share <= 1):
-            return f"{name}={_short(share)} is not null nor a share in [0, 1]"
+            return f"{name}={short_repr(share)} is not null nor a share in [0, 1]"
     return None
 
 
@@ -179,12 +180,13 @@ def record_config_key(record: dict[str, Any]) -> str:
     if not isinstance(config, dict):
         raise ConfigError("it has no config (a mapping of RunConfig fields)")
     if not isinstance(plugins, dict):
-        raise ConfigError(f"plugins={_short(plugins)} is not a mapping of plug-in: code hash")
+        raise ConfigError(f"plugins={short_repr(plugins)} is not a mapping of plug-in: code hash")
     with records_are_data():
         return RunConfig.from_dict(config).key(code=plugins)
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
+    """`value` as repr, at most `limit` characters (an error line's)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
