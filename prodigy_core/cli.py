@@ -191,9 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smoke: minutes, stand-in datasets (default); mini: the paper's grids with fewer "
                    "rounds and one seed; paper: the full grids")  # fmt: skip
     p.add_argument("--only", nargs="+", metavar="NAME",
-                   help="only these notebooks, by name (e.g. table1_cifar10; see notebooks/)")  # fmt: skip
+                   help="only these notebooks, by name or file (e.g. table1_cifar10 or "
+                   "notebooks/00_quickstart.ipynb)")  # fmt: skip
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="where the notebooks run their grids: local or ray (default local)")  # fmt: skip
+    p.add_argument("--jobs", type=jobs_arg,
+                   help="worker processes of each grid (default: 1 at smoke scale, else auto: one "
+                   "single-threaded process per CPU core, one on a GPU), as `grid --jobs`")  # fmt: skip
     p.set_defaults(command=cmd_reproduce)
 
     p = sub.add_parser("init", help="make a project folder: notebooks, params, empty results/ outputs/ data/")
@@ -396,16 +400,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     from prodigy_core import results
     from prodigy_core.experiments import load_experiment
 
-    experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
-    df = results.load(experiment, args.results_dir)
-    if df.empty:
-        flag = scale_flag(experiment.scale)
-        raise ValueError(
-            f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}` "
-            "(runs made with --set are reported with the same --set)"
-        )
-    for path in _write_report(experiment, df, args.out_dir, args.results_dir):
-        print(path)
+    with records_are_data():  # a report reads records and a params file: it runs no plug-in's code
+        experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
+        df = results.load(experiment, args.results_dir)
+        if df.empty:
+            flag = scale_flag(experiment.scale)
+            raise ValueError(
+                f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}` "
+                "(runs made with --set are reported with the same --set)"
+            )
+        for path in _write_report(experiment, df, args.out_dir, args.results_dir):
+            print(path)
     return 0
 
 
@@ -534,7 +539,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from prodigy_core.reproduce import reproduce
 
-    return reproduce(scale=args.scale, only=args.only, executor=args.executor)
+    return reproduce(scale=args.scale, only=args.only, executor=args.executor, jobs=args.jobs)
 
 
 def cmd_git_setup(args: argparse.Namespace) -> int:

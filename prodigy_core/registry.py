@@ -4,12 +4,14 @@ A class registers itself with a ``name`` (what a params file writes), a ``displa
 prints) and optional named ``presets`` (``foe_0.1`` is FOE with eps=0.1); its settings are its ``__init__``
 keywords. A plug-in is ``path/to/file.py:Class`` or ``package.module:Class``; the hash of its code (its file
 and every ``.py`` file beside it, `plugin_hash`) is part of every result key. Only training imports a plug-in:
-within `records_are_data` (reading records, a dry run) a plug-in spec is data, never imported.
+within `records_are_data` (reading records, a report, a dry run) a plug-in spec is data, never imported; its
+file is read as text for its display name and literal defaults (`plugin_source`).
 Entry points: `Registry`, `settings_of`, `load_plugin`, `is_plugin`, `records_are_data`.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import functools
@@ -93,7 +95,7 @@ class Registry:
             if not imports_plugins():
                 raise ValueError(f"{self.kind} {name!r} is a plug-in: not imported while records are read")
             cls = load_plugin(name, self.kind)
-            return Entry(cls, {}, _plugin_display(cls, name, self))
+            return Entry(cls, {}, self._plugin_display(getattr(cls, "display", "") or cls.__name__, name))
         if name not in self._entries:
             hint = did_you_mean(name, self._entries)
             if not hint.startswith("; valid"):
@@ -118,16 +120,30 @@ class Registry:
         except ValueError:
             if not is_plugin(name):
                 return None
-            entry = Entry(object, {}, name)  # a plug-in not imported (`records_are_data`): its spec
+            display = plugin_source(name, self.kind).display  # not imported (`records_are_data`): its text
+            entry = Entry(object, {}, name if display is None else self._plugin_display(display, name))
         return f"{entry.display} ({shown})" if shown else entry.display
+
+    def _plugin_display(self, display: str, spec: str) -> str:
+        """A plug-in's display name, with its spec in brackets when a registered name has the same display,
+        so that two rows never read alike."""
+        taken = {e.display for e in self._entries.values()}
+        return f"{display} [{spec}]" if display in taken else display
 
     def canonical(self, name: str, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         """(name, settings) in the one form a result key stores: settings checked against the class
         (`check_settings`), those equal to the class's defaults dropped, and a class's name with settings
         that equal a preset's written as that preset (``foe`` with eps=0.1 is ``foe_0.1``), so that one run
         has one key whichever way it was written."""
-        if is_plugin(name) and not imports_plugins():  # a record's settings, stored in this form
-            return name, Settings(sorted(check_values(f"{self.kind} {name!r}", params).items()))
+        if is_plugin(name) and not imports_plugins():  # its file's literal defaults, read as text
+            defaults = plugin_source(name, self.kind).settings or {}
+            kept = {}
+            for key, value in check_values(f"{self.kind} {name!r}", params).items():
+                default = defaults.get(key, NOT_LITERAL)
+                value, differs = (value, True) if default is NOT_LITERAL else _against_default(value, default)
+                if differs:
+                    kept[key] = value
+            return name, Settings(sorted(kept.items()))
         entry = self.lookup(name)
         full = check_settings(f"{self.kind} {name!r}", entry.cls, {**entry.params, **params})
         if full == entry.params:
@@ -183,18 +199,24 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
             hint = did_you_mean(key, valid) if valid else "; it has no settings"
             raise ValueError(f"{owner} has no setting {key!r}{hint}")
     for key, value in check_values(owner, params).items():
-        default = valid[key]
-        _check_type(owner, cls, key, value, default)
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
-            continue  # YAML has no tuples: [0.25, 0.5, 1.0] is the default (0.25, 0.5, 1.0)
-        if value != default or type(value) is not type(default):
+        _check_type(owner, cls, key, value, valid[key])
+        value, differs = _against_default(value, valid[key])
+        if differs:
             out[key] = value
     missing = [k for k, d in valid.items() if d is inspect.Parameter.empty and k not in out]
     if missing:
         raise ValueError(f"{owner} needs the setting(s) {', '.join(missing)} (e.g. {missing[0]}: 1.0)")
     return Settings(sorted(out.items()))
+
+
+def _against_default(value: Any, default: Any) -> tuple[Any, bool]:
+    """(the value as a key stores it, whether it differs from the default): an integer given for a float
+    default becomes a float (1 and 1.0: one key); YAML has no tuples, so [0.25, 0.5] equals (0.25, 0.5)."""
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
+        return value, False
+    return value, value != default or type(value) is not type(default)
 
 
 def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> None:
@@ -345,12 +367,75 @@ def _code_hash(files: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _plugin_display(cls: type, spec: str, registry: Registry) -> str:
-    """A plug-in's ``display`` (its class name without one), with its spec in brackets when a registered
-    name has the same display, so that two rows never read alike."""
-    display = getattr(cls, "display", "") or cls.__name__
-    taken = {e.display for e in registry._entries.values()}
-    return f"{display} [{spec}]" if display in taken else display
+NOT_LITERAL = object()  # a default `plugin_source` cannot read as a literal: only the import knows it
+
+
+class PluginSource(NamedTuple):
+    """What a plug-in's file says of its class when read as text (`ast`), without running it: its display
+    name (None: only the import knows it) and its settings with their defaults (`settings_of`'s form;
+    ``NOT_LITERAL`` for a default that is not a literal; None when the class body has no plain
+    ``__init__``)."""
+
+    display: str | None
+    settings: dict[str, Any] | None
+
+
+def plugin_source(spec: str, kind: str = "plug-in") -> PluginSource:
+    """The class's display name and literal defaults as its file writes them, read as text, never run, so
+    that a report of records, or a dry run, names a plug-in and keys its runs as training did without
+    importing it (`records_are_data`). The display: a string literal ``display = "..."`` in the class body,
+    else the class name when its bases are only ``Rule`` or ``Attack`` (as `Registry.lookup` names it);
+    anything else is left to the import (None)."""
+    try:
+        _, cls_name = _split(spec, kind)
+        tree = ast.parse(plugin_file(spec, kind).read_bytes())
+    except (ValueError, OSError, SyntaxError, RecursionError, MemoryError):
+        return PluginSource(None, None)
+    node = next((n for n in reversed(tree.body) if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
+    if node is None:
+        return PluginSource(None, None)
+    return PluginSource(_source_display(node), _source_settings(node))
+
+
+def _literal(node: ast.expr | None) -> Any:
+    if node is None:
+        return inspect.Parameter.empty
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return NOT_LITERAL
+
+
+def _source_display(node: ast.ClassDef) -> str | None:
+    display: Any = None
+    for stmt in node.body:  # the last assignment wins, as it does when the class body runs
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target, value = stmt.targets[0], stmt.value
+        elif isinstance(stmt, ast.AnnAssign):
+            target, value = stmt.target, stmt.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "display":
+            display = _literal(value)
+    if display is None:  # none in the body: inherited; the contract's base has none, so the class's name
+        bases = [
+            b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+            for b in node.bases
+        ]
+        return node.name if bases and set(bases) <= {"Rule", "Attack"} else None
+    return (display or node.name) if isinstance(display, str) else None
+
+
+def _source_settings(node: ast.ClassDef) -> dict[str, Any] | None:
+    inits = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    if not inits or inits[-1].decorator_list:  # inherited, or wrapped: only the import knows its signature
+        return None
+    a = inits[-1].args
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    pairs = [(p, d) for p, d in zip(positional, defaults, strict=True) if p in a.args]  # not positional-only
+    pairs += list(zip(a.kwonlyargs, a.kw_defaults, strict=True))
+    return {p.arg: _literal(d) for p, d in pairs if p.arg not in RUN_KEYWORDS}
 
 
 def load_plugin(spec: str, kind: str) -> type:
@@ -452,6 +537,7 @@ __all__ = [
     "plugin_code_files",
     "plugin_file",
     "plugin_hash",
+    "plugin_source",
     "records_are_data",
     "settings_of",
     "settings_text",

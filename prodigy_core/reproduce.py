@@ -47,10 +47,11 @@ NOTEBOOKS: dict[str, tuple[str, str | None]] = {
 
 
 def notebook_parameters(
-    params_file: str | None, scale: str, executor: str = "local", jobs: int = 1
+    params_file: str | None, scale: str, executor: str = "local", jobs: int | str | None = None
 ) -> dict[str, Any]:
     """Parameters papermill injects: the run controls, plus at mini and paper scale every top-level key of
-    the params file (which the notebook hands to ``load_experiment`` as overrides)."""
+    the params file (which the notebook hands to ``load_experiment`` as overrides). ``jobs=None``: the
+    notebook's own choice (1 at smoke scale, else "auto", as `prodigy-fl quickstart` runs)."""
     parameters: dict[str, Any] = {"scale": scale, "executor": executor, "jobs": jobs}
     if scale != "smoke" and params_file is not None:
         from prodigy_core.experiments import resolve_params
@@ -64,13 +65,14 @@ def reproduce(
     scale: str = "smoke",
     only: Sequence[str] | None = None,
     executor: str = "local",
-    jobs: int = 1,
+    jobs: int | str | None = None,
     *,
     notebooks: Mapping[str, tuple[str, str | None]] | None = None,
     notebooks_dir: str | Path | None = None,
     build_dir: str | Path | None = None,
 ) -> int:
-    """Execute the notebooks (all, or those named in ``only``) and return 0, or 1 when any failed.
+    """Execute the notebooks (all, or those named in ``only``: a name of `NOTEBOOKS` or its notebook's file,
+    e.g. ``quickstart`` or ``notebooks/00_quickstart.ipynb``) and return 0, or 1 when any failed.
 
     A failure is reported on stderr as ``notebook <name>: cell <n>: <error>: <message>`` and the remaining
     notebooks still run. Executed notebooks are written to ``build_dir`` (default <project folder>/build/)
@@ -87,7 +89,9 @@ def reproduce(
     build_dir = Path(build_dir) if build_dir is not None else project / "build"
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is unknown; valid: {', '.join(SCALES)}")
-    for name in only or []:
+    by_file = {Path(notebook).stem: name for name, (notebook, _) in notebooks.items()}
+    only = [name if name in notebooks else by_file.get(Path(name).stem, name) for name in only or []]
+    for name in only:
         if name not in notebooks:
             raise ValueError(f"unknown notebook {name!r}{did_you_mean(name, notebooks)}")
     if not notebooks_dir.is_dir():

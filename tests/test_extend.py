@@ -3,6 +3,7 @@
 files and --set; and every result key made before settings existed hashes the same fields."""
 
 import hashlib
+import inspect
 import json
 import tarfile
 from pathlib import Path
@@ -297,3 +298,92 @@ def test_a_plugin_from_a_module_path(tmp_path, monkeypatch):
     (package / "rules.py").write_text(edited)
     assert config.key() != before  # the module's file is hashed like a .py path...
     assert RULES.display("lab_rules.rules:ClosestToMedian") == "Edited"  # ...and the edited code is what runs
+
+
+# A report reads records and a params file: it runs no plug-in (the names and keys come from the file's text).
+MARKED_RULE = RULE_FILE.replace(
+    "import torch\n", "import torch\nfrom pathlib import Path\nPath('imported').write_text('ran')\n", 1
+).replace("keep_extra: int = 0", "keep_extra: int = 0, tau: float = 1.0")
+
+
+def test_a_report_and_a_dry_run_run_no_plugin_yet_name_and_find_its_runs(plugins, capsys):
+    (plugins / "my_rules.py").write_text(MARKED_RULE)
+    grid = GRID.replace('"my_attacks.py:Shift"', "alie").replace('[prodigy, "my_rules', '["nnm+my_rules')
+    (plugins / "own.yaml").write_text(grid)
+    # default values, one written as an integer for a float default: the key drops both, as training does
+    args = ["--results-dir", str(plugins / "results"), "--set", "defense_params.tau=1",
+            "--set", "defense_params.keep_extra=0"]  # fmt: skip
+    assert main(["grid", "own.yaml", *args]) == 0
+    assert (plugins / "imported").exists()  # training imports it
+    (plugins / "imported").unlink()
+    capsys.readouterr()
+    assert main(["grid", "own.yaml", "--dry-run", *args]) == 0
+    assert "2 runs (2 stored, 0 to run)" in capsys.readouterr().out
+    assert main(["report", "own.yaml", "--out-dir", str(plugins / "figures"), *args]) == 0
+    assert not (plugins / "imported").exists()  # neither the dry run nor the report ran its code
+    table = (plugins / "figures" / "own_defense.md").read_text()
+    assert "| NNM+Closest to median |" in table  # the class's display, as the imported class names it
+
+
+SOURCES = """
+import math
+from prodigy_core.aggregators import Rule, TrimmedMean
+import prodigy_core.aggregators as agg
+
+
+class Plain(Rule):
+    def __init__(self, f, a=1, /, b: float = 2.5, c=(0.25, 0.5), *, d="x", e, g=None, h=-3, generator=None):
+        self.f = f
+
+
+class Shown(agg.Rule):
+    display = "A name"
+    display: str = "The last one"
+
+    def __init__(self, f: int, tau=math.inf, items=[1, 2], name="n" * 3):
+        self.f = f
+
+
+class Empty(Rule):
+    display = ""
+
+
+class Computed(Rule):
+    display = "Computed".upper()
+
+
+class Inherits(TrimmedMean):
+    pass
+
+
+class Clash(Rule):
+    display = "ProDiGy"
+"""
+
+
+def test_a_plugins_text_says_what_its_import_finds(plugins):
+    from prodigy_core.registry import NOT_LITERAL, plugin_source, records_are_data, settings_of
+    from prodigy_core.report import display_value
+
+    (plugins / "sources.py").write_text(SOURCES)
+    for name in ("Plain", "Shown", "Empty", "Computed", "Inherits", "Clash"):
+        spec = f"sources.py:{name}"
+        source = plugin_source(spec, "defense")
+        imported = display_value("defense", spec)  # the import's name for it
+        with records_are_data():
+            read = display_value("defense", spec)
+        assert read == (imported if source.display is not None else spec), name  # as imported, or its spec
+        if source.settings is None:
+            continue
+        cls = RULES.lookup(spec).cls
+        real = settings_of(cls)
+        assert set(source.settings) == set(real), name  # the same names (a as positional-only: none)
+        for key, value in source.settings.items():
+            assert value is NOT_LITERAL or value == real[key] and type(value) is type(real[key]), (name, key)
+    sources = {n: plugin_source(f"sources.py:{n}", "defense") for n in ("Plain", "Shown", "Inherits")}
+    assert sources["Plain"].display == "Plain" and sources["Plain"].settings["e"] is inspect.Parameter.empty
+    assert sources["Shown"].display == "The last one" and sources["Shown"].settings["tau"] is NOT_LITERAL
+    assert sources["Shown"].settings["name"] is NOT_LITERAL and sources["Shown"].settings["items"] == [1, 2]
+    assert sources["Inherits"] == (None, None)  # a built-in base: only the import knows its name and settings
+    assert plugin_source("sources.py:Missing", "defense") == (None, None)
+    assert plugin_source("gone.py:X", "defense") == (None, None)

@@ -543,8 +543,8 @@ def test_21_a_plugin_whose_display_is_a_builtins_gets_a_row_of_its_own(work):
     )
     shown = [display_value("defense", d) for d in ("prodigy", "fake.py:Fake", "nnm+fake.py:Fake")]
     assert shown == ["ProDiGy", "ProDiGy [fake.py:Fake]", "NNM+ProDiGy [fake.py:Fake]"]
-    with records_are_data():  # reading records: the spec, never an import
-        assert display_value("defense", "fake.py:Fake") == "fake.py:Fake"
+    with records_are_data():  # reading records: its file read as text, never imported, the same row
+        assert display_value("defense", "fake.py:Fake") == "ProDiGy [fake.py:Fake]"
 
 
 # -------------------------------------------------- 15: the explorer takes every setting RunConfig takes

@@ -259,7 +259,32 @@ def test_mini_and_paper_scale_inject_the_params_file(scale):
     spec = yaml.safe_load((PARAMS_DIR / "table4_fraction_byzantine.yaml").read_text())
     assert parameters == {**spec, "scale": scale, "executor": "ray", "jobs": 4}
     assert reproduce.notebook_parameters("table4_fraction_byzantine.yaml", "smoke") == {
-        "scale": "smoke", "executor": "local", "jobs": 1}  # fmt: skip
+        "scale": "smoke", "executor": "local", "jobs": None}  # fmt: skip
+
+
+def test_reproduce_runs_each_grid_as_the_quickstart_does_unless_told(monkeypatch, tmp_path):
+    """`prodigy-fl reproduce` passes --jobs (default None: the notebook's own choice) and takes a notebook by
+    its file as well as by its name; every notebook that runs a grid turns None into 1 at smoke scale and
+    "auto" otherwise, as `prodigy-fl quickstart` runs (one single-threaded process per CPU core)."""
+    from prodigy_core.cli import main
+
+    calls = []
+    monkeypatch.setattr(
+        papermill, "execute_notebook", lambda src, out, **kw: calls.append((src, kw["parameters"]))
+    )
+    monkeypatch.chdir(tmp_path)  # a folder without notebooks/: the package's, build/ made here
+    args = ["reproduce", "--scale", "mini", "--only", "notebooks/00_quickstart.ipynb", "table1_cifar10"]
+    assert main(args) == 0 and main([*args, "--jobs", "2"]) == 0
+    assert [(Path(src).name, p["jobs"]) for src, p in calls] == [
+        ("00_quickstart.ipynb", None), ("table1_cifar10.ipynb", None),
+        ("00_quickstart.ipynb", 2), ("table1_cifar10.ipynb", 2)]  # fmt: skip
+    for name in ALL_NOTEBOOKS:
+        cells = [c.source for c in read(name).cells if c.cell_type == "code"]
+        runs = [i for i, c in enumerate(cells) if "run_grid(exp" in c]
+        for i in runs:
+            resolve = 'jobs = jobs or (1 if exp.smoke else "auto")'
+            before = "\n".join(cells[: i + 1]).split("run_grid(exp")[0]
+            assert resolve in before, f"{name}: jobs=None reaches run_grid"
 
 
 def test_reproduce_streams_progress_and_keeps_the_kernel_log_quiet(tmp_path, capfd):
