@@ -300,7 +300,9 @@ def _coordinate_median(values: Tensor) -> Tensor:
 
 def _mean_closest_to_median(values: Tensor, k: int) -> Tensor:
     """Per coordinate, the mean of the k values of (..., N, d) ``values`` (no NaN) closest to the
-    coordinate-wise median (`_coordinate_median`)."""
+    coordinate-wise median (`_coordinate_median`). Of values equally far at the cut, topk's pick, not
+    necessarily the first rows as the authors' ``np.argsort`` (defenses.py line 92) keeps them at N <= 16
+    (docs/semantics.md, row TrimmedMean)."""
     distance = (values - _coordinate_median(values).unsqueeze(-2)).abs()
     closest = distance.topk(k, dim=-2, largest=False).indices
     return values.gather(-2, closest).mean(dim=-2)
@@ -489,8 +491,8 @@ class TrimmedMean(Rule):
     never enter a sum whatever their magnitude; 4 kernels on a GPU (the sum of every value clamped to the
     kept range less f times its two ends, from two topk, took 20; the two differ in the last bits).
     NaN counts as +inf; a coordinate whose kept range reaches an infinity (more than f infinite values on one
-    side) gives that infinity, or NaN when it reaches both. Per coordinate, so no test of the whole input
-    (no wait for a GPU).
+    side) gives that infinity, or NaN when it reaches both (f = 0: the plain mean, where a NaN stays NaN).
+    Per coordinate, so no test of the whole input (no wait for a GPU).
 
     ``variant="authors"`` (the authors' code): per coordinate, the mean of the N-2f values closest to the
     coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step."""

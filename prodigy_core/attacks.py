@@ -38,8 +38,8 @@ def alie_z_max(n: int, f: int) -> float:
     """Largest "undetectable" ALIE shift (Baruch, Baruch and Goldberg, "A Little Is Enough", NeurIPS 2019).
 
     s = floor(n/2 + 1) - f honest clients must be "won over"; z_max = Phi^-1((n - s) / n). Needs 0 <= f <= n/2
-    (otherwise s <= 0 and the Byzantine clients are a majority). The value can be <= 0 when f is small
-    against n (e.g. n=10, f=1 gives 0; n=2, f=0 gives -inf): see `alie_grid` for how the attack handles it.
+    (otherwise s <= 0 and the Byzantine clients are a majority). The value is <= 0 exactly when f = 0, or
+    f = 1 with n even (n=10, f=1 gives 0; n=2, f=0 gives -inf): see `alie_grid` for how the attack handles it.
     """
     if not (isinstance(n, int) and isinstance(f, int)) or n < 1 or not 0 <= f < n:
         raise ValueError(f"alie_z_max(n={n!r}, f={f!r}): need integers n >= 1 and 0 <= f < n")
@@ -55,7 +55,7 @@ def alie_z_max(n: int, f: int) -> float:
 def alie_grid(n: int, f: int) -> list[float]:
     """ALIE's candidates z = k * 0.25 * z_max, k = 1, 2, ..., while z <= 2 (so 15 for n=10, f=3).
 
-    When z_max <= 0 (few Byzantine clients among many: no shift is undetectable by Baruch et al.'s argument)
+    When z_max <= 0 (f = 0, or f = 1 with n even: no shift is undetectable by Baruch et al.'s argument)
     the unit falls back to z_max = 1, i.e. z in {0.25, 0.5, ..., 2}: the search still picks the most damaging
     shift, which is the attack's intent, instead of sending the honest mean or failing mid-run.
     """
@@ -84,10 +84,13 @@ def alie_authors_z(n: int, f: int) -> float:
 
     Truncation, not rounding: it gives 5 of their 7 typed values (0.12, 0.25, 0.38, 0.67, 0.8 where z_max is
     0.1257, 0.2533, 0.3853, 0.6745, 0.8064), rounding only 2; no rule gives their 0.41 (z_max 0.4307 at
-    N=30, f=6) or 0.50 (z_max 0.4677 at N=50, f=10), so the typed values are used as they are.
+    N=30, f=6) or 0.50 (z_max 0.4677 at N=50, f=10), so the typed values are used as they are. Their README's
+    table gives 0.46 at N=50, f=10 (the truncation); main.py's 0.50, the value their code ran with, is kept.
     """
     if (n, f) in ALIE_AUTHORS_Z:
         return ALIE_AUTHORS_Z[n, f]
+    if f == 0:  # z_max = Phi^-1 of at most 1/2 - 1/(2n): -inf at n = 2; no Byzantine client to send it anyway
+        raise ValueError(f"alie_authors_z(n={n}, f=0): no Byzantine client, so no z; ALIE needs f >= 1")
     return math.trunc(round(alie_z_max(n, f) * 100, 6)) / 100  # round(.., 6): 0.29 * 100 = 28.999999...
 
 
@@ -360,7 +363,8 @@ class LineSearchAttack(Attack):
     statistics and the Byzantine rows for a parameter (``rows`` must work on column slices of the
     statistics). The search scores all the candidates from one Gram matrix as one batch when the pipeline
     gives weights (`_damages`), runs a coordinate-wise pipeline on all of them at once (`_batched_damages`),
-    else runs the pipeline once per candidate. With a line (`line`), ``last_gram`` is the chosen
+    else runs the pipeline once per candidate. With a line (`line`, defined by the class that defines
+    ``rows``: a subclass's own rows need not lie on its parent's line), ``last_gram`` is the chosen
     candidate's Gram matrix, for the server's own aggregation.
     """
 
@@ -409,8 +413,8 @@ class LineSearchAttack(Attack):
             if damage > best_damage:
                 best, best_damage = param, damage
         self._record(best)
-        if grams is not None and best is not None and self._owner("rows") is self._owner("line"):
-            self.last_gram = grams.gram_at(best)  # the rows sent lie on the line (a subclass's may not)
+        if grams is not None and best is not None:
+            self.last_gram = grams.gram_at(best)
         return self.rows(best, stats).expand(f, d).clone()
 
     def _damages(
@@ -504,6 +508,8 @@ class LineSearchAttack(Attack):
     ) -> _LineGeometry | None:
         line = self.line(stats)
         if line is None or not (isinstance(server, Pipeline) and server.takes_gram):
+            return None
+        if self._owner("rows") is not self._owner("line"):  # a subclass's rows need not lie on the line
             return None
         reference = server.reference(honest)
         if reference is not None:
@@ -653,7 +659,7 @@ class FOE(LineSearchAttack):
 
     def _start(self, n: int, f: int) -> tuple[Any, float]:
         if self.variant == "authors":
-            return self.eps, 0.0  # malicious.py lines 120-121: max_dist = 0, best_eps = epsilon
+            return self.eps, 0.0  # malicious.py lines 119-120: max_dist = 0, best_eps = epsilon
         return super()._start(n, f)
 
     def rows(self, eps: float | Tensor, stats: dict[str, Tensor]) -> Tensor:

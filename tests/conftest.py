@@ -41,6 +41,13 @@ def femnist24_dir() -> Path:
 
 
 @pytest.fixture
+def paper_reference_csv() -> Path:
+    """The paper's 515 numbers as the project keeps them (shared/reference/paper_results.csv)."""
+    path = SHARED_DATA_DIR.parent / "reference" / "paper_results.csv"
+    return shared_data(path, f"the paper's numbers ({path})")
+
+
+@pytest.fixture
 def cifar10_jpeg_archive() -> Path:
     """The JPEG copy of CIFAR-10 (shared/data/cifar10-jpeg/cifar10-jpeg.tar.gz; env PRODIGY_CIFAR10_JPEG)."""
     named = os.environ.get("PRODIGY_CIFAR10_JPEG")

@@ -210,18 +210,46 @@ def test_nnm_pipelines_equal_the_brute_force_composition(G, f):
 
 
 @pytest.mark.parametrize("G,f", cases(lambda N, f: 2 <= f < N / 2))
-def test_nnm_prodigy_equals_the_brute_force_composition_and_records_scores(G, f):
-    mixed = bf_nnm(G, f)
+def test_nnm_prodigy_from_one_gram_matrix_equals_nnm_then_prodigy(G, f):
+    """The pipeline (NNM's mixing and ProDiGy's scores from one Gram matrix) against NNM's output handed to
+    ProDiGy: on these inputs NNM maps clients with the same neighbourhood to equal vectors, whose scores are
+    rounding, so no brute force of ProDiGy applies (that is the next test's)."""
     pipeline = Pipeline("nnm+prodigy", ProDiGy(f), [NNM(f)])  # refused by name, buildable in Python
     peeked = pipeline.peek(G)
     assert pipeline.rule.last_scores is None  # peek records nothing
-    out = pipeline(G)
+    expected = ProDiGy(f)(NNM(f)(G))
+    close(peeked, expected, tol=1e-6)
+    close(pipeline(G), expected, tol=1e-6)
+
+
+def on_a_circle(N: int, d: int, seed: int) -> torch.Tensor:
+    """N clients near a circle, jittered: with N odd and f even, each one's f farthest are the f/2 pairs
+    opposite it, a different set for every client, so NNM's neighbourhoods, and its mixed vectors, all
+    differ (an odd f would leave the last one to the jitter, and neighbours could share it)."""
+    g = torch.Generator().manual_seed(seed)
+    angle = (
+        2 * math.pi * torch.arange(N, dtype=torch.float64) / N + 0.05 * torch.rand(N, generator=g).double()
+    )
+    radius = 1 + 0.1 * torch.rand(N, generator=g).double()
+    G = 0.01 * torch.randn(N, d, generator=g).double() + 3.0  # a common offset too
+    G[:, 0] += radius * torch.cos(angle)
+    G[:, 1] += radius * torch.sin(angle)
+    return G
+
+
+@pytest.mark.parametrize(("N", "f"), [(7, 2), (9, 2), (11, 2), (11, 4), (13, 4)])  # odd N, even f: see below
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nnm_prodigy_equals_the_brute_force_composition_and_records_scores(N, f, seed):
+    G = on_a_circle(N, 12, seed)
+    mixed = bf_nnm(G, f)
     D = [v for i, row in enumerate(bf_dist(mixed)) for j, v in enumerate(row) if i != j]
-    if min(D) > 1e-9 * max(D):  # general position: compare with the brute force
-        expected, *_, w = bf_prodigy(mixed, f)
-        close(pipeline.rule.last_scores.weight, torch.tensor(w) / sum(w), tol=1e-6)
-    else:  # twins can mix to equal vectors, whose scores are rounding: compare with the two-step path
-        expected = ProDiGy(f)(NNM(f)(G))
+    assert min(D) > 1e-6 * max(D)  # general position after NNM: the brute force applies
+    pipeline = Pipeline("nnm+prodigy", ProDiGy(f), [NNM(f)])
+    peeked = pipeline.peek(G)
+    assert pipeline.rule.last_scores is None  # peek records nothing
+    out = pipeline(G)
+    expected, *_, w = bf_prodigy(mixed, f)
+    close(pipeline.rule.last_scores.weight, torch.tensor(w) / sum(w), tol=1e-6)
     close(peeked, expected, tol=1e-6)
     close(out, expected, tol=1e-6)
 

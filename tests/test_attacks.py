@@ -504,27 +504,21 @@ class SpikyFOE(attacks.FOE):
 def test_batched_search_with_a_non_finite_candidate_equals_the_one_by_one_search(
     defense, variant, n, f, chunked, monkeypatch
 ):
-    """float64, a candidate with +inf and NaN entries: the rules alone keep a finite aggregate (NaN counts
-    as +inf), after NNM it is infinite (its mixing multiplies them by zero weights too); the batched search
-    gives every candidate the damage that the one-by-one search gives it. The one-by-one reference for NNM
-    is the search's own route for pipelines it does not batch, which takes NNM's distances from the line's
-    Gram matrix, as the search did before batching."""
+    """float64, a candidate with +inf and NaN entries, from a subclass whose rows leave FOE's line: every
+    pipeline keeps a finite aggregate (NaN counts as +inf; NNM puts the bad row infinitely far, and the rule
+    trims what it mixed into), and the search gives every candidate the damage the server's own `peek` of it
+    gives. (It used to score that candidate from FOE's line, on which the spiky rows do not lie: infinite
+    damage after NNM, chosen, although the server neutralises it.)"""
     if chunked:
         monkeypatch.setitem(agg._CHUNK_ELEMENTS, "cpu", 1000)
     honest, own = (t.double() for t in make_updates(7, n=n, f=f))
     server = make_aggregator(defense, f, variant=variant)
     attack = SpikyFOE(eps=100.0)
     sent = attack.craft(honest, own, server)
-    stats, grid = attack.statistics(honest, f), attack.grid(n, f)
-    if "nnm" in defense:
-        grams = attack._candidate_grams(honest, f, stats, server)
-        assert grams is not None  # the line's Gram matrix is finite: the batched route
-        damages = list(attack._damages(honest, f, stats, server, grams, grid))
-        best = grid[max(range(len(damages)), key=lambda i: (damages[i], -i))]
-    else:
-        best, damages = one_by_one(attack, honest, f, server)
-    assert math.isfinite(damages[-1]) == ("nnm" not in defense)
-    assert attack.last_param == best
+    stats = attack.statistics(honest, f)
+    best, damages = one_by_one(attack, honest, f, server)
+    assert math.isfinite(damages[-1])
+    assert attack.last_param == best and attack.last_gram is None  # no line: no Gram matrix to hand over
     for got, want in zip([x for _, x in attack.last_search], damages, strict=True):
         assert got == pytest.approx(want, rel=1e-12)
     torch.testing.assert_close(sent, attack.rows(best, stats).expand(f, D), rtol=0, atol=0, equal_nan=True)
@@ -541,6 +535,23 @@ AUTHORS_TYPED_Z = {
     (20, 6): 0.67,
     (100, 30): 0.8,
 }
+
+
+def test_alie_z_max_is_not_positive_exactly_when_its_docstring_says():
+    # f = 0, or f = 1 with n even (the docstring's claim), against Phi^-1(p) <= 0 <=> p <= 1/2
+    for n in range(2, 60):
+        for f in range(0, n // 2 + 1):
+            s = math.floor(n / 2 + 1) - f
+            if s <= 0:
+                continue
+            claimed = f == 0 or (f == 1 and n % 2 == 0)
+            assert (attacks.alie_z_max(n, f) <= 0) == claimed == ((n - s) / n <= 0.5), (n, f)
+
+
+@pytest.mark.parametrize("n", [2, 3, 10])
+def test_alie_authors_z_without_a_byzantine_client_is_a_clear_error(n):
+    with pytest.raises(ValueError, match=r"f=0\): no Byzantine client"):
+        attacks.alie_authors_z(n, 0)
 
 
 def test_alie_authors_z_is_their_typed_value_else_z_max_truncated():

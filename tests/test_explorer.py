@@ -36,9 +36,26 @@ def test_explore_reports_the_last_round_consistently(alie_round):
 
 
 def test_explore_without_attack_has_no_search():
-    pytest.importorskip("prodigy_core.aggregators")
+    from prodigy_core import training
+
     ex = explorer.explore(n_clients=6, n_byzantine=2, rounds=1, attack="none", defense="nnm+median")
-    assert ex.search == [] and ex.chosen is None and ex.damage >= 0
+    assert ex.search == [] and ex.chosen is None
+    # the damage by brute force, from the same run's server input (a CPU run repeats itself to the bit)
+    seen = {}
+    training.run(
+        ex.config, progress=False, on_round=lambda r, u, m, *_: seen.update(u=u.double(), m=m.double())
+    )
+    u, f = seen["u"], 2
+    torch.testing.assert_close(
+        ex.distances.double(), ((u[:, None] - u[None]) ** 2).sum(-1), rtol=1e-5, atol=1e-6
+    )
+    mixed = []
+    for k in range(len(u)):  # NNM: each update averaged with its N - f nearest, itself included
+        nearest = sorted(range(len(u)), key=lambda j: (float(((u[k] - u[j]) ** 2).sum()), j))[: len(u) - f]
+        mixed.append(u[nearest].mean(dim=0))
+    median = torch.stack(mixed).sort(dim=0).values[2:4].mean(dim=0)  # N = 6: the two middle values
+    damage = torch.linalg.vector_norm(median - seen["m"][f:].mean(dim=0)).item()
+    assert ex.damage == pytest.approx(damage, rel=1e-4)
 
 
 def test_exploration_summary_names_the_defense_that_ran():

@@ -25,6 +25,12 @@ def test_same_seed_same_streams_other_seed_other_streams():
 def test_returned_generator_is_seeded():
     g1, g2 = seed_everything(7), seed_everything(7)
     assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
+    assert torch.equal(
+        torch.rand(4, generator=seed_everything(7)), torch.rand(4, generator=torch.Generator().manual_seed(7))
+    )
+    assert not torch.equal(
+        torch.rand(4, generator=seed_everything(8)), torch.rand(4, generator=torch.Generator().manual_seed(7))
+    )
 
 
 def test_resolve_device():

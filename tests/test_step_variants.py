@@ -618,6 +618,10 @@ def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
 def test_a_captured_run_trains_and_records_its_engine(engine):
     result = training.run(RunConfig(**{**TINY, "device": "cuda", "engine": engine}), progress=False)
     assert result.environment["engine"] == engine and not result.diverged
+    # the same computation as the batched engine's run (float32 rounding apart): its loss and accuracy
+    batched = training.run(RunConfig(**{**TINY, "device": "cuda", "engine": "batched"}), progress=False)
+    assert result.final_loss == pytest.approx(batched.final_loss, rel=1e-2)
+    assert abs(result.final_accuracy - batched.final_accuracy) <= 2.0
 
 
 @pytest.mark.parametrize(("dataset", "image"), [("femnist", (1, 28, 28)), ("cifar10", (3, 32, 32))])

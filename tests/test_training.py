@@ -236,14 +236,19 @@ def test_label_flip_flips_only_byzantine_clients():
 
 # ----------------------------------------------------------------------------------------- result record
 def test_result_round_trips_through_json_with_distance_matrices():
-    result = run(tiny(rounds=3, eval_every=3, record_distances_at=(1, 3)), progress=False)
+    # under ALIE the server's input (the Byzantine rows crafted, the honest momentum) is not the momentum
+    changes = dict(rounds=3, eval_every=3, record_distances_at=(1, 3), n_byzantine=2, attack="alie")
+    seen = {}
+    result = run(tiny(**changes), progress=False, on_round=lambda r, u, *_: seen.setdefault(r, u.clone()))
     assert sorted(result.distance_matrices) == [1, 3]
-    d = torch.tensor(result.distance_matrices[3])
-    assert d.shape == (6, 6)
-    assert torch.equal(d.diagonal(), torch.zeros(6)) and torch.allclose(d, d.T) and (d >= 0).all()
+    for r in (1, 3):  # the squared distances between the updates the server received that round
+        d, u = torch.tensor(result.distance_matrices[r], dtype=torch.float64), seen[r].double()
+        expected = ((u[:, None, :] - u[None, :, :]) ** 2).sum(dim=-1)
+        torch.testing.assert_close(d, expected, rtol=1e-5, atol=1e-6 * expected.max().item())
+        assert torch.equal(d.diagonal(), torch.zeros(6, dtype=torch.float64))
     text = json.dumps(result.to_dict(), allow_nan=False)
     assert RunResult.from_dict(json.loads(text)) == result
-    config = tiny(rounds=3, eval_every=3, record_distances_at=(1, 3))
+    config = tiny(**changes)
     stored = RunConfig.from_dict(json.loads(text)["config"])
     assert stored == config.replace(data_source="digits")  # the record names the data source it used
     assert stored.key() == config.key()
