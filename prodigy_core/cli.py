@@ -463,6 +463,26 @@ def seeds_arg(text: str) -> int:
     return int(text)
 
 
+def rounds_arg(text: str) -> int:
+    """--rounds of the scripts' smoke checks: a whole number of rounds >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of rounds >= 1, e.g. --rounds 5")
+    return int(text)
+
+
+def check_out(parser: argparse.ArgumentParser, out: Path, example: str, folder: bool = False) -> None:
+    """A script's --out, refused in one usage line before any training: a folder where a file goes (unless
+    ``folder``), or a place nothing can be written (``example``: what to give instead)."""
+    from prodigy_core.results import check_writable
+
+    if not folder and out.is_dir():
+        parser.error(f"--out {out}: a folder; give the file to write, e.g. {example}")
+    try:
+        check_writable(out if folder else out.parent)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
+
+
 def _write_report(
     experiment: Any, df: Any, out_dir: Path | None, results_dir: Path | None = None
 ) -> list[Path]:

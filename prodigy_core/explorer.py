@@ -160,7 +160,7 @@ EXPLORER_LABELS = {"dataset": "data set", "n_clients": "clients N", "n_byzantine
                    "data_dir": "data folder", "download": "download CIFAR-10 if missing"}  # fmt: skip
 SETTINGS_PLACEHOLDER = "e.g. tau=5, L=2"  # empty: the class's defaults (the tooltip says so)
 DATASET_LABELS = {"digits": "digits (offline)", "femnist": "FEMNIST (LEAF folder)", "cifar10": "CIFAR-10"}
-DATA_DIR_PLACEHOLDER = "empty: data/ or $PRODIGY_DATA_DIR"
+DATA_DIR_PLACEHOLDER = "empty: the default (see tooltip)"
 # The controls' grid: two columns of COLUMN_EM, each control filling its column, labels DESCRIPTION_EM wide.
 COLUMN_EM, DESCRIPTION_EM = 30, 9
 # One name per rule: "average" is "none" (the plain mean, "No defense") under another name.
@@ -299,7 +299,10 @@ def explorer(**setting: Any) -> Any:
         control.description = EXPLORER_LABELS[field]
         control.style = {"description_width": f"{DESCRIPTION_EM}em"}
         control.layout = dict(fill)
-    controls["data_dir"].tooltip = "CIFAR-10 or the LEAF FEMNIST folder; empty: data/ or env PRODIGY_DATA_DIR"
+    controls["data_dir"].tooltip = (
+        "CIFAR-10's folder (empty: data/ or env PRODIGY_DATA_DIR) or FEMNIST's LEAF folder (empty: env "
+        "PRODIGY_FEMNIST_DIR, else shared/data/femnist-leaf-24 or femnist-leaf beside the clone)"
+    )
     button = widgets.Button(description="Train and show", button_style="primary", icon="play")
     bar = widgets.IntProgress(value=0, min=0, max=1, description="", layout={"visibility": "hidden"})
     out = widgets.Output()
@@ -404,9 +407,11 @@ def write_exploration(
     smoke: bool,
     out_dir: str | Path | None = None,
     views: Sequence[str] | None = None,
+    mini: bool = False,
 ) -> list[Path]:
-    """Save the explorer's views (all, or those named in ``views``) as ``<name>_<view>.pdf``/``.png``."""
-    folder = output_dir(smoke, out_dir)
+    """Save the explorer's views (all, or those named in ``views``) as ``<name>_<view>.pdf``/``.png`` in
+    `report.output_dir` (its smoke/ or mini/ subfolder at those scales)."""
+    folder = output_dir(smoke, out_dir, mini=mini)
     paths = []
     for view, fig in exploration_figures(ex).items():
         if views is None or view in views:

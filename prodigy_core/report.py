@@ -1025,6 +1025,8 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
             summary.append(f"Worst-case attack agrees with the paper's on {agree} of {rows} rows.")
         else:
             summary.append(f"Worst-case attack: {NOT_ENOUGH_CELLS}.")
+        if (first["attack"] == NO_ATTACK).any():
+            summary.append(NO_ATTACK_NOTE)
         return "\n".join([f"# {title}", "", *summary, "", frame_to_markdown(frame)])
     per_variant = pd.DataFrame(
         {"variant": list(stats),
@@ -1042,6 +1044,8 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
         side[f"delta ({variant})"] = c["delta"].to_numpy()
     body = ["Which variant matches the paper (paper: the text; authors: the authors' code):", "",
             frame_to_markdown(per_variant), "", frame_to_markdown(side)]  # fmt: skip
+    if (first["attack"] == NO_ATTACK).any():
+        body[0:0] = [NO_ATTACK_NOTE, ""]
     return "\n".join([f"# {title}", "", *body])
 
 
@@ -1101,6 +1105,12 @@ def detection_markdown(df: pd.DataFrame, heading: str = DETECTION_HEADING) -> st
 
 # Where no defense row has every attack of the paper's row run, there is no worst case to compare.
 NOT_ENOUGH_CELLS = "not enough cells (no defense row has all its attacks run)"
+# Under every comparison with a no-attack column (scripts/no_attack_f0.py gives the evidence).
+NO_ATTACK_NOTE = (
+    "No attack: the paper's cells look like runs with f = 0 (every NNM rule then the average, ProDiGy "
+    "zeroing nobody); ours keep the table's f, whose honest 'Byzantine' clients the robust rules still "
+    'discount (docs/results.md, "The paper\'s no-attack column").'
+)
 PROVENANCE = re.compile(r"<!-- provenance: (.*?) -->")
 
 

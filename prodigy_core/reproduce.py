@@ -1,9 +1,11 @@
 """Re-execute the paper's notebooks with papermill (``prodigy-fl reproduce --scale smoke|mini|paper``).
 
-Each notebook in notebooks/ has one cell tagged ``parameters`` whose defaults are the smoke scale
-(``scale = "smoke"``). At mini and paper scale the top-level keys of its params file (params/*.yaml) are
-injected as parameters too. The notebooks are the project's (`prodigy-fl init`, or a clone), else the
-package's; they run with the project folder as working directory. Executed copies go to its git-ignored
+Each notebook in notebooks/ has one cell tagged ``parameters``: a table's or figure's defaults to the smoke
+scale (``scale = "smoke"``); the quickstart, the explorer and your-own-defense to ``notebook_scale()`` (env
+PRODIGY_SCALE, else the interactive scale: a few runs of the paper-scale grid, when opened in JupyterLab). At
+mini and paper scale the top-level keys of its params file (params/*.yaml) are injected as parameters too.
+The notebooks are the project's (`prodigy-fl init`, or a clone), else the package's; they run with the project
+folder as working directory. Executed copies go to its git-ignored
 build/ folder; the tables and figures are files that the notebooks write through ``prodigy_core.report`` into
 outputs/ (outputs/smoke/, outputs/mini/ at those scales; git-ignored).
 

@@ -16,7 +16,6 @@ and loaded when already there.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,16 +62,8 @@ def table(df: Any) -> str:
     return frame_to_markdown(cells.reset_index(), title) + "\n" + note
 
 
-def rounds_arg(text: str) -> int:
-    """--rounds: a whole number of rounds >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of rounds >= 1, e.g. --rounds 5")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from prodigy_core.cli import seeds_arg
-    from prodigy_core.results import check_writable
+    from prodigy_core.cli import check_out, rounds_arg, seeds_arg
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=rounds_arg, help="fewer rounds than the quickstart's (a smoke check)")
@@ -80,12 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", help="where the runs are stored (default: results/)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    if args.out.is_dir():  # checked before the training, not after
-        p.error(f"--out {args.out}: a folder; give the file to write, e.g. figures/alie_z_sensitivity.md")
-    try:
-        check_writable(args.out.parent)
-    except OSError as e:
-        p.error(f"--out {args.out}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
+    check_out(p, args.out, "figures/alie_z_sensitivity.md")  # before the training, not after
     from prodigy_core.experiments import run_grid
 
     # jobs="auto": one single-threaded process per core, as the quickstart's tables are made

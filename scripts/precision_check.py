@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -140,7 +139,7 @@ def paired_seeds(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     from prodigy_core import report
     from prodigy_core import results as store
-    from prodigy_core.cli import jobs_arg
+    from prodigy_core.cli import check_out, jobs_arg
     from prodigy_core.experiments import run_grid
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -151,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="the smoke grid: seconds")
     p.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # tests: fewer rounds
     args = p.parse_args(argv)
-    try:  # before hours of training, not after
-        store.check_writable(args.out)
-    except OSError as e:
-        p.error(f"--out {args.out}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
+    check_out(p, args.out, "figures", folder=True)  # before hours of training, not after
     frames, grids = [], experiments(args.seeds, args.smoke, args.rounds)
     for exp in grids:
         run_grid(exp, jobs=args.jobs, results_dir=args.results_dir, progress=True)

@@ -168,19 +168,30 @@ def on_accelerator(monkeypatch) -> Callable[..., contextlib.AbstractContextManag
     return on
 
 
-@pytest.fixture(scope="session")
-def gpu_run():
-    """benchmarks/gpu_run.py as a module (the GPU window driver; test_gpu_run.py, test_autotune.py)."""
+def load_script(path: str):
+    """A script of the repository (``scripts/x.py``, ``benchmarks/x.py``) as a module named after its file,
+    registered in sys.modules (dataclasses look their module up there)."""
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location(
-        "gpu_run", Path(__file__).parents[1] / "benchmarks" / "gpu_run.py"
-    )
+    file = Path(__file__).parents[1] / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_run"] = module  # its dataclasses look their module up
+    sys.modules[file.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def scripts():
+    """`load_script` for the tests: ``scripts("scripts/alie_z_sensitivity.py")``."""
+    return load_script
+
+
+@pytest.fixture(scope="session")
+def gpu_run():
+    """benchmarks/gpu_run.py as a module (the GPU window driver; test_gpu_run.py, test_autotune.py)."""
+    return load_script("benchmarks/gpu_run.py")
 
 
 @pytest.fixture(autouse=True)

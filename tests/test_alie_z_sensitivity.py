@@ -1,6 +1,5 @@
 """scripts/alie_z_sensitivity.py at smoke scale: 1 round, 2 seeds, the table's cells against the records."""
 
-import importlib.util
 import statistics
 from pathlib import Path
 
@@ -11,11 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("alie_z", ROOT / "scripts" / "alie_z_sensitivity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def script(scripts):
+    return scripts("scripts/alie_z_sensitivity.py")
 
 
 def test_the_runs_are_the_quickstart_split_under_the_authors_typed_z(script):

@@ -4,27 +4,19 @@ twin judges each measure against the twin's distance from it (the noise floor). 
 of the current key."""
 
 import copy
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 DIGITS = dict(dataset="digits", distribution="iid", defense="prodigy", attack="alie", n_clients=6,
               n_byzantine=2, local_steps=2, local_momentum=0.9, rounds=3, eval_every=1)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def ref():
-    spec = importlib.util.spec_from_file_location(
-        "cross_device", ROOT / "scripts" / "cross_device_reference.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def ref(scripts):
+    return scripts("scripts/cross_device_reference.py")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,16 @@ def test_explore_reports_the_last_round_consistently(alie_round):
     assert set(figures) == {"distances", "scores", "damage"}
 
 
+def test_written_views_go_where_the_scale_says(alie_round, tmp_path):
+    """As `report.output_dir`: the folder itself, its smoke/ and its mini/ subfolder; only the named views."""
+    for smoke, mini, folder in [(False, False, tmp_path), (True, False, tmp_path / "smoke"),
+                                (False, True, tmp_path / "mini")]:  # fmt: skip
+        paths = explorer.write_exploration(alie_round, "x", smoke=smoke, mini=mini, out_dir=tmp_path,
+                                           views=["scores"])  # fmt: skip
+        assert sorted(p.name for p in paths) == ["x_scores.pdf", "x_scores.png"]
+        assert {p.parent for p in paths} == {folder} and all(p.is_file() for p in paths)
+
+
 def test_explore_without_attack_has_no_search():
     from prodigy_core import training
 

@@ -4,7 +4,6 @@ an independent expectation (hand-made frames and tarballs, the file system after
 
 import argparse
 import gzip
-import importlib.util
 import io
 import json
 import tarfile
@@ -417,11 +416,9 @@ def test_42_31_a_single_row_value_selects_like_a_list_and_an_empty_list_is_named
 # ---------------------------------------------------------------- 32-34: the scripts' arguments
 
 
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def script(scripts):
+    return lambda name: scripts(f"scripts/{name}.py")
 
 
 @pytest.fixture
@@ -437,11 +434,13 @@ BAD_COUNTS = [
     ("precision_check", ["--jobs", "abc"], "--jobs"),
     ("alie_z_sensitivity", ["--rounds", "0"], "--rounds"),
     ("alie_z_sensitivity", ["--seeds", "0"], "--seeds"),
+    ("no_attack_f0", ["--rounds", "x"], "--rounds"),
+    ("no_attack_f0", ["--seeds", "0"], "--seeds"),
 ]
 
 
 @pytest.mark.parametrize("name, argv, flag", BAD_COUNTS)
-def test_42_32_a_bad_count_is_a_usage_line(name, argv, flag, capsys, no_training):
+def test_42_32_a_bad_count_is_a_usage_line(name, argv, flag, capsys, no_training, script):
     with pytest.raises(SystemExit) as e:
         script(name).main(argv)
     assert e.value.code == 2
@@ -449,7 +448,9 @@ def test_42_32_a_bad_count_is_a_usage_line(name, argv, flag, capsys, no_training
     assert "usage:" in err and f"argument {flag}: " in err and "Traceback" not in err
 
 
-def test_42_33_one_seed_is_refused_and_a_cell_without_a_standard_error_is_not_marked(capsys, no_training):
+def test_42_33_one_seed_is_refused_and_a_cell_without_a_standard_error_is_not_marked(
+    capsys, no_training, script
+):
     module = script("precision_check")
     with pytest.raises(SystemExit):
         module.main(["--seeds", "1"])
@@ -461,15 +462,15 @@ def test_42_33_one_seed_is_refused_and_a_cell_without_a_standard_error_is_not_ma
     assert "nan" not in text and "| prodigy | alie | 60.00 | 60.00 | +0.00 | n/a | n/a |" in text
 
 
-@pytest.mark.parametrize("name", ["precision_check", "alie_z_sensitivity"])
-def test_42_34_an_unwritable_out_is_refused_before_training(name, tmp_path, capsys, no_training):
+@pytest.mark.parametrize("name", ["precision_check", "alie_z_sensitivity", "no_attack_f0"])
+def test_42_34_an_unwritable_out_is_refused_before_training(name, tmp_path, capsys, no_training, script):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     out = blocker / ("figures" if name == "precision_check" else "table.md")  # under a file: unwritable
     with pytest.raises(SystemExit) as e:
         script(name).main(["--seeds", "2", "--out", str(out)])
     assert e.value.code == 2 and f"--out {out}: cannot write there" in capsys.readouterr().err
-    if name == "alie_z_sensitivity":  # a folder where the table file goes
+    if name != "precision_check":  # a folder where the table file goes
         with pytest.raises(SystemExit):
             script(name).main(["--out", str(tmp_path)])
         assert "a folder; give the file to write" in capsys.readouterr().err

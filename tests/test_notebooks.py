@@ -282,9 +282,36 @@ def test_reproduce_runs_each_grid_as_the_quickstart_does_unless_told(monkeypatch
         cells = [c.source for c in read(name).cells if c.cell_type == "code"]
         runs = [i for i, c in enumerate(cells) if "run_grid(exp" in c]
         for i in runs:
-            resolve = 'jobs = jobs or (1 if exp.smoke else "auto")'
+            resolve = 'workers = jobs or (1 if exp.smoke else "auto")'
             before = "\n".join(cells[: i + 1]).split("run_grid(exp")[0]
             assert resolve in before, f"{name}: jobs=None reaches run_grid"
+            assert "jobs=workers" in cells[i], f"{name}: run_grid is not given the resolved jobs"
+
+
+@pytest.mark.parametrize("name", ALL_NOTEBOOKS)
+def test_no_cell_overwrites_a_parameter(name):
+    """A later cell never assigns a name of the parameters cell: run again after `scale` changes, it must see
+    the parameter as given (None: the scale's choice), not the value a previous run turned it into."""
+    import ast
+
+    cells = [c for c in read(name).cells if c.cell_type == "code"]
+    first = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+
+    def assigned(source: str) -> set[str]:
+        code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        names = set()
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        return names
+
+    parameters = assigned(cells[first].source)
+    assert "scale" in parameters
+    for i, cell in enumerate(cells[first + 1 :], first + 1):
+        if "%%writefile" in cell.source:
+            continue  # a file's text, not code of this kernel
+        assert not assigned(cell.source) & parameters, f"{name}, code cell {i}"
 
 
 def test_reproduce_streams_progress_and_keeps_the_kernel_log_quiet(tmp_path, capfd):
@@ -373,3 +400,26 @@ def test_opened_in_lab_a_notebook_runs_at_the_interactive_scale_and_under_ci_at_
     assert first.cell_type == "markdown" and "**Scale and time.**" in first.source
     assert "*interactive* scale" in first.source and "PRODIGY_SCALE=smoke" in first.source
     assert re.search(r"\d+ (s|seconds|minutes?)\b|a minute", first.source), "the first cell says the time"
+
+
+@pytest.mark.parametrize("scale", ["interactive", "smoke", "paper"])
+def test_the_quickstarts_few_interactive_cells_never_overwrite_its_full_report(scale, monkeypatch):
+    """00_quickstart at the interactive scale trains 4 cells of the 42-run grid: its report goes to
+    <figures>/interactive/, not over `prodigy-fl quickstart`'s outputs/quickstart_digits.* (which a
+    paper-scale run of the notebook writes, as the CLI does)."""
+    from prodigy_core import experiments, paths, report
+
+    written = []
+    monkeypatch.setattr(experiments, "run_grid", lambda exp, **kw: exp)
+    monkeypatch.setattr(report, "write_report", lambda exp, df, out_dir=None: written.append((exp, out_dir)))
+    cells = [c.source for c in read("00_quickstart.ipynb").cells if c.cell_type == "code"]
+    namespace: dict = {}
+    exec(cells[0], namespace)  # the parameters cell
+    namespace["scale"] = scale
+    exec(cells[1], namespace)  # load, select, run, report
+    ((exp, out_dir),) = written
+    if scale == "interactive":
+        assert out_dir == paths.figures_dir() / "interactive" and len(exp.configs) == 4
+    else:  # smoke: the shrunk grid, whose report goes to smoke/; paper: the whole grid, the CLI's files
+        assert out_dir is None and exp.smoke == (scale == "smoke")
+        assert scale == "smoke" or len(exp.configs) == 42

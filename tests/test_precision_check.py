@@ -1,21 +1,13 @@
 """scripts/precision_check.py at smoke scale: its table against the records' numbers worked out by hand."""
 
 import csv
-import importlib.util
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_precision_check_table_at_smoke_scale(tmp_path):
-    spec = importlib.util.spec_from_file_location("precision_check", ROOT / "scripts" / "precision_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["precision_check"] = module
-    spec.loader.exec_module(module)
+def test_precision_check_table_at_smoke_scale(tmp_path, scripts):
+    module = scripts("scripts/precision_check.py")
     results, out = tmp_path / "results", tmp_path / "out"
     args = ["--smoke", "--seeds", "2", "--rounds", "1", "--jobs", "1", "--results-dir", str(results)]
     assert module.main([*args, "--out", str(out)]) == 0

@@ -558,17 +558,12 @@ def test_committed_quickstart_cells_are_within_2_std_of_3_seeds_on_another_machi
         assert abs(accuracy - mean) <= report.WITHIN_STD * std + 0.005, (cell, accuracy, committed)
 
 
-def test_mini_provenance_lists_every_mini_record_with_its_machine_and_time(tmp_path):
-    import importlib.util
-
+def test_mini_provenance_lists_every_mini_record_with_its_machine_and_time(tmp_path, scripts):
     import torch
 
     from prodigy_core.experiments import experiment_from_spec, run_grid
 
-    script = Path(report.__file__).resolve().parents[1] / "scripts" / "mini_provenance.py"
-    spec = importlib.util.spec_from_file_location("mini_provenance", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = scripts("scripts/mini_provenance.py")
     experiment = experiment_from_spec({
         "experiment": "tiny", "base": {"dataset": "digits", "n_clients": 5, "n_byzantine": 2, "rounds": 9,
                                        "local_steps": 1, "device": "cpu"},
@@ -640,6 +635,13 @@ def test_paper_comparison_never_prints_zero_of_zero():
     for text in (both, one):
         assert "0 of 0" not in text and "not enough cells" in text
     assert "no cells run" in both
+    # no no-attack column here: no note about the paper's no-attack cells; with one, in both layouts
+    assert report.NO_ATTACK_NOTE not in both + one
+    quiet = pd.concat([frame, frame.assign(attack="none")], ignore_index=True)
+    for text in (report.paper_comparison_markdown({"paper": quiet, "authors": quiet}, "T"),
+                 report.paper_comparison_markdown(quiet.assign(variant="paper"), "T")):  # fmt: skip
+        assert text.count(report.NO_ATTACK_NOTE) == 1
+        assert text.index(report.NO_ATTACK_NOTE) < text.index("\n| ")  # above the table
 
 
 def test_stand_in_is_in_the_title_and_accuracy_colours_are_0_to_100_or_flagged_local(tmp_path):
