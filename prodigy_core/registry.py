@@ -17,6 +17,7 @@ import contextvars
 import functools
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -317,12 +318,37 @@ def plugin_file(spec: str, kind: str = "plug-in") -> Path:
             )
         return path.resolve()
     try:
-        module_spec = importlib.util.find_spec(where)
+        module_spec = find_module(where)
     except (ImportError, ValueError) as e:
         raise ValueError(f"{kind} {spec!r}: cannot find module {where!r} ({e})") from None
     if module_spec is None or module_spec.origin is None or not Path(module_spec.origin).is_file():
         raise ValueError(f"{kind} {spec!r}: no module {where!r} on the Python path (is it installed?)")
     return Path(module_spec.origin).resolve()
+
+
+def find_module(name: str) -> importlib.machinery.ModuleSpec | None:
+    """Where the import system would find module ``name`` (``package.module``), found without running it or
+    any package above it: `importlib.util.find_spec` imports the parents (their ``__init__`` runs), which
+    reading a record must not. Asks the import system's finders (``sys.meta_path``) one level at a time,
+    with the parent's search path; an already imported module or parent is taken as it is."""
+    if not name or name.startswith(".") or not all(p.isidentifier() for p in name.split(".")):
+        raise ValueError(f"{name!r} is not an absolute module name")
+    spec, path = None, None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        full = ".".join(parts[: i + 1])
+        module = sys.modules.get(full)
+        if module is not None and getattr(module, "__spec__", None) is not None:
+            spec = module.__spec__
+        else:
+            finders = (f for f in sys.meta_path if hasattr(f, "find_spec"))
+            spec = next((s for f in finders if (s := f.find_spec(full, path)) is not None), None)
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+        if path is None and i < len(parts) - 1:  # a module, not a package: nothing below it
+            return None
+    return spec
 
 
 _IMPORTS = contextvars.ContextVar("prodigy_plugin_imports", default=True)

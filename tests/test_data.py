@@ -658,3 +658,41 @@ def test_load_federation_rejects_bad_names():
         load_federation("femnist", 10, "iid")
     with pytest.raises(ValueError, match="must be > 0"):
         load_federation("digits", 10, "dirichlet", dirichlet_alpha=-1)
+
+
+def test_the_papers_table2_test_set_is_793_samples_none_of_20_of_our_writers_make(femnist24_dir):
+    """docs/semantics.md, row "FEMNIST writers": every 3-seed mean of Table II is a count of correct test
+    samples out of 3 x 793 (and 793 is the only size up to 1,585 for which all 84 are), its collapse value
+    3.78 is 30 of 793 (the class-0 share a NaN network scores), while no 20 of the 24 published writers hold
+    793 test samples or 30 of class 0."""
+    import itertools
+
+    from prodigy_core.results import paper_results
+
+    paper = paper_results()
+    means = paper[paper["table"] == "femnist_n20"]["accuracy_mean"].tolist()
+
+    def counts(size: int) -> bool:  # each mean is round(100 k / (3 size), 2) for a whole k
+        return all(any(round(100 * k / (3 * size), 2) == m for k in range(round(m * 3 * size / 100) - 1,
+                                                                          round(m * 3 * size / 100) + 2))
+                   for m in means)  # fmt: skip
+
+    assert len(means) == 84 and [t for t in range(100, 1586) if counts(t)] == [793]
+    assert round(100 * 30 / 793, 2) == 3.78 and 3.78 in means
+    test = read_leaf_labels(femnist24_dir / "test")
+    sizes = {w: len(y) for w, y in test.items()}
+    zeros = {w: sum(label == 0 for label in y) for w, y in test.items()}
+    assert len(sizes) == 24
+    assert all(sum(sizes[w] for w in c) < 793 for c in itertools.combinations(sizes, 20))
+    assert sum(zeros.values()) < 30  # all 24 writers together hold fewer zeros than the paper's test set
+    first = sorted(sizes)[:20]  # ours: the loader's first 20
+    assert (sum(sizes[w] for w in first), sum(zeros[w] for w in first)) == (772, 19)
+
+
+def read_leaf_labels(folder: Path) -> dict[str, list[int]]:
+    """{writer: labels} of every JSON file in a LEAF split folder."""
+    labels: dict[str, list[int]] = {}
+    for path in sorted(folder.glob("*.json")):
+        for w, d in json.loads(path.read_text())["user_data"].items():
+            labels.setdefault(w, []).extend(d["y"])
+    return labels

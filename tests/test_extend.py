@@ -325,6 +325,44 @@ def test_a_report_and_a_dry_run_run_no_plugin_yet_name_and_find_its_runs(plugins
     assert "| NNM+Closest to median |" in table  # the class's display, as the imported class names it
 
 
+def test_a_module_plugin_is_found_without_running_its_packages(tmp_path, monkeypatch):
+    """`registry.find_module` locates ``package.sub.module`` as the import system would, but runs neither
+    package's ``__init__`` (importlib.util.find_spec imports them) nor the module: reading records that name
+    such a plug-in runs no code."""
+    import importlib.util
+    import sys
+
+    from prodigy_core.registry import plugin_file, plugin_source, records_are_data
+
+    package = tmp_path / "marked_pkg"
+    (package / "sub").mkdir(parents=True)
+    for folder in (package, package / "sub"):  # each package's import leaves a file named after it
+        (folder / "__init__.py").write_text(
+            f"from pathlib import Path\nPath({str(tmp_path)!r}, 'ran-{folder.name}').write_text('x')\n"
+        )
+    (package / "sub" / "rules.py").write_text(MARKED_RULE)  # its import writes ./imported
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    spec = "marked_pkg.sub.rules:ClosestToMedian"
+    try:
+        with records_are_data():
+            assert plugin_file(spec) == (package / "sub" / "rules.py").resolve()
+            assert plugin_source(spec).display == "Closest to median"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["marked_pkg"]  # nothing ran
+        for bad, words in [("marked_pkg.nope:X", "no module 'marked_pkg.nope'"),
+                           ("marked_pkg.sub.rules.deeper:X", "no module 'marked_pkg.sub.rules.deeper'"),
+                           (".relative:X", "cannot find module '.relative'")]:  # fmt: skip
+            with pytest.raises(ValueError, match=words):
+                plugin_file(bad)
+        # the import system's own answer (it imports both packages: the reference, so last)
+        reference = importlib.util.find_spec("marked_pkg.sub.rules").origin
+        assert Path(reference).resolve() == plugin_file(spec)
+        assert {p.name for p in tmp_path.iterdir()} == {"marked_pkg", "ran-marked_pkg", "ran-sub"}
+    finally:
+        for name in [n for n in sys.modules if n.startswith("marked_pkg")]:
+            del sys.modules[name]
+
+
 SOURCES = """
 import math
 from prodigy_core.aggregators import Rule, TrimmedMean
