@@ -635,8 +635,11 @@ def test_paper_comparison_never_prints_zero_of_zero():
     for text in (both, one):
         assert "0 of 0" not in text and "not enough cells" in text
     assert "no cells run" in both
-    # no no-attack column here: no note about the paper's no-attack cells; with one, in both layouts
+    # no no-attack column here: no note about the paper's no-attack cells; with one of ours run, in both
+    # layouts; with none of ours run there (e.g. runs at another f, which match no paper cell), none
     assert report.NO_ATTACK_NOTE not in both + one
+    unrun = pd.concat([frame, frame.assign(attack="none", ours=np.nan)], ignore_index=True)
+    assert report.NO_ATTACK_NOTE not in report.paper_comparison_markdown(unrun.assign(variant="paper"), "T")
     quiet = pd.concat([frame, frame.assign(attack="none")], ignore_index=True)
     for text in (report.paper_comparison_markdown({"paper": quiet, "authors": quiet}, "T"),
                  report.paper_comparison_markdown(quiet.assign(variant="paper"), "T")):  # fmt: skip
