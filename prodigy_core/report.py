@@ -250,6 +250,17 @@ def summarize(
     return out
 
 
+def cell_table(
+    df: pd.DataFrame, rows: str, columns: str, row_order: Sequence[Any] | None = None
+) -> pd.DataFrame:
+    """Final accuracy per (row, column) value as a report prints its cells (`summarize`, `cell_text`: mean ±
+    std over seeds), wide: the row field first, then one column per value (sorted); no runs: "–"."""
+    long = summarize(df, {"rows": rows, "columns": columns}, {rows: list(row_order or [])})
+    long["cell"] = [cell_text(m, s) for m, s in zip(long["mean"], long["std"], strict=True)]
+    wide = long.pivot(index=rows, columns=columns, values="cell").fillna("–")
+    return wide.reindex(index=list(dict.fromkeys(long[rows]))).reset_index()
+
+
 def accuracy_table(
     df: pd.DataFrame,
     layout: Mapping[str, Any],
@@ -289,7 +300,9 @@ def _block_groups(columns: pd.Index) -> dict[Any, list[Any]]:
     return groups
 
 
-def _cell(mean: float, std: float, digits: int = 2) -> str:
+def cell_text(mean: float, std: float, digits: int = 2) -> str:
+    """A table cell as the reports print it: "mean ± std", "mean" without a std (one seed), "–" without a
+    mean (`parse_cell` reads it back)."""
     if pd.isna(mean):
         return "–"
     return f"{mean:.{digits}f}" if pd.isna(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
@@ -344,7 +357,7 @@ def to_markdown(
         for r in mean.index:
             cells = []
             for c in cols:
-                text = _cell(mean.at[r, c], std.at[r, c]) + (DIVERGED_MARK if diverged.at[r, c] else "")
+                text = cell_text(mean.at[r, c], std.at[r, c]) + (DIVERGED_MARK if diverged.at[r, c] else "")
                 cells.append(f"**{text}**" if worst.at[r, c] else text)
             lines.append("| " + " | ".join([display_value(rows, r)] + cells) + " |")
         lines.append("")

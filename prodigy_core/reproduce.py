@@ -5,9 +5,9 @@ scale (``scale = "smoke"``); the quickstart, the explorer and your-own-defense t
 PRODIGY_SCALE, else the interactive scale: a few runs of the paper-scale grid, when opened in JupyterLab). At
 mini and paper scale the top-level keys of its params file (params/*.yaml) are injected as parameters too.
 The notebooks are the project's (`prodigy-fl init`, or a clone), else the package's; they run with the project
-folder as working directory. Executed copies go to its git-ignored
-build/ folder; the tables and figures are files that the notebooks write through ``prodigy_core.report`` into
-outputs/ (outputs/smoke/, outputs/mini/ at those scales; git-ignored).
+folder as working directory. Executed copies go to its git-ignored build/ folder; the tables and figures are
+files that the notebooks write through ``prodigy_core.report`` into outputs/ (outputs/smoke/, outputs/mini/ at
+those scales; git-ignored).
 
 Progress streams while a notebook runs: a ``[k/n] notebook NAME`` line, then what its cells print (the grid's
 text progress bar and one line per finished run, see ``experiments.PROGRESS_ENV``), then ``ok in ... s``.

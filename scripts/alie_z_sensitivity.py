@@ -47,19 +47,15 @@ def experiment(rounds: int | None = None, seeds: int = 3) -> Any:
 
 def table(df: Any) -> str:
     """Markdown: final accuracy mean ± population std over seeds, rows defense, columns z."""
-    from prodigy_core.report import frame_to_markdown
+    from prodigy_core.report import cell_table, frame_to_markdown
 
     df = df.assign(z=[f"z = {z:g}" for z in df["attack"].str.extract(r"z=([0-9.]+)")[0].astype(float)])
-    stats = df.groupby(["defense", "z"])["final_accuracy"].agg(["mean", lambda a: a.std(ddof=0), "count"])
-    stats.columns = ["mean", "std", "n"]
-    cells = stats.apply(lambda r: f"{r['mean']:.2f} ± {r['std']:.2f}" if r["n"] > 1 else f"{r['mean']:.2f}",
-                        axis=1).unstack("z")  # fmt: skip
-    cells = cells.reindex(index=[d for d in DEFENSES if d in cells.index])
+    cells = cell_table(df, "defense", "z", DEFENSES)
     seeds = sorted(set(df["seed"]))
     note = (f"Final accuracy (%), mean ± std over seeds {', '.join(map(str, seeds))}; variant authors, "
             f"batch {BATCH_SIZE}, {int(df['rounds'].iloc[0])} rounds.")  # fmt: skip
     title = "ALIE's typed z on the digits quickstart split"
-    return frame_to_markdown(cells.reset_index(), title) + "\n" + note
+    return frame_to_markdown(cells, title) + "\n" + note
 
 
 def main(argv: list[str] | None = None) -> int:

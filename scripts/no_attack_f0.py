@@ -36,6 +36,11 @@ AUTHORS_RULES = {"none": ("NoDefense", "NoDefense"), "nnm+trimmed_mean": ("NNM",
                  "nnm+krum": ("NNM", "Krum"), "nnm+cclip": ("NNM", "CClip")}  # fmt: skip
 
 
+def blank(frame: Any) -> Any:
+    """The frame with a missing value (a std or alpha the paper does not give) as "": NaN never equals."""
+    return frame.astype(object).where(frame.notna(), "")
+
+
 def paper_pairs(paper: Any) -> tuple[Any, str]:
     """Every paper cell where both rules of PAIR are reported, one row each (the table, the setting, the
     attack, and `same`: both rules print the same mean and std), and a one-line count, no attack against
@@ -45,9 +50,8 @@ def paper_pairs(paper: Any) -> tuple[Any, str]:
     from prodigy_core.results import PAPER_SETTING
 
     key = ["table", *PAPER_SETTING, "attack"]
-    blank = paper.astype(object).where(paper.notna(), "")  # a missing std or alpha: "" (NaN never equals)
     cells = []
-    for values, group in blank[blank["defense"].isin(PAIR)].groupby(key, sort=False):
+    for values, group in blank(paper[paper["defense"].isin(PAIR)]).groupby(key, sort=False):
         printed = {r["defense"]: (r["accuracy_mean"], r["accuracy_std"]) for _, r in group.iterrows()}
         if len(printed) == 2:
             cells.append({**dict(zip(key, values, strict=True)), "mean": printed[PAIR[0]][0],
@@ -132,15 +136,10 @@ def experiment(rounds: int | None = None, seeds: int = 3) -> Any:
 
 def digits_table(df: Any) -> str:
     """Markdown: final accuracy mean ± population std over seeds, rows defense, columns f."""
-    from prodigy_core.report import frame_to_markdown
+    from prodigy_core.report import cell_table, frame_to_markdown
 
     df = df.assign(f=[f"f = {f}" for f in df["n_byzantine"]])
-    stats = df.groupby(["defense", "f"])["final_accuracy"].agg(["mean", lambda a: a.std(ddof=0), "count"])
-    stats.columns = ["mean", "std", "n"]
-    cells = stats.apply(lambda r: f"{r['mean']:.2f} ± {r['std']:.2f}" if r["n"] > 1 else f"{r['mean']:.2f}",
-                        axis=1).unstack("f").fillna("–")  # fmt: skip
-    cells = cells.reindex(index=[d for d in DEFENSES if d in cells.index])
-    return frame_to_markdown(cells.reset_index())
+    return frame_to_markdown(cell_table(df, "defense", "f", DEFENSES))
 
 
 def no_attack_rows(paper: Any, cells: Any) -> str:
@@ -155,7 +154,7 @@ def no_attack_rows(paper: Any, cells: Any) -> str:
     same = {tuple(r[c] for c in block): r["same"] for _, r in cells[cells["attack"] == "none"].iterrows()}
     rows: dict[tuple, dict[str, str]] = {}
     quiet = paper[(paper["attack"] == "none") & paper["defense"].isin(DEFENSES)]
-    for _, r in quiet.astype(object).where(quiet.notna(), "").iterrows():
+    for _, r in blank(quiet).iterrows():
         key = tuple(r[c] for c in block)
         std = "" if r["accuracy_std"] == "" else f" ± {r['accuracy_std']:.2f}"
         row = rows.setdefault(key, {"setting": f"{r['table']}: {r['distribution']}, {r['algorithm']}, "
