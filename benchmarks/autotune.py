@@ -32,10 +32,11 @@ from torch import Tensor
 from torch.nn.utils import parameters_to_vector
 from torch.utils.flop_counter import FlopCounterMode
 
-from prodigy_core import step_variants, training
-from prodigy_core.config import ENGINES, PRECISIONS, RunConfig
+from prodigy_core import evaluation, local_training, step_variants, training
+from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.models import make_model
+from prodigy_core.names import ENGINES, PRECISIONS
 from prodigy_core.results import finite_number, short_repr
 from prodigy_core.seeding import precision_mode, resolve_device
 from prodigy_core.streams import ClientStreams
@@ -45,11 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def engine_candidates(device_type: str) -> tuple[str, ...]:
     """Issue 44: the engines that can be timed on `device_type`: batched, its variants that run there
-    (`step_variants.VARIANTS`; cuda_graphs only on CUDA), compiled last (it pays its compilation, so it
+    (`step_variants.ENGINE_VARIANTS`; cuda_graphs only on CUDA), compiled last (it pays its compilation, so it
     goes last and only while the budget lasts). Each is the batched computation to float rounding; the gate
     judges the fastest ones like any precision."""
     cuda_only = () if device_type == "cuda" else step_variants.CUDA_ONLY
-    variants = [v for v in step_variants.VARIANTS if v not in cuda_only]
+    variants = [v for v in step_variants.ENGINE_VARIANTS if v not in cuda_only]
     variants.sort(key=lambda v: VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER))
     return ("batched", *variants, "compiled")
 
@@ -141,12 +142,12 @@ def time_step(
     resolved = config.resolved()
     torch.manual_seed(0)
     models = [make_model(resolved.dataset).to(device).train() for _ in range(size)]
-    grad_fn = training.per_client_grad(models[0], engine=engine)
+    grad_fn = local_training.per_client_grad(models[0], engine=engine)
     streams = [ClientStreams(i, resolved.n_clients) for i in range(size)]
 
     def step() -> None:
         with precision_mode(precision, device):
-            training.local_steps_stacked(
+            local_training.local_steps_stacked(
                 models, [fed] * size, 1, [resolved.lr] * size, resolved, streams, grad_fn
             )
 
@@ -206,13 +207,13 @@ def trajectory(
     others = [training.start_run(config.replace(precision=precision, seed=st.resolved.seed + i), device,
                                  "batched", fed=fed) for i in range(1, size)]  # fmt: skip
     theta0 = parameters_to_vector(st.model.parameters()).detach().clone()
-    grad_fn = training.per_client_grad(st.model, engine=engine)
+    grad_fn = local_training.per_client_grad(st.model, engine=engine)
     members = [st, *others]
     server: list[float] = []
     for r in range(1, rounds + 1):
         gamma = st.resolved.lr_at(r - 1)
         with precision_mode(precision, device):
-            (grads, buffers), *_ = training.local_steps_stacked(
+            (grads, buffers), *_ = local_training.local_steps_stacked(
                 [m.model for m in members], [st.fed] * size, st.resolved.local_steps, [gamma] * size,
                 st.resolved, [m.streams for m in members], grad_fn, streams=[m.stream for m in members],
             )  # fmt: skip
@@ -229,9 +230,9 @@ def trajectory(
         model.train()
     test = copy.copy(fed)
     test.test_images, test.test_labels = fed.test_images[:TEST_IMAGES], fed.test_labels[:TEST_IMAGES]
-    train_mode, batch_size = training.eval_settings(st.resolved)
+    train_mode, batch_size = evaluation.eval_settings(st.resolved)
     with precision_mode(precision, device):
-        accuracy = training.evaluate(model, test, batch_size, train_mode)[0]
+        accuracy = evaluation.evaluate(model, test, batch_size, train_mode)[0]
     return {"theta0": theta0, "theta": parameters_to_vector(model.parameters()).detach(), "losses": losses,
             "attack_params": st.result.attack_params, "zeroed": st.result.zeroed_clients,
             "accuracy": accuracy, "server_s": steady_state(server),
@@ -250,9 +251,9 @@ def server_costs(
     if not kinds or seconds_left() <= 0:
         return {}
     base = training.start_run(config, device, "batched", fed=fed)
-    ((grads, buffers),) = training.local_steps_stacked(
+    ((grads, buffers),) = local_training.local_steps_stacked(
         [base.model], [fed], base.resolved.local_steps, [base.resolved.lr], base.resolved, [base.streams],
-        training.per_client_grad(base.model, engine="batched"), streams=[base.stream],
+        local_training.per_client_grad(base.model, engine="batched"), streams=[base.stream],
     )  # fmt: skip
     costs: dict[str, float] = {}
     for defense, attack in kinds:

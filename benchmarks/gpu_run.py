@@ -240,7 +240,7 @@ class Driver:
             self.log(f"autotune {dataset}: {source} not reused: {why}; tuning here (at most "
                      f"{autotune.BUDGET_S:.0f} s)")  # fmt: skip
         try:
-            fed = training._load_federation(config.resolved(), device)
+            fed = training.run_federation(config.resolved(), device)
             report = autotune.autotune({dataset: config}, {dataset: fed}, tolerances=self.args.tolerances,
                                        log=self.log, server_kinds={dataset: self.kinds(dataset)})  # fmt: skip
         except Exception as e:  # noqa: BLE001 - without it the runs go on at fp32, one group size
@@ -432,7 +432,7 @@ class Driver:
             if not kinds and not any(row.get("error") == autotune.NOT_TIMED for row in tune["timings"]):
                 continue
             config = config.replace(engine="batched")
-            fed = training._load_federation(config.resolved(), resolve_device(config.resolved().device))
+            fed = training.run_federation(config.resolved(), resolve_device(config.resolved().device))
             rows = autotune.time_left_out(tune, config, fed, peak, left)
             if rows:
                 rates = ", ".join(f"{r['precision']}/{r['engine']} x{r['size']} "

@@ -71,7 +71,7 @@ def gpu_table1_fedavg(rounds: int, runs: int | None) -> None:
     table = load_experiment("table1_cifar10", fields={"device": "cuda", "engine": "batched"})
     block = [c for c in table.configs if (c.local_steps, c.distribution, c.local_momentum) == (10, "iid", 0)]
     fed = synthetic_federation("cifar10", 10, 640, device)
-    training._load_federation = lambda cfg, dev: fed  # synthetic data of the right shape for every run
+    training.run_federation = lambda cfg, dev: fed  # synthetic data of the right shape for every run
     k = runs or min(len(block), groups.batch_size_for(block[0]))
     configs = [c.replace(rounds=rounds + 1, eval_every=rounds + 1) for c in block[:k]]
     images_per_round = configs[0].n_clients * configs[0].local_steps * configs[0].batch_size

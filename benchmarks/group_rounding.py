@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RunConfig(dataset="digits", defense="prodigy", attack="alie", device=args.device,
                        rounds=args.rounds, eval_every=args.rounds)  # fmt: skip
     device = resolve_device(args.device)
-    fed = training._load_federation(config.resolved(), device)
+    fed = training.run_federation(config.resolved(), device)
     runs: dict[tuple, dict] = {}
     for pair in PAIRS.values():
         for precision, engine, size, other in pair:

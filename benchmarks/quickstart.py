@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from prodigy_core import cli
+from prodigy_core import cli, local_training
 from prodigy_core.models import DigitsCNN, _conv_bn_relu
 
 FLOOR_BATCHES = (64, 256, 1024, 4096)  # the floor's rate: the best of these batch sizes' training steps
@@ -115,7 +115,7 @@ def first_round_widths(config) -> list[int]:  # noqa: ANN001
     st = training.start_run(config, torch.device("cpu"), "sequential")
     widths = []
     for _ in range(resolved.local_steps):
-        _, _, mask = training._draw_batch(st.fed, resolved.batch_size, st.streams, st.stream)
+        _, _, mask = local_training._draw_batch(st.fed, resolved.batch_size, st.streams, st.stream)
         widths += mask[st.idle :].sum(dim=1).tolist()
     return widths
 
@@ -128,8 +128,8 @@ def ops_per_step(config) -> float:  # noqa: ANN001
     resolved = config.resolved()
     st = training.start_run(config, torch.device("cpu"), "sequential")
     with OpCounter() as counter:
-        training._local_steps_sequential(st.model, st.fed, resolved.local_steps, 0.05, resolved, st.streams,
-                                         stream=st.stream)  # fmt: skip
+        local_training.local_steps_sequential(st.model, st.fed, resolved.local_steps, 0.05, resolved,
+                                              st.streams, stream=st.stream)  # fmt: skip
     return sum(counter.ops.values()) / (resolved.n_clients * resolved.local_steps)
 
 

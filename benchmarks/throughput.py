@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for dataset in args.datasets:
         config = RunConfig(**SETTINGS[dataset], device=str(device), batch_size=64)
         try:
-            fed = training._load_federation(config.resolved(), device)
+            fed = training.run_federation(config.resolved(), device)
         except Exception as e:  # noqa: BLE001 - data absent: this dataset is skipped, the others run
             print(f"{dataset}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
             continue

@@ -32,13 +32,13 @@ import torch.nn.functional as F
 import torchvision.transforms as T
 from PIL import Image
 
-from prodigy_core import training
+from prodigy_core import local_training, training
 from prodigy_core.config import RunConfig
 from prodigy_core.data import CIFAR10_MEAN, CIFAR10_STD, FEMNIST_MEAN, FEMNIST_STD, Federation
 from prodigy_core.models import make_model
 from prodigy_core.seeding import resolve_device
 
-LOAD_FEDERATION = training._load_federation
+LOAD_FEDERATION = training.run_federation
 WORKLOADS = [  # dataset, N, E, samples per client
     ("digits", 10, 10, None),
     ("femnist", 20, 10, 200),
@@ -159,13 +159,13 @@ def main() -> None:
             fed = LOAD_FEDERATION(cfg.resolved(), device)
         else:
             fed = synthetic_federation(dataset, n, per_client, device)
-        training._load_federation = lambda cfg, device, fed=fed: fed  # run() on this federation
+        training.run_federation = lambda cfg, device, fed=fed: fed  # run() on this federation
         try:
             engines = ["batched", "sequential", "channels_last"] + (["compiled"] if compiled else [])
             times = {engine: time_engine(cfg.replace(engine=engine), rounds) for engine in engines}
             times["authors"] = authors_style_rounds(fed, dataset, steps, cfg.batch_size, rounds, device)
         finally:
-            training._load_federation = LOAD_FEDERATION
+            training.run_federation = LOAD_FEDERATION
         images = sum(min(cfg.batch_size, len(ix)) for ix in fed.client_indices) * steps
         authors = statistics.median(times["authors"])
         label = f"{dataset} N={n}" + (" (synthetic)" if per_client else "")
@@ -174,7 +174,7 @@ def main() -> None:
             print(f"{label:<26} {engine:<13} {steps:>3} {t:>9.3f} {images / t:>10.0f} {authors / t:>10.1f}x")
         ratio = statistics.median(times["sequential"]) / statistics.median(times["batched"])
         fastest = min((e for e in times if e != "authors"), key=lambda e: statistics.median(times[e]))
-        auto = training.pick_engine("auto", device, dataset)
+        auto = local_training.pick_engine("auto", device, dataset)
         print(f"{'':<26} batched vs sequential: {ratio:.2f}x; fastest: {fastest}; engine='auto' picks {auto}")
 
 

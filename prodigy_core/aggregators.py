@@ -31,9 +31,9 @@ RULES = Registry("defense")
 # (squared) than its median distance to the others: float32 cancellation costs about RATIO * eps relative
 # on the distances (up to 3e-5 with one chunk of 1.69M columns at RATIO 10, 1e-6 in 4 MB chunks).
 _RECENTRE_RATIO = 10.0
-# Rows x columns of one chunk of the Gram matrix: 4 MB in float32 stays in a CPU's cache; a GPU
-# wants few, large products, as kernel launches dominate small ones (ProDiGy at N=100, d=1.69M on an H200:
-# 2.9x one Gram product with 256 MB chunks, 3.8x with 32 MB; float64 accumulation across chunks either way).
+# Rows x columns of one chunk of the Gram matrix: 4 MB in float32 stays in a CPU's cache; a GPU wants few,
+# large products, as kernel launches dominate small ones (float64 accumulation across chunks either way;
+# timings: benchmarks/README.md, aggregators.py).
 _CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 26}
 _FLOOR = 1e-12  # relative floor for ProDiGy's divisions (see ProDiGy)
 # float64 products when the median squared norm is below _TINY * d: products under float32's smallest normal
@@ -376,7 +376,7 @@ class Rule:
     def _run(self, G: Tensor) -> tuple[Tensor, Any]:
         _check_input(G, repr(self))
         self.check_n(G.shape[0])
-        out, record = _combined(self, G, []) if self.by_weights else (None, None)
+        out, record = _aggregate_from_gram(self, G, []) if self.by_weights else (None, None)
         return (self.aggregate(G) if out is None else out).to(G.dtype), record
 
     def aggregate(self, G: Tensor) -> Tensor:
@@ -429,7 +429,8 @@ class Rule:
 
 @RULES.register
 class Average(Rule):
-    """Plain mean (1/N) sum_i g_i: FedAvg, the paper's ``none`` defense.
+    """Plain mean (1/N) sum_i g_i: FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks
+    from Decentralized Data", AISTATS 2017), the paper's ``none`` defense.
 
     Not robust: one Byzantine vector moves it arbitrarily, and a NaN/Inf vector makes it non-finite (it
     warns then, and returns the non-finite mean so that the training loop sees the divergence)."""
@@ -488,8 +489,7 @@ class TrimmedMean(Rule):
     N-2f others (``variant="paper"``, the paper's text).
 
     From one sort per coordinate: the sum of the sorted values f+1 .. N-f over N-2f, so the dropped values
-    never enter a sum whatever their magnitude; 4 kernels on a GPU (the sum of every value clamped to the
-    kept range less f times its two ends, from two topk, took 20; the two differ in the last bits).
+    never enter a sum whatever their magnitude; 4 kernels on a GPU.
     NaN counts as +inf; a coordinate whose kept range reaches an infinity (more than f infinite values on one
     side) gives that infinity, or NaN when it reaches both (f = 0: the plain mean, where a NaN stays NaN).
     Per coordinate, so no test of the whole input (no wait for a GPU).
@@ -737,7 +737,9 @@ class ProDiGyScores(NamedTuple):
 
 @RULES.register
 class ProDiGy(Rule):
-    """ProDiGy: proximity x dissimilarity scoring (the paper's rule).
+    """ProDiGy: proximity x dissimilarity scoring (Ergisi, Maßny, Bitar, "ProDiGy: Proximity- and
+    Dissimilarity-Based Byzantine-Robust Federated Learning", arXiv:2509.09534, 2025: the paper's rule).
+    A plain reference implementation, loop by loop: tests/test_aggregators.py, `bf_prodigy`.
 
     s_p(k) = 1 / sum_{i=f}^{N-f-1} delta_{k,i}  (delta_{k,i}: i-th smallest squared distance to the others)
     s_d(k) = sigma(N_f(k)) / ||mu(N_f(k))||    (N_f(k): k and its f-1 nearest others;
@@ -746,14 +748,14 @@ class ProDiGy(Rule):
     output = sum_k s(k) g^k / sum_k s(k) over the kept clients.
 
     Guards: a zero distance sum is floored at 1e-12 x the median one and a zero mean norm at 1e-12 x the
-    median client norm (medians over the good clients, which no Byzantine vector of any size can move out
-    of the honest range), so that no division is by 0. Identical vectors still score 0: their neighbourhood
-    has sigma = 0, which is how the rule discards colluders sending one vector (ALIE), and a cluster of
-    identical honest vectors is discarded the same way (hence no NNM in front: `REFUSED_DEFENSES`). If every
-    kept score is 0 (e.g. all vectors equal), the output is the coordinate-wise median.
-    Needs 2 <= f < N/2 (f = 1 makes every s_d zero). A call (not a ``peek``) keeps the scores of its input
-    in ``last_scores``, on the CPU (logging them waits for no device); ``scores(G)`` returns them on G's
-    device."""
+    median client norm (medians over the good clients, which no Byzantine vector of any size can move out of
+    the honest range; the smallest positive value where the median is 0), so that no division is by 0.
+    Identical vectors still score 0: their neighbourhood has sigma = 0, which is how the rule discards
+    colluders sending one vector (ALIE), and a cluster of identical honest vectors is discarded the same way
+    (hence no NNM in front: `REFUSED_DEFENSES`). If every kept score is 0 (e.g. all vectors equal), the output
+    is the coordinate-wise median. Needs 2 <= f < N/2 (f = 1 makes every s_d zero). A call (not a ``peek``)
+    keeps the scores of its input in ``last_scores``, on the CPU (logging them waits for no device);
+    ``scores(G)`` returns them on G's device."""
 
     name = "prodigy"
     display = "ProDiGy"
@@ -782,16 +784,17 @@ class ProDiGy(Rule):
         delta, index = _sort_without_self(D)
         spread = delta[..., f - 1 : N - f - 1].sum(dim=-1)  # delta_{k,f} .. delta_{k,N-f-1}, 1-indexed
         bad = bad if bad.any() else None  # None: no test of the mask again
-        proximity = 1.0 / spread.clamp(min=_floor(spread, bad))
+        to_origin = K[..., :N, N]  # <g_k - centre, 0 - centre>
+        origin = K[..., N, N].unsqueeze(-1)
+        norms = (_diagonal(K[..., :N, :N]) - 2 * to_origin + origin).clamp(min=0).sqrt()
+        spread_floor, norm_floor = _floor(torch.stack([spread, norms]), bad)  # both guards in one pass
+        proximity = 1.0 / spread.clamp(min=spread_floor)
         A = _neighbourhood(index, f, torch.float64)
         D_good = D.masked_fill(torch.isinf(D), 0.0)  # neighbourhoods of good clients hold good clients only
         sigma = (0.5 * (_mm(A, D_good) * A).sum(dim=-1)).clamp(min=0).sqrt()
         AK = _mm(A, K[..., :N, :])
-        to_origin = K[..., :N, N]  # <g_k - centre, 0 - centre>
-        origin = K[..., N, N].unsqueeze(-1)
         mean_norm = ((AK[..., :N] * A).sum(dim=-1) - 2 * AK[..., N] + origin).clamp(min=0).sqrt()
-        norms = (_diagonal(K[..., :N, :N]) - 2 * to_origin + origin).clamp(min=0).sqrt()
-        dissimilarity = sigma / mean_norm.clamp(min=_floor(norms, bad))
+        dissimilarity = sigma / mean_norm.clamp(min=norm_floor)
         if bad is not None:
             proximity, dissimilarity = proximity.masked_fill(bad, 0.0), dissimilarity.masked_fill(bad, 0.0)
         composite = proximity * dissimilarity
@@ -819,16 +822,19 @@ class ProDiGy(Rule):
 
 
 def _floor(values: Tensor, bad: Tensor | None) -> Tensor:
-    """ProDiGy's guard for a division by `values`: `_FLOOR` x their median over the good clients (1 when it
-    is 0). A median, not the largest value: with f < N/2 it lies within the honest clients' range, so a
-    Byzantine client cannot raise the floor with a huge vector and push every honest score down to its own.
-    A tensor, so the guard runs on any device without a sync; (..., 1) for a batch of values (..., N).
-    ``bad=None``: no bad client."""
+    """ProDiGy's guard for a division by `values` (..., N), non-negative: `_FLOOR` x their median over the
+    good clients, (..., 1); where that median is 0 (half the good clients or more sent 0, or vectors equal),
+    `_FLOOR` x their smallest positive value, so that the guard scales with the input as the rule does; inf
+    where every value is 0 (every such division then gives 0). A median, not the largest value: with
+    f < N/2 it lies within the honest clients' range, so a Byzantine client cannot raise the floor with a
+    huge vector and push every honest score down to its own; nor can it raise the smallest positive value.
+    A tensor, so the guard runs on any device without a sync. ``bad=None``: no bad client."""
     good = values if bad is None else values[..., ~bad]
     if not good.shape[-1]:
         return values.new_ones(*values.shape[:-1], 1)
     median = good.median(dim=-1, keepdim=True).values
-    return torch.where(median > 0, _FLOOR * median, 1.0)
+    smallest = good.masked_fill(good <= 0, math.inf).amin(dim=-1, keepdim=True)
+    return _FLOOR * torch.where(median > 0, median, smallest)
 
 
 # --------------------------------------------------------------------------------------- pre-aggregators
@@ -917,7 +923,7 @@ class Bucketing(Rule):
 # -------------------------------------------------------------------------------------------- pipelines
 
 
-def _mixed(gram: Tensor, D: Tensor, mixers: list[NNM]) -> tuple[Tensor, Tensor, Tensor]:
+def _mix_geometry(gram: Tensor, D: Tensor, mixers: list[NNM]) -> tuple[Tensor, Tensor, Tensor]:
     """Through the mixers (NNMs): from the Gram matrix of [G; p] (any last point p) and G's squared
     distances D to those of [A G; p] and A G, and the total mixing matrix A (N, N); batches (..., N+1, N+1)
     of Gram matrices too. Every vector finite."""
@@ -933,19 +939,21 @@ def _mixed(gram: Tensor, D: Tensor, mixers: list[NNM]) -> tuple[Tensor, Tensor, 
     return gram, D, mix
 
 
-def _combine_through(rule: Rule, mixers: list[NNM], K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
+def _combination_through_mixers(
+    rule: Rule, mixers: list[NNM], K: Tensor, D: Tensor, bad: Tensor
+) -> Combination | None:
     """rule(mixers(G)) as a Combination of [G; reference], from K the Gram matrix of [G; reference]: the
     mixers map it to the Gram matrix of [A G; reference] and the rule's weights w' back to A^T w'."""
     if not mixers:
         return rule.combine(K, D, bad)
-    K, D, mix = _mixed(K, D, mixers)
+    K, D, mix = _mix_geometry(K, D, mixers)
     c = rule.combine(K, D, bad)
     if c is None or c.weights is None:
         return c
     return c._replace(weights=torch.cat([_times(mix.mT, c.weights[..., :-1]), c.weights[..., -1:]], dim=-1))
 
 
-def _combined(
+def _aggregate_from_gram(
     rule: Rule, G: Tensor, mixers: list[NNM], gram: Tensor | None = None, known: Combination | None = None
 ) -> tuple[Tensor | None, Any]:
     """(rule(mixers(G)), what its call records) from one Gram matrix of [G; rule.reference(G)] and one
@@ -958,12 +966,12 @@ def _combined(
         c, bad = known, None
     elif gram is not None:
         bad = _no_bad(G.shape[0], gram)
-        c, bad = _combine_through(rule, mixers, gram, _distances(gram, bad), bad), None
+        c, bad = _combination_through_mixers(rule, mixers, gram, _distances(gram, bad), bad), None
     else:
         K, D, bad = geometry(G, extra=None if ref is None else ref[None], origin=ref is None)
         if mixers and bad.any():
             return None, None
-        c = _combine_through(rule, mixers, K, D, bad)
+        c = _combination_through_mixers(rule, mixers, K, D, bad)
     if c is None or c.weights is None:
         return None, None if c is None else c.record
     if bad is not None and not mixers and bad.any() and bool(c.weights[:-1][bad.to(c.weights.device)].any()):
@@ -978,7 +986,11 @@ class Pipeline:
     """Pre-aggregators then a rule: ``pipeline(G)`` commits state (CClip), ``peek(G)`` changes none.
 
     NNM followed by a rule that is a weighted combination (Krum, Multi-Krum, GeoMed, average, ProDiGy,
-    CClip) runs from one Gram matrix and one weighted sum (`_combined`)."""
+    CClip) runs from one Gram matrix and one weighted sum (`_aggregate_from_gram`). The call path:
+    `__call__` / `peek` -> `_aggregate_by_weights` (a weighted pipeline; the attack search's scored candidate
+    reused through `_scored_combination`) -> `_aggregate_from_gram` -> `_combination_through_mixers` (the NNMs
+    as mixing matrices on the Gram matrix, `_mix_geometry`) -> the rule's `combine`; any other pipeline runs
+    its pre-aggregators on the vectors, then the rule."""
 
     def __init__(self, name: str, rule: Rule, pre: list[Rule] | None = None):
         self.name, self.rule, self.pre = name, rule, list(pre or [])
@@ -1002,13 +1014,14 @@ class Pipeline:
         vector finite): a pipeline that gives weights, or a leading NNM, then makes no pass over G for it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        out, record = self._one_gram(G, gram, self._recall(gram))
+        out, record = self._aggregate_by_weights(G, gram, self._scored_combination(gram))
         self._scored = None
         if out is not None:
             self.rule.commit(out, record)
             return out
         for i, p in enumerate(self.pre):
-            G = p.peek(G, distances=self._distances(gram)) if i == 0 and self._mixes(gram) else p(G)
+            first = i == 0 and self._nnm_takes_gram(gram)
+            G = p.peek(G, distances=self._distances(gram)) if first else p(G)
         return self.rule(G)
 
     def peek(self, G: Tensor, gram: Tensor | None = None) -> Tensor:
@@ -1017,29 +1030,30 @@ class Pipeline:
         it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
-        out = self._one_gram(G)[0] if gram is None else None
+        out = self._aggregate_by_weights(G)[0] if gram is None else None
         if out is not None:
             return out
         for i, p in enumerate(self.pre):
-            G = p.peek(G, distances=self._distances(gram)) if i == 0 and self._mixes(gram) else p.peek(G)
+            first = i == 0 and self._nnm_takes_gram(gram)
+            G = p.peek(G, distances=self._distances(gram)) if first else p.peek(G)
         return self.rule.peek(G)
 
-    def _mixes(self, gram: Tensor | None) -> bool:
+    def _nnm_takes_gram(self, gram: Tensor | None) -> bool:
         """Whether the first pre-aggregator takes its distances from ``gram`` (a leading NNM)."""
         return gram is not None and isinstance(self.pre[0], NNM)
 
-    def _one_gram(
+    def _aggregate_by_weights(
         self, G: Tensor, gram: Tensor | None = None, known: Combination | None = None
     ) -> tuple[Tensor | None, Any]:
-        """NNM then a combining rule, from one Gram matrix (`_combined`), ``gram`` when given (then a rule
-        that runs by its weights alone too; ``known``: its Combination); (None, None) for other pipelines
-        (a rule alone runs its own route)."""
+        """NNM then a combining rule, from one Gram matrix (`_aggregate_from_gram`), ``gram`` when given
+        (then a rule that runs by its weights alone too; ``known``: its Combination); (None, None) for other
+        pipelines (a rule alone runs its own route)."""
         alone = gram is not None and not self.pre and self.rule.by_weights
-        if not ((self.pre and self._combines) or alone):
+        if not ((self.pre and self._gives_weights) or alone):
             return None, None
-        return _combined(self.rule, G, self.pre, gram, known)
+        return _aggregate_from_gram(self.rule, G, self.pre, gram, known)
 
-    def _recall(self, gram: Tensor | None) -> Combination | None:
+    def _scored_combination(self, gram: Tensor | None) -> Combination | None:
         """The Combination of ``gram`` when `weights` scored it, to the bit, in its last batch (the attack
         search's chosen candidate): the same weights and record without scoring it again. None otherwise,
         or when that candidate gave no weights."""
@@ -1083,16 +1097,16 @@ class Pipeline:
         pre-aggregator and a rule whose output is a weighted combination of its inputs."""
         if self.pre:
             return isinstance(self.pre[0], NNM)
-        return self._rule_combines
+        return self._rule_gives_weights
 
     @property
-    def _combines(self) -> bool:
+    def _gives_weights(self) -> bool:
         """Whether the pipeline's output is a weighted combination of its inputs: every pre-aggregator an NNM
         (a mixing matrix A, so the inputs reach the rule as A G) and a rule that combines."""
-        return self._rule_combines and all(isinstance(p, NNM) for p in self.pre)
+        return self._rule_gives_weights and all(isinstance(p, NNM) for p in self.pre)
 
     @property
-    def _rule_combines(self) -> bool:
+    def _rule_gives_weights(self) -> bool:
         """Whether the rule implements `Rule.combine` (its output is a weighted combination)."""
         return type(self.rule).combine is not Rule.combine
 
@@ -1115,13 +1129,13 @@ class Pipeline:
             )
         n = gram.shape[-1] - 1
         self.check_n(n)
-        if not self._combines:
+        if not self._gives_weights:
             return None
         if gram.dim() == 3 and not self.rule.batched:  # a plug-in's combine takes one matrix
             each = [self.weights(g) for g in gram]
             return torch.stack([gram.new_full((n + 1,), math.nan) if w is None else w for w in each])
         bad = _no_bad(n, gram)
-        c = _combine_through(self.rule, self.pre, gram, _distances(gram, bad), bad)
+        c = _combination_through_mixers(self.rule, self.pre, gram, _distances(gram, bad), bad)
         if gram.dim() == 3 and (c is None or c.weights is None):
             return gram.new_full(gram.shape[:-1], math.nan)
         if gram.dim() == 3 and (c.record is None or isinstance(c.record, tuple)):

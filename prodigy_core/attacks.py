@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, column_step, geometry, pairwise_sq_distances
-from prodigy_core.names import check_variant, did_you_mean
+from prodigy_core.names import NO_ATTACK, check_variant, did_you_mean
 from prodigy_core.registry import Registry, Settings, check_settings, contract, is_plugin, settings_of
 
 # Every attack a params file can name, filled below the classes (`Registry.register`).
 ATTACKS = Registry("attack")
 
-# ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (design notes, section 1).
+# ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (the paper).
 ALIE_Z_STEP = 0.25
 ALIE_Z_CAP = 2.0
 # FOE's grid: eps* in {0.1 eps, 0.2 eps, ..., eps}.
@@ -183,7 +183,7 @@ class Attack:
 class NoAttack(Attack):
     """No attack: the f clients behave honestly and send ``own``."""
 
-    name = "none"
+    name = NO_ATTACK
     display = "No attack"
 
     def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
@@ -221,7 +221,8 @@ class LabelFlip(Attack):
     """Label flip (data-level): the Byzantine clients train honestly on labels y' = C-1-y and send the result.
 
     ``flips_labels`` tells the training loop to call ``Federation.flip_labels`` on clients 0..f-1; ``craft``
-    returns ``own`` unchanged. Reference: ProDiGy's LF (9-y on CIFAR-10, 61-y on FEMNIST).
+    returns ``own`` unchanged. Reference: the LF attack of the ProDiGy paper (arXiv:2509.09534, 2025: 9-y on
+    CIFAR-10, 61-y on FEMNIST).
     """
 
     name = "lf"
@@ -328,7 +329,8 @@ class _MinMaxMinSum(Attack):
 
 
 class MinMax(_MinMaxMinSum):
-    """Min-Max: the largest gamma with max_i norm(m - g_i) <= max_{i,j} norm(g_i - g_j) (see `_MinMaxMinSum`).
+    """Min-Max (Shejwalkar and Houmansadr, NDSS 2021): the largest gamma with max_i norm(m - g_i) <=
+    max_{i,j} norm(g_i - g_j) (see `_MinMaxMinSum`).
 
     Per honest i, q_i(gamma) <= T holds up to gamma_i = (b_i + sqrt(b_i^2 + c (T - norm(a_i)^2))) / c with
     a_i = mu_H - g_i, b_i = <a_i, p>, c = norm(p)^2, T = max pairwise honest squared distance; gamma = min_i.
@@ -343,8 +345,9 @@ class MinMax(_MinMaxMinSum):
 
 
 class MinSum(_MinMaxMinSum):
-    """Min-Sum: the largest gamma with sum_i norm(m - g_i)^2 <= max_i sum_j norm(g_i - g_j)^2
-    (see `_MinMaxMinSum`): sum_i q_i(gamma) = A - 2 gamma B + h c gamma^2 <= T, solved for its larger root.
+    """Min-Sum (Shejwalkar and Houmansadr, NDSS 2021): the largest gamma with sum_i norm(m - g_i)^2 <=
+    max_i sum_j norm(g_i - g_j)^2 (see `_MinMaxMinSum`): sum_i q_i(gamma) = A - 2 gamma B + h c gamma^2 <= T,
+    solved for its larger root.
     """
 
     name = "minsum"
@@ -729,7 +732,7 @@ def idle_byzantine(name: str, f: int, variant: str = "paper", params: dict[str, 
     """How many of a run's f Byzantine clients (ids 0..f-1) take no local step under attack `name`: all f
     when its rows never read their honest updates (`Attack.needs_own` False: ALIE, FOE, ...), else 0
     (`training.RunState.idle`). Builds the attack: a plug-in's code runs."""
-    if f == 0 or name == "none":
+    if f == 0 or name == NO_ATTACK:
         return 0
     return 0 if make_attack(name, variant=variant, params=params).needs_own() else f
 

@@ -19,31 +19,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prodigy_core.names import DATASETS, DISTRIBUTIONS, PRECISIONS, TYPE_WORDS, VARIANTS, did_you_mean
-
-# compiled: batched under torch.compile; channels_last, bmm_conv, bmm_wgrad, cuda_graphs and the captured
-# channels_last_graphs, bmm_wgrad_graphs: variants of batched's kernels (`step_variants`)
-ENGINES = (
-    "auto",
-    "batched",
-    "sequential",
-    "compiled",
-    "channels_last",
-    "bmm_conv",
-    "bmm_wgrad",
-    "cuda_graphs",
-    "channels_last_graphs",
-    "bmm_wgrad_graphs",
+from prodigy_core.names import (
+    DATASETS,
+    DISTRIBUTIONS,
+    ENGINES,
+    NO_ATTACK,
+    PRECISIONS,
+    TYPE_WORDS,
+    VARIANTS,
+    did_you_mean,
 )
-# fp32: full float32 (on CUDA TF32 off, deterministic kernels); tf32: TF32 convolutions and matmuls (CUDA
-# only); bf16: bfloat16 autocast of the model's forward and backward (`seeding.precision_mode`).
+
+# The fields that make a run's federation, its clients' data (with `variant`, which draws an iid or Dirichlet
+# split with numpy under ``authors``): runs equal in them share one loaded federation.
+SPLIT_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
+                "femnist_min_writer_samples", "data_dir", "data_source")  # fmt: skip
 # RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.
 DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jpeg"),
                 "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
 # Part of every ``authors`` result key: bumped whenever the authors variant's numbers change, so that a record
 # made before is never read as current. 2: fidelity round 2 (test batches of 64 in an interleaved order,
 # stop at a NaN test loss, numpy's split, the authors' ALIE z grid). 3: the authors' batch stream (epoch
-# shuffles, drop_last, one iterator kept across rounds; `training.AuthorsBatchStream`). 4: FOE's choice
+# shuffles, drop_last, one iterator kept across rounds; `local_training.AuthorsBatchStream`). 4: FOE's choice
 # from max_dist = 0 at eps (malicious.py:120-127) and the authors' test loss recorded beside ours.
 AUTHORS_REVISION = 4
 # Part of every result key: the random streams' revision (docs/semantics.md, "Random streams"). 1: every
@@ -99,6 +96,11 @@ class SettingsUpdate(dict):
 
 @dataclass(frozen=True)
 class RunConfig:
+    """One run: every setting of the paper's experiments (dataset, split, N, f, E, beta, rounds, rule, attack,
+    seed) and of how it is computed (engine, device, precision), each field's default given here once.
+    `None` fields are filled by `resolved()` (the decay round, the weight decay, the data seed and source);
+    `key()` names the record of the computation: the fields that change its numbers (docs/semantics.md)."""
+
     dataset: str = "digits"
     distribution: str = "dirichlet"
     dirichlet_alpha: float = 0.1
@@ -388,7 +390,7 @@ class RunConfig:
                 make_attack(self.attack, variant=self.variant, params=self.attack_params)
         except ValueError as e:
             raise ConfigError(f"attack={self.attack!r}: {e}") from None
-        if self.attack != "none" and self.n_byzantine == 0:
+        if self.attack != NO_ATTACK and self.n_byzantine == 0:
             raise ConfigError(
                 f"attack={self.attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'"
             )
@@ -430,7 +432,7 @@ def idle_moves_numbers(fields: dict[str, Any]) -> bool:
         fields["variant"] != "paper"
         or fields["dataset"] not in BATCHNORM_DATASETS
         or not f
-        or attack == "none"
+        or attack == NO_ATTACK
     ):
         return False
     return is_plugin(attack) or idle_byzantine(attack, f, "paper", fields.get("attack_params")) > 0
@@ -541,6 +543,7 @@ def _number_hint(value: Any) -> str:
 
 __all__ = [
     "RunConfig",
+    "SPLIT_FIELDS",
     "NAMED_FIELDS",
     "SETTINGS_FIELDS",
     "as_row",

@@ -40,7 +40,7 @@ def jpeg_copy_hint() -> str:
     return str(CIFAR10_JPEG_ARCHIVE) if CIFAR10_JPEG_ARCHIVE.exists() else "PATH/cifar10-jpeg.tar.gz"
 
 
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # the paper's normalisation (design-notes section 1)
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # the paper's normalisation (docs/semantics.md)
 CIFAR10_STD = (0.2023, 0.1994, 0.2010)
 FEMNIST_MEAN, FEMNIST_STD = (0.5,), (0.5,)
 FEMNIST_CLASSES = 62
@@ -389,11 +389,10 @@ def iid_split_numpy(n: int, n_clients: int, seed: int) -> list[Tensor]:
 class Federation:
     """A federated dataset on one device.
 
-    It keeps the whole training set as one tensor on the device plus one index tensor per client, and
-    produces the batches of all N clients of one local step at once: an (N, B) index tensor drawn without
-    replacement within each client, then one gather + batched augmentation + normalisation. No DataLoader
-    and no per-sample PIL transform in the training loop (design-notes section 2; benchmarks/data.py
-    measures the gain).
+    It keeps the whole training set as one tensor on the device plus one index tensor per client, and produces
+    the batches of all N clients of one local step at once: an (N, B) index tensor drawn without replacement
+    within each client, then one gather + batched augmentation + normalisation. No DataLoader and no
+    per-sample PIL transform in the training loop (benchmarks/data.py measures the gain).
 
     `train_images` is uint8 (M, C, H, W) for cifar10 (augmented and normalised per batch) and float in [0, 1]
     for femnist and digits; `test_images` is stored the same raw way, `test_batches` normalises it.

@@ -18,6 +18,7 @@ import re
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1035,42 +1036,80 @@ def _work(tasks: list[Task], threads: int | None = None) -> list[tuple[str, Outc
     return [(tasks[0].run_key(), execute(tasks[0], threads))]
 
 
+def _ray_work(folder: str, tasks: list[Task]) -> list[tuple[str, Outcome]]:
+    """A Ray work item, run from the driver's folder `folder` where this node has it: a worker of a
+    `ray start` cluster starts in the folder `ray start` ran from, where a plug-in named by a relative path
+    (`my_defense.py:Closest`, part of the run's key as written) is not; a node without that folder (no
+    shared disk) keeps its own, and such a plug-in then needs a path that exists on every node."""
+    if os.path.isdir(folder):
+        os.chdir(folder)
+    return _work(tasks)
+
+
 def _pool_outcomes(
     tasks: dict[str, Task], batches: list[list[str]], claims: store.Claims, jobs: int, threads: int | None
 ) -> Iterator[tuple[str, Outcome, float]]:
     """A pool of `jobs` processes, each taking a run or a group; at most `jobs` claimed at a time (the rest
-    stay free for others). threads: each worker's torch threads (None: the cores shared among the jobs)."""
+    stay free for others). threads: each worker's torch threads (None: the cores shared among the jobs).
+
+    A worker that dies (killed, or out of memory) breaks the whole pool, and every run in flight with it:
+    those are given to a fresh pool once more, each alone (they resume from their checkpoints), and a run
+    whose worker dies again is recorded as failed with that reason; the grid goes on."""
     from concurrent.futures import FIRST_COMPLETED, wait
+    from concurrent.futures.process import BrokenProcessPool
 
     threads = threads or max(1, (os.cpu_count() or 1) // jobs)
-    with worker_pool(jobs) as pool:
-        pending = iter(batches)
-        running: dict[Any, tuple[list[str], float]] = {}
+    pending: deque[list[str]] = deque(batches)
+    again: deque[list[str]] = deque()  # claimed work items whose pool broke under them
+    retried: set[str] = set()
+    while pending or again:
+        broken: list[tuple[list[str], float]] = []
+        with worker_pool(jobs) as pool:
+            running: dict[Any, tuple[list[str], float]] = {}
 
-        def fill() -> None:
-            while len(running) < jobs:
-                batch = next(pending, None)
-                if batch is None:
-                    return
-                claimed = [key for key in batch if claims.claim(key)]
-                if claimed:
-                    work = pool.submit(_work, [tasks[k] for k in claimed], threads)
-                    running[work] = (claimed, time.perf_counter())
+            def fill(pool: Any = pool, running: dict = running, broken: list = broken) -> None:
+                while len(running) < jobs and (again or pending):
+                    retry = bool(again)
+                    if retry and running:  # a retry runs alone: a worker that dies again is its own
+                        return
+                    claimed = again.popleft() if retry else [k for k in pending.popleft() if claims.claim(k)]
+                    if claimed:
+                        try:
+                            work = pool.submit(_work, [tasks[k] for k in claimed], threads)
+                        except BrokenProcessPool:
+                            broken.append((claimed, time.perf_counter()))
+                            return
+                        running[work] = (claimed, time.perf_counter())
+                        if retry:
+                            return
 
-        fill()
-        try:
-            while running:
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    keys, start = running.pop(future)
-                    error = future.exception()
-                    pairs = [(k, error) for k in keys] if error is not None else future.result()
-                    for key, outcome in pairs:
-                        yield key, outcome, time.perf_counter() - start
+            try:
                 fill()
-        finally:
-            for future in running:
-                future.cancel()
+                while running and not broken:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        keys, start = running.pop(future)
+                        error = future.exception()
+                        if isinstance(error, BrokenProcessPool):
+                            broken.append((keys, start))
+                            continue
+                        pairs = [(k, error) for k in keys] if error is not None else future.result()
+                        for key, outcome in pairs:
+                            yield key, outcome, time.perf_counter() - start
+                    if not broken:
+                        fill()
+            finally:
+                for future in running:
+                    future.cancel()
+            broken += running.values()  # the pool's other work items die with it
+        for keys, start in broken:
+            if retried.isdisjoint(keys):
+                retried.update(keys)
+                again.append(keys)
+                continue
+            died = RuntimeError("its worker process died twice (killed, or out of memory?)")
+            for key in keys:
+                yield key, died, time.perf_counter() - start
 
 
 PARENT_POLL_S = 1.0  # how often a pool worker checks that its parent is alive
@@ -1120,13 +1159,14 @@ def _ray_outcomes(
     num_cpus: float,
     num_gpus: float,
 ) -> Iterator[tuple[str, Outcome, float]]:
-    """Every claimed run or group as a Ray task; yields them as they complete (the driver writes the
-    records)."""
+    """Every claimed run or group as a Ray task (`_ray_work`); yields them as they complete (the worker
+    writes each record, `_record_outcome` the failures and those a worker could not write)."""
     try:
         import ray
     except ImportError:
         raise ImportError('executor="ray" needs Ray: pip install "prodigy-fl[ray]"') from None
     started_here = not ray.is_initialized()
+    address = address or os.environ.get("RAY_ADDRESS") or None  # `ray job submit` sets it: join that cluster
     if started_here:
         try:
             if address:
@@ -1136,16 +1176,19 @@ def _ray_outcomes(
         except Exception as e:  # Ray's own errors name no fix: one line that does
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             where = f"at {address}" if address else "on this machine"
-            raise ValueError(
-                f"Ray could not start {where} ({first}); run without Ray: --executor local (the default)"
-            ) from None
-    remote = ray.remote(max_retries=1, retry_exceptions=True)(_work)
+            hint = (" (a Ray cluster runs here: join it with --address auto)"
+                    if not address and "existing cluster" in first else "")  # fmt: skip
+            fix = "run without Ray: --executor local (the default)"
+            raise ValueError(f"Ray could not start {where} ({first}){hint}; {fix}") from None
+    remote = ray.remote(max_retries=1, retry_exceptions=True)(_ray_work)
+    here = os.getcwd()  # a worker runs from the driver's folder, where a plug-in's relative path points
     refs: dict[Any, tuple[list[str], float]] = {}
     try:
         for batch in batches:
             claimed = [key for key in batch if claims.claim(key)]
             if claimed:
-                ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote([tasks[k] for k in claimed])
+                work = [tasks[k] for k in claimed]
+                ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(here, work)
                 refs[ref] = (claimed, time.perf_counter())
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1)

@@ -22,7 +22,7 @@ from prodigy_core import training
 from prodigy_core.aggregators import AGGREGATOR_NAMES, ProDiGy, pairwise_sq_distances
 from prodigy_core.attacks import ATTACKS
 from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, as_row, parse_settings
-from prodigy_core.names import DATASETS, DISTRIBUTIONS
+from prodigy_core.names import DATASETS, DISTRIBUTIONS, NO_ATTACK
 from prodigy_core.registry import settings_text
 from prodigy_core.report import (
     byzantine_ids,
@@ -130,7 +130,7 @@ def exploration_summary(ex: Exploration) -> str:
     elif ex.chosen is not None:
         symbol = search_symbol(c.attack)
         parts.append(f"chosen {symbol} = {format_parameter(ex.chosen)}")
-    elif c.attack != "none" and not ex.search:
+    elif c.attack != NO_ATTACK and not ex.search:
         parts.append(f"{attack} has no parameter search")
     parts.append(f"damage under {defense} {ex.damage:.4g}, test accuracy {ex.accuracy:.1f}%")
     return ", ".join(parts)

@@ -44,17 +44,18 @@ from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.models import make_model
+from prodigy_core.names import NO_ATTACK
 from prodigy_core.seeding import precision_mode, seed_everything
 from prodigy_core.streams import ClientStreams
 from prodigy_core.training import (
     RunResult,
-    _load_federation,
-    _local_steps_sequential,
     diverged_accuracy,
     eval_due,
     evaluate,
     local_momentum,
+    local_steps_sequential,
     median_report,
+    run_federation,
 )
 
 # Keys of the records a client's reply holds (besides Flower's "metrics").
@@ -134,9 +135,9 @@ class RobustStrategy(FedAvg):
         self.pipeline = make_aggregator(defense, n_byzantine, n_clients, variant, defense_params)
         self.lr_at = lr_at
         self.attack = None
-        if attack != "none" and n_byzantine == 0:  # RunConfig's rule
+        if attack != NO_ATTACK and n_byzantine == 0:  # RunConfig's rule
             raise ValueError(f"attack={attack!r} with n_byzantine=0: set n_byzantine > 0 or attack='none'")
-        if attack != "none":
+        if attack != NO_ATTACK:
             self.attack = make_attack(attack, variant=variant, params=attack_params)
             if self.attack.sent_is_momentum:
                 raise ValueError(
@@ -347,7 +348,7 @@ def _unflat(vector: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
 @functools.lru_cache(maxsize=8)
 def _client_data(config: RunConfig, k: int, flipped: bool) -> Federation:
     """Client k's own view of the run's federation (its samples only; labels flipped for label flip)."""
-    fed = _load_federation(config, torch.device("cpu"))
+    fed = run_federation(config, torch.device("cpu"))
     own = dataclasses.replace(fed, client_indices=[fed.client_indices[k]], flipped_clients=[])
     if flipped:  # the label-flip wrapper: this client trains honestly on y' = C-1-y (EXPERIMENTS ONLY)
         own.flip_labels([0])
@@ -381,7 +382,7 @@ def client_app(configs: Sequence[RunConfig], byzantine: Sequence[Sequence[int]])
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         streams = ClientStreams(_stream_seed(config.seed, k, server_round), 1)  # batches and dropout masks
         with precision_mode(config.precision, torch.device("cpu")):  # as `training.run`'s local steps
-            grads, buffers = _local_steps_sequential(model, fed, config.local_steps, lr, config, streams)
+            grads, buffers = local_steps_sequential(model, fed, config.local_steps, lr, config, streams)
         key = f"momentum-{run}"  # m_{t-1}, kept by the node between rounds; m_{-1} = 0
         before = context.state[key]["m"].numpy() if key in context.state else np.zeros(grads.shape[1], "f4")
         m = local_momentum(torch.from_numpy(before.copy()), grads[0], config.local_momentum)
@@ -427,6 +428,10 @@ def simulate(
         return []
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     resolved = [c.resolved() for c in configs]
+    if any(c.variant == "authors" for c in resolved):
+        raise ValueError("simulate: variant='authors' is not simulated (the Flower clients draw the paper's "
+                         "batches and the server evaluates in eval mode); use variant='paper', or "
+                         "training.run for the authors' semantics")  # fmt: skip
     if any(c.precision == "tf32" for c in resolved):
         raise ValueError("simulate: precision=tf32 exists only on CUDA and the Flower clients train on the "
                          "CPU; use precision=fp32 or bf16")  # fmt: skip
@@ -468,6 +473,11 @@ def _start_ray(num_cpus: int, attempts: int = 3) -> None:
             return
         except Exception as e:  # Ray raises a bare Exception on a startup timeout
             ray.shutdown()
+            if "existing cluster" in str(e):  # `ray start` ran here: ray.init joins it and refuses num_cpus
+                raise RuntimeError(
+                    "Flower's simulation starts a Ray of its own, and a Ray cluster runs on this machine "
+                    "(ray start): stop it (ray stop), or unset RAY_ADDRESS"
+                ) from e
             if attempt == attempts - 1:
                 raise RuntimeError(
                     f"Flower's simulation needs a local Ray, which did not start in {attempts} tries (Ray: "
@@ -480,7 +490,7 @@ def _serve(grid: Grid, run: int, config: RunConfig, strategy: RobustStrategy) ->
     resolved = config.resolved()
     seed_everything(resolved.seed)
     model = make_model(resolved.dataset).train()
-    fed = _load_federation(resolved, torch.device("cpu"))
+    fed = run_federation(resolved, torch.device("cpu"))
     environment = {"engine": "flower", "precision": resolved.precision}
     result = RunResult(config=config.replace(data_source=fed.source).to_dict(), final_accuracy=float("nan"),
                        final_loss=None, environment=environment)  # fmt: skip

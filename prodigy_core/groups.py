@@ -20,14 +20,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from prodigy_core import step_variants, training
-from prodigy_core.config import RunConfig
+from prodigy_core import evaluation, local_training, step_variants, training
+from prodigy_core.config import SPLIT_FIELDS, RunConfig
 from prodigy_core.seeding import precision_mode, resolve_device
 
 # Fields that must be equal for runs to share one stacked local step.
-GROUP_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
-                "femnist_min_writer_samples", "data_dir", "data_source", "local_steps", "batch_size",
-                "weight_decay", "device", "precision")  # fmt: skip
+GROUP_FIELDS = (*SPLIT_FIELDS, "local_steps", "batch_size", "weight_decay", "device", "precision")
 CUDA_MEMORY_FRACTION = 0.6  # of the free memory a group may plan for
 
 
@@ -36,10 +34,10 @@ def group_key(config: RunConfig) -> tuple | None:
 
     Compatible: same data split (dataset, distribution, alpha, N, resolved data seed, i.e. the seed when
     data_seed is None, data_dir), E, batch size, weight decay, device and precision, and runs that would use
-    the same engine alone (a stacked engine: `batched`, `compiled` or a variant, `training.pick_engine`).
-    `variant` is part of the key only where it changes the
-    split (iid and dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`);
-    otherwise it changes the clients' batches (each ``authors`` member's own `training.AuthorsBatchStream`),
+    the same engine alone (a stacked engine: `batched`, `compiled` or a variant,
+    `local_training.pick_engine`). `variant` is part of the key only where it changes the split (iid and
+    dirichlet: the ``authors`` split is numpy's draw, `data.dirichlet_split_numpy`); otherwise it changes the
+    clients' batches (each ``authors`` member's own `local_training.AuthorsBatchStream`),
     the server side (rules, SF written into the momentum, CClip from theta_t), the evaluation (train mode)
     and the diverged accuracy, all of which run per member. Runs with different splits are not stacked (it
     would need per-run index tables and width groups); they go to other groups.
@@ -52,7 +50,7 @@ def group_key(config: RunConfig) -> tuple | None:
         device = resolve_device(resolved.device)
     except ValueError:  # the run alone reports it
         return None
-    engine = training.pick_engine(resolved.engine, device, resolved.dataset)
+    engine = local_training.pick_engine(resolved.engine, device, resolved.dataset)
     if engine not in step_variants.STACKED_ENGINES:
         return None
     # which RNG draws the split (`data.load_federation`): numpy's under ``authors``, except FEMNIST's writers
@@ -103,11 +101,11 @@ def memory_per_run(config: RunConfig) -> int:
     floats each) and the activations of N x b samples kept for the backward pass (every module's output,
     measured by one forward pass of one sample, twice for the backward's temporaries)."""
     from prodigy_core.data import load_federation
-    from prodigy_core.models import make_model
+    from prodigy_core.models import count_parameters, make_model
 
     resolved = config.resolved()
     model = make_model(resolved.dataset)
-    d = sum(p.numel() for p in model.parameters())
+    d = count_parameters(model)
     shape = {"cifar10": (3, 32, 32), "femnist": (1, 28, 28)}.get(resolved.dataset)
     if shape is None:
         shape = load_federation(resolved.dataset, 2, distribution="iid").image_shape
@@ -130,11 +128,11 @@ class _Member:
     @contextlib.contextmanager
     def own_rng(self) -> Iterator[None]:
         """Run this member's code with its own RNG state as the global one."""
-        training._set_rng_states(self.rng)
+        training.set_rng_states(self.rng)
         try:
             yield
         finally:
-            self.rng = training._get_rng_states()
+            self.rng = training.get_rng_states()
 
 
 Outcome = training.RunResult | Exception
@@ -152,12 +150,12 @@ def iter_group(
     run completes, diverges or fails. `checkpoint_dir`: each run checkpoints and resumes exactly as alone
     (`keep_checkpoints`: a finished run's checkpoint is left for the caller, as `training.run`'s).
 
-    - the client side is `training.local_steps_stacked`: one vmapped step over R x N clients, each run at
-      its own learning rate, on its own batches (an ``authors`` run's from its own
-      `training.AuthorsBatchStream`) and dropout masks, all from its own clients' streams
+    - the client side is `local_training.local_steps_stacked`: one vmapped step over R x N clients, each run
+      at its own learning rate, on its own batches (an ``authors`` run's from its own
+      `local_training.AuthorsBatchStream`) and dropout masks, all from its own clients' streams
       (`streams.ClientStreams`);
     - the evaluation: the members due evaluate their server models in one vmapped forward pass per test
-      batch (`training.evaluate_runs`; one pass per variant);
+      batch (`evaluation.evaluate_runs`; one pass per variant);
     - everything else is per run and is `training`'s own code: `start_run` (model, pipeline, attack, label-
       flipped clients, generators, checkpoint resume), `server_round` (momentum, attack, aggregation, CClip
       state, server step, BatchNorm median), `end_round` (recording the evaluation, checkpoint) and
@@ -176,7 +174,7 @@ def iter_group(
 
     A member that diverges is frozen and recorded as diverged, one whose server side raises is reported with
     its error, an ``authors`` member with a client smaller than a batch with its
-    `training.ClientTooSmallError` before the group starts; the others go on. Runs may be at different
+    `local_training.ClientTooSmallError` before the group starts; the others go on. Runs may be at different
     rounds (resumed from checkpoints of different ages) or have different `rounds`: each member does its own
     next round every step of the group.
     """
@@ -191,23 +189,23 @@ def iter_group(
         )
     first = configs[0].resolved()
     device = resolve_device(first.device)
-    engine = training.pick_engine(first.engine, device, first.dataset)  # the records' environment names it
-    outside = training._get_rng_states()  # restored when the group is done
+    engine = local_training.pick_engine(first.engine, device, first.dataset)  # the records' environment
+    outside = training.get_rng_states()  # restored when the group is done
     members: list[_Member] = []
     try:
-        fed = training._load_federation(first, device)
+        fed = training.run_federation(first, device)
         for i, config in enumerate(configs):
             try:
                 st = training.start_run(config, device, engine, checkpoint_dir, fed=fed)
-            except training.ClientTooSmallError as e:  # an authors member that cannot start; the others can
+            except local_training.ClientTooSmallError as e:  # an authors member that cannot start; others can
                 yield i, e
                 continue
             st.result.environment["group_size"] = len(configs)
-            members.append(_Member(i, st, training._get_rng_states(), st.start + 1))
+            members.append(_Member(i, st, training.get_rng_states(), st.start + 1))
         if not members:
             return
-        grad_fn = training.per_client_grad(members[0].st.model, engine=engine)
-        eval_net = training.FunctionalNet(members[0].st.model)
+        grad_fn = local_training.per_client_grad(members[0].st.model, engine=engine)
+        eval_net = local_training.FunctionalNet(members[0].st.model)
         steps = max(m.st.resolved.rounds - m.st.start for m in members)
         bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"group of {len(configs)}")
         with bar:  # closed before an error propagates
@@ -217,7 +215,7 @@ def iter_group(
                 start = active[0].st.timer.mark()
                 lrs = [m.st.resolved.lr_at(m.r - 1) for m in active]
                 with precision_mode(first.precision, device):
-                    outs = training.local_steps_stacked(
+                    outs = local_training.local_steps_stacked(
                         [m.st.model for m in active], [m.st.fed for m in active], first.local_steps, lrs,
                         first, [m.st.streams for m in active], grad_fn, streams=[m.st.stream for m in active],
                         idle=[m.st.idle for m in active],
@@ -262,24 +260,24 @@ def iter_group(
                 if not active or step == training._KILLED_AFTER:
                     break
     finally:
-        training._set_rng_states(outside)
+        training.set_rng_states(outside)
 
 
 def _evaluate_due(
-    members: list[_Member], net: training.FunctionalNet
+    members: list[_Member], net: local_training.FunctionalNet
 ) -> dict[int, tuple[float, float, float]]:
-    """{member index: `training.evaluate_runs` triple} of the members whose round ends with an evaluation,
-    evaluated together: one pass per variant (`training.eval_settings`: the ``authors`` ones in training
+    """{member index: `evaluation.evaluate_runs` triple} of the members whose round ends with an evaluation,
+    evaluated together: one pass per variant (`evaluation.eval_settings`: the ``authors`` ones in training
     mode), each member's dropout masks from its own key (`streams.ClientStreams.eval_key`)."""
-    due = [m for m in members if training.eval_due(m.st.resolved, m.r)]
+    due = [m for m in members if evaluation.eval_due(m.st.resolved, m.r)]
     scores: dict[int, tuple[float, float, float]] = {}
     for variant in sorted({m.st.resolved.variant for m in due}):  # members share batch_size (GROUP_FIELDS)
         part = [m for m in due if m.st.resolved.variant == variant]
-        train_mode, batch_size = training.eval_settings(part[0].st.resolved)
+        train_mode, batch_size = evaluation.eval_settings(part[0].st.resolved)
         models, keys = [m.st.model for m in part], [m.st.streams.eval_key(m.r) for m in part]
         start = part[0].st.timer.mark()
         with precision_mode(part[0].st.resolved.precision, part[0].st.momentum.device):
-            found = training.evaluate_runs(models, part[0].st.fed, train_mode, keys, batch_size, net)
+            found = evaluation.evaluate_runs(models, part[0].st.fed, train_mode, keys, batch_size, net)
         end = part[0].st.timer.mark()
         for m in part:  # the evaluation's time, shared equally
             m.st.timer.add("eval", start, end, 1 / len(part))

@@ -36,8 +36,8 @@ class Cifar10CNN(nn.Module):
 
     [conv3x3 64, ReLU, BN], [conv3x3 64, ReLU, BN], max-pool 2, dropout 0.25, [conv3x3 128, ReLU, BN],
     [conv3x3 128, ReLU, BN], max-pool 2, dropout 0.25, fc 8192 -> 128, ReLU, dropout 0.25, fc 128 -> 10,
-    log-softmax (design-notes section 1). BatchNorm follows the ReLU, as in the authors' code, so it
-    normalises non-negative activations.
+    log-softmax. BatchNorm follows the ReLU, as in the authors' code, so it normalises non-negative
+    activations.
     """
 
     def __init__(self, num_classes: int = 10) -> None:
@@ -97,9 +97,8 @@ class DigitsCNN(nn.Module):
     fc 96 -> 48, ReLU, fc 48 -> 10; returns logits. It keeps BatchNorm and dropout so that the CI-sized runs
     exercise the same BN-buffer and dropout-RNG handling as the paper's CIFAR-10 model, and the conventional
     conv -> BN -> ReLU order (the order does not change which code paths a run exercises). Pooling before the
-    wide convolution makes a training step 6.5x cheaper in FLOPs than the first digits model (conv 16 and
-    conv 32 both at 8x8: `benchmarks/quickstart.py`), and it still learns the task (docs/results.md "The
-    quickstart's rounds").
+    wide convolution keeps a step cheap (`benchmarks/quickstart.py`), and it still learns the task
+    (docs/results.md "The quickstart's rounds").
     """
 
     def __init__(self, num_classes: int = 10) -> None:

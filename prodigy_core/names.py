@@ -13,10 +13,26 @@ from collections.abc import Iterable
 
 DATASETS = ("digits", "femnist", "cifar10")
 DISTRIBUTIONS = {"digits": ("iid", "dirichlet"), "cifar10": ("iid", "dirichlet"), "femnist": ("natural",)}
+# The attack name of a run without attack (`attacks.NoAttack`; the paper's "No attack" column).
+NO_ATTACK = "none"
 # paper: the paper's text; authors: the authors' public code (docs/semantics.md).
 VARIANTS = ("paper", "authors")
-# A run's arithmetic (`RunConfig.precision`; `seeding.precision_mode` sets it).
+# A run's arithmetic (`RunConfig.precision`; `seeding.precision_mode` sets it). fp32: full float32 (on CUDA
+# TF32 off, deterministic kernels); tf32: TF32 convolutions and matmuls (CUDA only); bf16: bfloat16 autocast
+# of the model's forward and backward.
 PRECISIONS = ("fp32", "tf32", "bf16")
+# The engine variants of the batched local step's kernels (`step_variants`): name -> what it changes.
+ENGINE_VARIANTS = {
+    "channels_last": "grouped convolutions over the clients in channels-last memory format",
+    "bmm_conv": "every client's convolution as one batched matrix product (unfold + baddbmm)",
+    "bmm_wgrad": "channels_last's grouped convolutions with the weight gradient as one batched product",
+    "cuda_graphs": "the step in static buffers, captured once in a CUDA graph and replayed (CUDA only)",
+    "channels_last_graphs": "channels_last's step captured in a CUDA graph, as cuda_graphs' (CUDA only)",
+    "bmm_wgrad_graphs": "bmm_wgrad's step captured in a CUDA graph, as cuda_graphs' (CUDA only)",
+}
+# Every engine a run may name (`RunConfig.engine`, `local_training.pick_engine`): auto, the batched reference,
+# the client-by-client one, batched under torch.compile, and the variants.
+ENGINES = ("auto", "batched", "sequential", "compiled", *ENGINE_VARIANTS)
 # How an error names a setting's type (`registry.check_settings`, `config` field checks).
 TYPE_WORDS = {
     int: "an integer",
@@ -37,7 +53,10 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
 __all__ = [
     "DATASETS",
     "DISTRIBUTIONS",
+    "ENGINES",
+    "ENGINE_VARIANTS",
     "FIGURES",
+    "NO_ATTACK",
     "PRECISIONS",
     "TYPE_WORDS",
     "VARIANTS",

@@ -27,14 +27,13 @@ from matplotlib.figure import Figure
 from prodigy_core.aggregators import PRE_AGGREGATORS, RULES, split_defense
 from prodigy_core.attacks import ATTACKS
 from prodigy_core.config import as_row
-from prodigy_core.names import FIGURES  # what a layout's `figures` may name (checked at load too)
+from prodigy_core.names import FIGURES, NO_ATTACK  # FIGURES: what a layout may draw (checked at load too)
 from prodigy_core.registry import split_label
 
 SMOKE_SUBDIR = "smoke"
 MINI_SUBDIR = "mini"
 SMOKE_LABEL = "SMOKE / stand-in"
 MINI_LABEL = "MINI scale"
-NO_ATTACK = "none"
 DIVERGED_MARK = "†"
 DIVERGED_NOTE = (
     "the model diverged (became non-finite) in at least one seed; such a run counts at chance accuracy"
@@ -1309,17 +1308,23 @@ def read_provenance(text: str) -> str | None:
 # What a table's last digits depend on besides its runs and code: the records' `environment` fields that
 # pick the kernels and their order (training._environment). A table names them under its provenance, and a
 # digit-for-digit check is meaningful only where they match (scripts/check_committed_quickstart.py).
-MACHINE_FIELDS = ("device", "cpu_capability", "torch", "threads")
+# The engine and the group size (runs stacked in one step, `groups`) are out of the key, as they change
+# rounding only, and in this line.
+MACHINE_FIELDS = ("device", "cpu_capability", "torch", "threads", "engine", "group_size")
+MACHINE_DEFAULTS = {"group_size": 1}  # a run trained alone records none
 MACHINE = re.compile(r"<!-- trained on: (.*?) -->")
 
 
 def machine(df: pd.DataFrame) -> dict[str, str]:
     """{field: value} of MACHINE_FIELDS over a results frame's runs (its ``env_*`` columns); several values of
-    one field are joined by "/", a field no record has is "unknown"."""
+    one field are joined by "/", a field no record has is "unknown" (`MACHINE_DEFAULTS` where it has one)."""
     found = {}
     for name in MACHINE_FIELDS:
-        column = df[f"env_{name}"].dropna() if f"env_{name}" in df.columns else pd.Series(dtype=object)
-        values = sorted({str(v) for v in column})
+        column = df.get(f"env_{name}", pd.Series([None] * len(df), dtype=object))
+        if name in MACHINE_DEFAULTS:
+            column = column.astype(object).where(column.notna(), MACHINE_DEFAULTS[name])
+        values = sorted({str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+                         for v in column.dropna()})  # fmt: skip
         found[name] = "/".join(values) if values else "unknown"
     return found
 

@@ -28,11 +28,10 @@ import pandas as pd
 
 from prodigy_core import paths
 from prodigy_core.config import ConfigError, RunConfig, as_row, field_names
-from prodigy_core.names import VARIANTS
+from prodigy_core.names import NO_ATTACK, VARIANTS
 from prodigy_core.registry import records_are_data
 from prodigy_core.safe_io import quarantine, write_json_atomic
 
-NO_ATTACK = "none"
 LOCK_HEARTBEAT_S = 30.0  # a claiming process refreshes its locks' mtime this often
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long is stale, whoever wrote it
 # Columns of paper_results.csv that identify a setting (with defense and attack: one cell of a table).
@@ -392,6 +391,8 @@ def lock_state(path: Path) -> str:
 
 
 def _pid_alive(pid: Any) -> bool:
+    """Whether process `pid` of this host runs: a killed one that its parent has not reaped yet (a zombie,
+    state Z in /proc where there is one) holds no lock, though a signal still reaches its pid."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -400,7 +401,10 @@ def _pid_alive(pid: Any) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # the state follows the command's closing parenthesis: "pid (comm) S ..."
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS), or the process just went
+        return True
 
 
 def _mtime(path: Path) -> float:

@@ -1,41 +1,21 @@
-"""Engine variants of the batched local step (issue 44): other ways to compute the E local SGD steps of R x N
-clients of `training.local_steps_stacked`, for the GPU window's autotune to time and gate
+"""Engine variants of the batched local step: other kernels for the E local SGD steps of R x N clients of
+`local_training.local_steps_stacked`, for the GPU window's autotune to time and gate
 (`benchmarks/autotune.py`).
 
+Entry points: `make_grad` (a variant's gradient function; `names.ENGINE_VARIANTS` lists them), `sgd_update`
+(the SGD step every stacked engine takes), `StaticSteps` (a step in static buffers, captured in a CUDA graph).
+
 Every variant is the `batched` engine's computation: the same batches, augmentation and dropout masks (the
-clients' streams, `prodigy_core.streams`), the same loss, the same SGD step; only the kernels that compute
-it differ, so a variant agrees with `batched` to float rounding, as `sequential` and `compiled` do
-(tests/test_step_variants.py: float64, dropout on). A variant is an engine (`RunConfig.engine`): out of the
-result key like every engine (docs/semantics.md, "one key names one computation": engines and devices differ
-by float rounding only) and named in the record's `environment["engine"]`. `auto` never picks one.
+clients' streams, `prodigy_core.streams`), loss and SGD step; only the kernels differ, so a variant agrees
+with `batched` to float rounding (tests/test_step_variants.py: float64, dropout on). A variant is an engine
+(`RunConfig.engine`), out of the result key like every engine and named in the record's environment
+(docs/semantics.md). `auto` never picks one. The client-folded variants (`FOLDED`, `FoldedGrad`) keep a
+leading client axis on the activations, (R N, B, C, H, W) then (R N, B, F), and replace each layer by its
+client-folded form: a client's gradient is that of the sum of the clients' losses, the clients being
+independent. The captured ones (`GRAPHED`) replay a step whose host, launching its kernels, is slower than its
+GPU; they run on CUDA only. Timings: benchmarks/README.md and docs/results.md.
 
-- ``channels_last``: the clients folded into the convolutions' channels (a grouped convolution over R N
-  groups, what vmap's batching rule makes of a per-client convolution), in channels-last memory format, with
-  the client-folded layers below instead of vmap (`FoldedGrad`).
-- ``bmm_conv``: every client's convolution as one batched matrix product, unfold + `baddbmm` over the R N
-  clients (`FoldedGrad`), instead of a grouped convolution with R N groups.
-- ``bmm_wgrad``: ``channels_last``'s grouped convolutions forward and for the input gradient, their weight
-  gradient as one batched matrix product over the clients and images (unfold + bmm, `_BmmWeightGradConv`),
-  where cuDNN runs one kernel per client and step (the H200 profile of 2026-11-27: 56% of a FEMNIST step).
-- ``cuda_graphs``: the batched step with every per-step input (images, labels, dropout masks, the clients'
-  weights and BatchNorm buffers) in static buffers, the step captured once in a CUDA graph per shape and
-  step size and replayed at every later step (`StaticSteps`). CUDA only: on a CPU the engine is refused in
-  one line; the static-buffer path itself runs there without capture (tested).
-- ``channels_last_graphs``, ``bmm_wgrad_graphs``: ``channels_last``'s and ``bmm_wgrad``'s step captured and
-  replayed as ``cuda_graphs`` captures batched's (`GRAPHED`), for a step whose host, launching its kernels,
-  is slower than its GPU (docs/results.md: the third H200 window's profile). CUDA only, like ``cuda_graphs``.
-- every stacked engine with one batch width draws the batches and dropout masks of all R runs in one go
-  (`training.draw_group`): the same values as run by run, and a step's device kernels do not grow with R.
-- ``compiled`` (not a variant of this module): `training.cached_compiled_grad` keeps one compiled step per
-  process and architecture, so torch.compile pays once per process and shape.
-
-This module sits beside `training` and below it: it never imports it (the run's pieces come in as
-arguments: the batched engine's gradient function, its `FunctionalNet`, `training.draw_group`).
-
-Client-folded layers (`FoldedGrad`): activations keep a leading client axis, (R N, B, C, H, W) in the
-convolutional part and (R N, B, F) in the linear one; convolutions, BatchNorm (per-client statistics and
-running buffers), max-pooling, flatten and linear layers are replaced by client-folded forms of the same
-function; the clients' gradients are those of the sum of their losses (the clients are independent).
+This module sits below `local_training` and never imports it: the run's pieces come in as arguments.
 """
 
 from __future__ import annotations
@@ -52,18 +32,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from prodigy_core.config import ConfigError
+from prodigy_core.names import ENGINE_VARIANTS
 
-# engine name -> one line on what it changes (module docstring)
-VARIANTS = {
-    "channels_last": "grouped convolutions over the clients in channels-last memory format",
-    "bmm_conv": "every client's convolution as one batched matrix product (unfold + baddbmm)",
-    "bmm_wgrad": "channels_last's grouped convolutions with the weight gradient as one batched product",
-    "cuda_graphs": "the step in static buffers, captured once in a CUDA graph and replayed (CUDA only)",
-    "channels_last_graphs": "channels_last's step captured in a CUDA graph, as cuda_graphs' (CUDA only)",
-    "bmm_wgrad_graphs": "bmm_wgrad's step captured in a CUDA graph, as cuda_graphs' (CUDA only)",
-}
 # the engines that stack the clients (and runs) in one step: `groups.group_key` groups runs of these
-STACKED_ENGINES = ("batched", "compiled", *VARIANTS)
+STACKED_ENGINES = ("batched", "compiled", *ENGINE_VARIANTS)
 # the client-folded variants (`FoldedGrad`): engine -> (its convolutions, channels-last memory)
 FOLDED = {"channels_last": ("grouped", True), "bmm_conv": ("bmm", False), "bmm_wgrad": ("bmm_wgrad", True)}
 # the captured variants (`StaticSteps`): engine -> the engine whose step it captures
@@ -73,11 +45,11 @@ CUDA_ONLY = tuple(GRAPHED)
 
 def make_grad(engine: str, base: Callable, capture: bool = True) -> Callable:
     """The gradient function of engine variant `engine`, from `base`, the batched engine's uncompiled one
-    for the run's model (`training.ClientGrad`: `.net`, `(params, buffers, x, y, masks) -> grads`), with the
-    same interface; a captured one's (`GRAPHED`) also has `.local_steps`, which
-    `training.local_steps_stacked` hands the whole E steps to. ``capture=False`` gives a captured engine's
-    static-buffer path uncaptured (the tests, on a CPU). A CUDA-only engine on another device raises a
-    one-line `ConfigError`."""
+    for the run's model (`local_training.ClientGrad`: `.net`, `(params, buffers, x, y, masks) -> grads`),
+    with the same interface; a captured one's (`GRAPHED`) also has `.local_steps`, which
+    `local_training.local_steps_stacked` hands the whole E steps to. ``capture=False`` gives a captured
+    engine's static-buffer path uncaptured (the tests, on a CPU). A CUDA-only engine on another device raises
+    a one-line `ConfigError`."""
     device = next(base.net.template.parameters()).device
     if engine in CUDA_ONLY and capture and device.type != "cuda":
         uncaptured = GRAPHED[engine]
@@ -91,7 +63,7 @@ def make_grad(engine: str, base: Callable, capture: bool = True) -> Callable:
     if engine in GRAPHED:
         inner = GRAPHED[engine]
         return StaticSteps(base if inner == "batched" else make_grad(inner, base), capture=capture)
-    raise ValueError(f"engine={engine!r} is not an engine variant; valid: {', '.join(VARIANTS)}")
+    raise ValueError(f"engine={engine!r} is not an engine variant; valid: {', '.join(ENGINE_VARIANTS)}")
 
 
 # ----------------------------------------------------------------------------------- client-folded layers
@@ -263,14 +235,15 @@ class _FoldedLinear(nn.Module):
 
 
 class FoldedGrad:
-    """`training.ClientGrad`'s function, (params, buffers, x, y, masks) stacked over clients -> every
+    """`local_training.ClientGrad`'s function, (params, buffers, x, y, masks) stacked over clients -> every
     client's gradient of its mean cross-entropy (BatchNorm buffers updated in place), computed by the
     client-folded layers above instead of vmap: `conv` "grouped" (optionally `channels_last`) or "bmm".
-    `net`: the run's `training.FunctionalNet`; the masks are its `masks`, as the batched engine's. Layers
-    other than Conv2d, BatchNorm2d, MaxPool2d, Flatten, Linear, ReLU and dropout are refused in one line."""
+    `net`: the run's `local_training.FunctionalNet`; the masks are its `masks`, as the batched engine's.
+    Layers other than Conv2d, BatchNorm2d, MaxPool2d, Flatten, Linear, ReLU and dropout are refused in one
+    line."""
 
     def __init__(self, net: Any, conv: str = "grouped", channels_last: bool = False) -> None:
-        self.net = net  # training.FunctionalNet: the template and its dropout layers, "<name>.mask"
+        self.net = net  # local_training.FunctionalNet: the template and its dropout layers, "<name>.mask"
         self.folded = copy.deepcopy(self.net.template).train()
         dropouts = {key.removesuffix(".mask") for key in net.dropouts}
         keep = (nn.ReLU, nn.Sequential)
@@ -313,7 +286,7 @@ def sgd_update(
     """The local SGD step in place on R runs' stacked client rows (each tensor (sum counts, ...), run-major:
     run i's counts[i] rows after the runs before it; counts None: R equal blocks): g <- g + wd w;
     w <- w - gamma_i g (`training.run`, step 1), one call for all rows when the runs share their lr, else
-    one per run (views). `training.local_steps_stacked` and `StaticSteps` take this step."""
+    one per run (views). `local_training.local_steps_stacked` and `StaticSteps` take this step."""
     per_run = len(set(lrs)) > 1
     counts = counts or [len(weights[0]) // len(lrs)] * len(lrs)
     ends = list(itertools.accumulate(counts))
@@ -337,8 +310,8 @@ class StaticSteps:
     (on a side stream, its warm-up), captured in a CUDA graph at its next use and replayed from then on, one
     graph per input shape and step sizes (a decayed lr is a second graph). Without capture (a CPU: the
     tests) the same step runs eagerly: the static-buffer path, the `batched` engine's numbers bit for bit.
-    Clients of several batch widths (small clients, ``paper``) take `training.local_steps_stacked`'s loop,
-    which calls this object as the plain gradient function."""
+    Clients of several batch widths (small clients, ``paper``) take `local_training.local_steps_stacked`'s
+    loop, which calls this object as the plain gradient function."""
 
     def __init__(self, grad_fn: Callable, capture: bool = False) -> None:
         self.grad_fn, self.net, self.capture, self.compiled = grad_fn, grad_fn.net, capture, False
@@ -358,11 +331,11 @@ class StaticSteps:
         counts: list[int] | None,
         draw: Callable[[], tuple[Tensor, Tensor, dict[str, Tensor]]],
     ) -> None:
-        """The E steps of R runs whose clients share one batch width (`training.local_steps_stacked` takes
-        the others), in place on the rows that train: their weights and buffers `params`, `buffers` (R runs'
-        rows, run-major; ``counts`` each run's number of them, None: R equal blocks) are loaded into the
-        static ones and the result written back. `draw()`: one step's images, labels and masks of those rows
-        (`training.draw_group`'s)."""
+        """The E steps of R runs whose clients share one batch width (the others take
+        `local_training.local_steps_stacked`'s loop), in place on the rows that train: their weights and
+        buffers `params`, `buffers` (R runs' rows, run-major; ``counts`` each run's number of them, None: R
+        equal blocks) are loaded into the static ones and the result written back. `draw()`: one step's
+        images, labels and masks of those rows (`local_training.draw_group`'s)."""
         st = self._load({"params": params, "buffers": buffers})
         for _ in range(steps):
             x, y, masks = draw()
@@ -400,7 +373,7 @@ class StaticSteps:
         return st
 
     def _step(self, st: dict, lrs: list[float], weight_decay: float, counts: list[int] | None) -> None:
-        """One SGD step on the static buffers, as `training.local_steps_stacked` takes it."""
+        """One SGD step on the static buffers, as `local_training.local_steps_stacked` takes it."""
         p, b = st["params"], st["buffers"]
         grads = list(self.grad_fn(p, b, st["x"], st["y"], st["masks"]).values())
         sgd_update(grads, list(p.values()), lrs, weight_decay, counts)
@@ -428,4 +401,4 @@ class StaticSteps:
             graph.replay()
 
 
-__all__ = ["VARIANTS", "STACKED_ENGINES", "FOLDED", "GRAPHED", "FoldedGrad", "StaticSteps", "make_grad"]
+__all__ = ["STACKED_ENGINES", "FOLDED", "GRAPHED", "FoldedGrad", "StaticSteps", "make_grad"]

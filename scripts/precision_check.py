@@ -86,7 +86,7 @@ def machine(fp32: pd.DataFrame, bf16: pd.DataFrame) -> str:
 
     both = pd.concat([fp32, bf16])
     found = report.machine(both)
-    engine = "/".join(sorted({str(v) for v in both["env_engine"].dropna()})) or "unknown"
+    engine = found["engine"]
     seconds = {
         name: float(frame["round_times"].map(sum).sum()) for name, frame in (("fp32", fp32), ("bf16", bf16))
     }

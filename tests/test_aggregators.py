@@ -284,6 +284,33 @@ def test_prodigy(G, f):
         assert set((scores.weight == 0).nonzero().squeeze(1).tolist()) == lowest
 
 
+
+@pytest.mark.parametrize("zeros", [6, 8])  # more than half the clients send 0: every median guard is 0
+def test_prodigy_where_most_clients_send_zero_is_the_formula_at_every_scale(zeros):
+    """The guards' floor scales with the input (the smallest positive value where the median is 0): a median
+    of 0 once floored every division at an absolute 1, so that at scale 1 every s_d of a small update was
+    sigma / 1, not sigma / ||mu||, and the output changed with the units. Against the formula, 0 / 0 = 0 (a
+    neighbourhood of zeros: sigma = ||mu|| = 0), at three scales."""
+    N, f = 11, 3
+    G = torch.zeros(N, 5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    G[: N - zeros] = 0.1 * torch.randn(N - zeros, 5, generator=gen, dtype=G.dtype)
+    D = bf_dist(G)
+    s = []
+    for k in range(N):
+        others = bf_others(D, k)
+        spread = sum(v for v, _ in others[f - 1 : N - f - 1])
+        hood = [G[k]] + [G[j] for _, j in others[: f - 1]]
+        mu = sum(hood) / f
+        sigma = math.sqrt(sum(float(((g - mu) ** 2).sum()) for g in hood) / f)
+        s.append(0.0 if sigma == 0 or spread == 0 else sigma / float(mu.norm()) / spread)
+    threshold = sorted(s)[f - 1]
+    w = torch.tensor([si if si > threshold else 0.0 for si in s], dtype=G.dtype)
+    expected = w @ G / w.sum()
+    for scale in (1.0, 1e3, 1e-3):
+        close(ProDiGy(f)(scale * G), scale * expected, tol=1e-9)
+        close(ProDiGy(f).scores(scale * G).weight, w / w.sum(), tol=1e-9)
+
 def test_exact_ties():
     # +-e_i: the mean is exactly 0 and every distance is exactly 0, 2 or 4, so ties are exact.
     d = 5

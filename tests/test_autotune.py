@@ -24,7 +24,7 @@ from benchmarks import autotune  # noqa: E402
 def digits():
     config = load_experiment("quickstart_digits", scale="smoke").configs[0]
     config = config.replace(device="cpu", distribution="iid", engine="batched")
-    return config, training._load_federation(config.resolved(), resolve_device("cpu"))
+    return config, training.run_federation(config.resolved(), resolve_device("cpu"))
 
 
 def fake_timer(resolved, fed, precision, engine, size):

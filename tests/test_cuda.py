@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from prodigy_core import training
+from prodigy_core import local_training, training
 from prodigy_core.aggregators import BASE_NAMES, make_aggregator, pairwise_sq_distances
 from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
@@ -108,7 +108,7 @@ def test_batched_engine_matches_sequential_on_cuda(no_tf32):
     cfg = RunConfig(dataset="digits", distribution="dirichlet", n_clients=6, n_byzantine=0, defense="average",
                     batch_size=100, device="cuda").resolved()  # fmt: skip
     out = []
-    for local_steps in (training._local_steps_batched, training._local_steps_sequential):
+    for local_steps in (local_training.local_steps_batched, local_training.local_steps_sequential):
         gen = ClientStreams(1, fed.n_clients)  # the same batches and dropout masks for both engines
         out.append(local_steps(model, fed, 3, 0.05, cfg, gen)[0])
     assert out[0].device.type == "cuda"

@@ -614,7 +614,7 @@ def test_a_runs_federation_follows_its_variant():
             seed=1,
             variant=variant,
         )
-        fed = training._load_federation(cfg.resolved(), torch.device("cpu"))
+        fed = training.run_federation(cfg.resolved(), torch.device("cpu"))
         return fed, [p.tolist() for p in fed.client_indices]
 
     fed, authors = split("authors")

@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from prodigy_core import training
+from prodigy_core import evaluation, local_training
 from prodigy_core.data import load_federation
 from prodigy_core.models import make_model
 from prodigy_core.streams import ClientStreams
@@ -14,14 +14,14 @@ from prodigy_core.streams import ClientStreams
 
 @pytest.mark.parametrize("pass_images", [10_000, 100])  # one pass; passes of 3 batches, then the partial one
 def test_train_mode_evaluation_in_stacked_passes_equals_the_loop_over_batches(monkeypatch, pass_images):
-    monkeypatch.setattr(training, "EVAL_PASS_IMAGES", pass_images)
+    monkeypatch.setattr(evaluation, "EVAL_PASS_IMAGES", pass_images)
     fed = load_federation("digits", 4, seed=0)
     batch_size = 32
     assert len(fed.test_labels) % batch_size  # a partial last batch, evaluated on its own statistics
     torch.manual_seed(0)
     model = make_model("digits")
-    batched = training.evaluate(model, fed, batch_size, train_mode=True, key=5)
-    net = training.FunctionalNet(model.train())
+    batched = evaluation.evaluate(model, fed, batch_size, train_mode=True, key=5)
+    net = local_training.FunctionalNet(model.train())
     params = {k: v.detach() for k, v in model.named_parameters()}
     correct, loss, batch_means = 0, 0.0, 0.0
     with torch.no_grad():

@@ -131,3 +131,25 @@ def test_prodigy_zeroes_exactly_the_byzantine_clients_under_alie(flower_runs):
     history = theirs.history.train_metrics_clientapp
     zeroed = [history[r]["zeroed-byzantine"] for r in range(1, ALIE_ROUNDS + 1)]
     assert zeroed == [theirs.byzantine] * ALIE_ROUNDS
+
+
+@needs_flower
+def test_simulate_refuses_the_authors_variant_and_a_running_ray_cluster_in_one_line(monkeypatch):
+    """The Flower clients draw the paper's batches and the server evaluates in eval mode: an ``authors``
+    config is refused before Ray starts, not trained under the paper's semantics and recorded as authors'.
+    A `ray start` cluster on the machine makes Ray refuse the simulation's own start: the line says so,
+    not "retry when the machine is quieter"."""
+    import ray
+
+    from prodigy_core import flower
+
+    with pytest.raises(ValueError, match="variant='authors' is not simulated"):
+        flower.simulate([_config(variant="authors")])
+
+    def init(*args, **kwargs):
+        raise Exception("When connecting to an existing cluster, num_cpus and num_gpus must not be provided.")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    with pytest.raises(RuntimeError, match=r"a Ray cluster runs on this machine \(ray start\): stop it"):
+        flower._start_ray(2)

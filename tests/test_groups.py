@@ -4,7 +4,7 @@ runs on a CPU, a few rounds each."""
 import pytest
 import torch
 
-from prodigy_core import groups, training
+from prodigy_core import evaluation, groups, local_training, training
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 
@@ -134,7 +134,7 @@ def test_authors_members_draw_their_own_batch_streams(tmp_path):
     states = [group[c.key()]["batch_stream"] for c in AUTHORS]
     # one split, one batch size: after STOP rounds of 2 steps every member is equally far into its epochs
     sizes = [
-        len(ix) for ix in training._load_federation(AUTHORS[0].resolved(), torch.device("cpu")).client_indices
+        len(ix) for ix in training.run_federation(AUTHORS[0].resolved(), torch.device("cpu")).client_indices
     ]
     steps, b = STOP * BASE["local_steps"], BASE["batch_size"]
     for state in states:
@@ -150,13 +150,13 @@ def test_authors_member_with_a_too_small_client_fails_alone(tmp_path, monkeypatc
     # (client 0 holds 64 < 100 samples), the other goes on
     paper = RunConfig(**{**BASE, "batch_size": 100}, defense="average", attack="none", seed=0)
     authors = paper.replace(variant="authors")
-    fed = training._load_federation(paper.resolved(), torch.device("cpu"))
+    fed = training.run_federation(paper.resolved(), torch.device("cpu"))
     assert len(fed.client_indices[0]) == 64
     monkeypatch.setattr(groups, "group_key", lambda config: ("one group",))
     with training.killed_after(STOP):
         outcomes = list(groups.iter_group([paper, authors], checkpoint_dir=tmp_path / "group"))
     assert len(outcomes) == 1 and outcomes[0][0] == 1  # reported before the group's first step
-    assert isinstance(outcomes[0][1], training.ClientTooSmallError) and "client 0 has 64" in str(
+    assert isinstance(outcomes[0][1], local_training.ClientTooSmallError) and "client 0 has 64" in str(
         outcomes[0][1]
     )
     group = torch.load(tmp_path / "group" / f"{paper.key()}.pt", weights_only=False)
@@ -169,7 +169,7 @@ def test_diverged_authors_member_records_the_class_0_share():
     grouped = groups.run_group([AUTHORS[0], blowup])[1]
     alone = training.run(blowup, progress=False)
     assert grouped.diverged and alone.diverged and grouped.final_loss is None
-    fed = training._load_federation(blowup.resolved(), torch.device("cpu"))
+    fed = training.run_federation(blowup.resolved(), torch.device("cpu"))
     share = 100.0 * (fed.test_labels == 0).sum().item() / len(fed.test_labels)
     assert grouped.final_accuracy == alone.final_accuracy == pytest.approx(share)
 
@@ -222,7 +222,7 @@ def test_evaluate_runs_gives_each_model_what_its_own_forward_pass_gives(train_mo
         models.append(model)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     keys = [100 + i for i in range(3)]
-    batched = training.evaluate_runs(models, fed, train_mode, keys, batch_size=128)
+    batched = evaluation.evaluate_runs(models, fed, train_mode, keys, batch_size=128)
     for i, model in enumerate(models):
         for k, v in model.state_dict().items():  # the models' buffers are left as they were
             torch.testing.assert_close(v, before[i][k], rtol=0, atol=0)
@@ -241,7 +241,8 @@ def test_evaluate_runs_gives_each_model_what_its_own_forward_pass_gives(train_mo
         total = len(fed.test_labels)
         assert batched[i][0] == pytest.approx(100.0 * correct / total, abs=1e-12)
         assert batched[i][1] == pytest.approx(loss / total, abs=1e-10)
-        assert training.evaluate(model, fed, 128, train_mode, keys[i]) == pytest.approx(batched[i], abs=1e-10)
+        alone = evaluation.evaluate(model, fed, 128, train_mode, keys[i])
+        assert alone == pytest.approx(batched[i], abs=1e-10)
     assert len({round(s[1], 6) for s in batched}) == 3  # three different models, three different losses
 
 

@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from prodigy_core import training
+from prodigy_core import local_training, training
 from prodigy_core.config import RunConfig
 
 ROUNDS = 4  # the last ends with an evaluation
@@ -24,8 +24,8 @@ def test_host_waits_per_round_are_bounded(on_accelerator, defense, most):
     config = RunConfig(dataset="digits", n_clients=10, n_byzantine=3, defense=defense, attack="alie",
                        rounds=ROUNDS, eval_every=ROUNDS, local_steps=1, batch_size=16)  # fmt: skip
     st = training.start_run(config, torch.device("cpu"), "batched")
-    grad_fn = training.per_client_grad(st.model)
-    local_steps = functools.partial(training._local_steps_batched, grad_fn=grad_fn)
+    grad_fn = local_training.per_client_grad(st.model)
+    local_steps = functools.partial(local_training.local_steps_batched, grad_fn=grad_fn)
     # the federation's tensors live on the device, except the copy of the client sizes it keeps on the host
     # (every client's batch is drawn there, from its own CPU generator: prodigy_core.streams); on a CPU the
     # two are one tensor, so the host's becomes a copy of its own here, as on a real device

@@ -529,6 +529,97 @@ def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_i
     assert "--executor local" in lines[0]
 
 
+
+def test_22_ray_joins_the_cluster_of_ray_address_and_names_a_running_one(work, monkeypatch, capsys):
+    """`ray job submit` sets RAY_ADDRESS: the grid joins that cluster (Ray refuses num_cpus there); without
+    it, a cluster started by `ray start` on this machine makes Ray refuse the local start, and the line says
+    how to join it."""
+    ray = pytest.importorskip("ray")
+    calls = []
+
+    def init(*args, **kwargs):
+        calls.append(kwargs)
+        raise Exception("When connecting to an existing cluster, num_cpus and num_gpus must not be provided.")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    (work / "p.yaml").write_text(
+        "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 1, "
+        "defense: average}\ngrid: {attack: [none]}\nseeds: [0]\n"
+    )
+    grid = ["grid", "p.yaml", "--executor", "ray", "--results-dir", str(work / "results")]
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert main(grid) == 2
+    assert calls[-1] == {"address": "10.0.0.1:6379", "log_to_driver": False}
+    assert "Ray could not start at 10.0.0.1:6379" in capsys.readouterr().err
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert main(grid) == 2
+    assert "num_cpus" in calls[-1] and "address" not in calls[-1]
+    err = capsys.readouterr().err
+    assert "a Ray cluster runs here: join it with --address auto" in err and "Traceback" not in err
+
+
+def test_22_a_ray_worker_runs_from_the_drivers_folder_where_its_node_has_it(work, monkeypatch, tmp_path):
+    """A `ray start` worker starts in the folder `ray start` ran from: a plug-in named by a relative path
+    (part of the run's key as written) is found only from the driver's folder, which the work item enters
+    when the node has it, and leaves the worker's own folder alone when it has not."""
+    from prodigy_core import experiments
+
+    seen = []
+    monkeypatch.setattr(experiments, "_work", lambda tasks: seen.append(os.getcwd()) or [])
+    elsewhere = tmp_path / "raylet"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    experiments._ray_work(str(work), [])
+    experiments._ray_work(str(tmp_path / "not-on-this-node"), [])
+    assert seen == [str(work), str(work)]
+
+
+KILLER = """import multiprocessing, os, signal
+from pathlib import Path
+
+from prodigy_core.aggregators import Rule
+
+
+class Killer(Rule):
+    def __init__(self, f: int):
+        self.f = f
+
+    def aggregate(self, G):
+        marker = Path(os.environ["KILLER_MARKER"])
+        first = not marker.exists()
+        if multiprocessing.parent_process() is not None and (os.environ["KILLER_ALWAYS"] or first):
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)  # a pool worker killed (the OOM killer, a user)
+        return G.mean(dim=0)
+"""
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_23_a_pool_worker_that_dies_costs_the_grid_nothing_but_its_own_run(work, monkeypatch, capsys, always):
+    """A killed worker breaks a process pool and every run in flight with it: those go to a fresh pool once,
+    each alone (they finish, as a rerun would), and only a run whose worker dies again is recorded as failed,
+    in one line; the grid goes on, and ends with its summary, never a BrokenProcessPool traceback. Before,
+    the run beside the dead one was recorded as failed and the grid stopped with that traceback."""
+    (work / "killer.py").write_text(KILLER)
+    monkeypatch.setenv("KILLER_MARKER", str(work / "killed"))
+    monkeypatch.setenv("KILLER_ALWAYS", "1" if always else "")
+    (work / "p.yaml").write_text(
+        "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 1, "
+        "eval_every: 1}\ngrid: {defense: [average, killer.py:Killer], attack: [none]}\nseeds: [0]\n"
+    )
+    results = work / "results"
+    code = main(["grid", "p.yaml", "--jobs", "2", "--batch-runs", "1", "--results-dir", str(results)])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out and (work / "killed").exists()
+    done = sorted(p.name for p in (results / "p").glob("*.json") if not p.name.endswith(".failed.json"))
+    failed = sorted((results / "p").glob("*.failed.json"))
+    if always:  # the average's run, in flight beside the dying one, is done; the plug-in's failed
+        assert code == 1 and len(done) == 1 and len(failed) == 1
+        assert "its worker process died twice" in failed[0].read_text()
+    else:
+        assert code == 0 and len(done) == 2 and not failed
+
 # -------------------------------------------------- 21: a plug-in named like a built-in
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from prodigy_core import local_training
 from prodigy_core.aggregators import make_aggregator
 
 needs_flower = pytest.mark.skipif(
@@ -167,13 +168,13 @@ def test_42_6_flower_clients_train_in_the_runs_precision(flower, monkeypatch):
     from prodigy_core.models import make_model
 
     seen = []
-    real = fl._local_steps_sequential
+    real = fl.local_steps_sequential
 
     def spy(*args, **kwargs):
         seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fl, "_local_steps_sequential", spy)
+    monkeypatch.setattr(fl, "local_steps_sequential", spy)
     config = RunConfig(
         dataset="digits", n_clients=4, n_byzantine=1, rounds=2, defense="median", precision="bf16"
     )
@@ -270,13 +271,13 @@ def test_42_7_a_grouped_run_is_the_run_alone_to_rounding_in_every_precision(engi
     for configs in (fp32, bf16):
         assert groups.make_groups(configs, size=4) == [configs]
     resolved = fp32[0].resolved()
-    fed = training._load_federation(resolved, torch.device("cpu"))
+    fed = training.run_federation(resolved, torch.device("cpu"))
 
     def local_round(members: list, precision: str) -> torch.Tensor:
         """The first run's pseudo-gradients after one local round of `members` stacked."""
-        grad_fn = training.per_client_grad(members[0], engine=engine)
+        grad_fn = local_training.per_client_grad(members[0], engine=engine)
         with precision_mode(precision, torch.device("cpu")):
-            rounds = training.local_steps_stacked(
+            rounds = local_training.local_steps_stacked(
                 members, [fed] * len(members), resolved.local_steps, [resolved.lr] * len(members),
                 resolved, [ClientStreams(i, resolved.n_clients) for i in range(len(members))], grad_fn,
             )  # fmt: skip

@@ -37,6 +37,8 @@ FLOORS = [
     {"config"},
     {
         "step_variants",
+        "local_training",
+        "evaluation",
         "training",
         "groups",
         "results",

@@ -5,7 +5,7 @@ on digits."""
 import pytest
 import torch
 
-from prodigy_core import training
+from prodigy_core import local_training, training
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import load_federation
 from prodigy_core.models import make_model
@@ -75,8 +75,8 @@ def test_bf16_local_steps_under_vmap_with_batchnorm_stay_close_to_fp32():
     cfg = RunConfig(n_clients=6, n_byzantine=0, defense="average", batch_size=32).resolved()
     out = {}
     for precision in ("fp32", "bf16"):
-        for engine, steps in (("batched", training._local_steps_batched),
-                              ("sequential", training._local_steps_sequential)):  # fmt: skip
+        for engine, steps in (("batched", local_training.local_steps_batched),
+                              ("sequential", local_training.local_steps_sequential)):  # fmt: skip
             with precision_mode(precision, CPU):
                 grads, buffers = steps(model, fed, 4, 0.05, cfg, ClientStreams(1, fed.n_clients))
             assert grads.dtype == torch.float32 and all(

@@ -471,15 +471,21 @@ def test_provenance_names_the_runs_and_the_code(tmp_path):
 
 def test_a_table_names_the_machine_its_runs_trained_on(tmp_path):
     # Issue 45: a table says which CPU kernels, torch and threads made its digits, read back as written.
-    df = fabricated(seeds=(0,), momenta=(0.0,)).assign(env_device="cpu", env_torch="2.14.1", env_threads=1)
+    # The engine and the group size (out of the key: rounding only) are named too; a run trained alone
+    # records no group size, and counts as a group of 1.
+    df = fabricated(seeds=(0,), momenta=(0.0,)).assign(env_device="cpu", env_torch="2.14.1", env_threads=1,
+                                                       env_engine="sequential")  # fmt: skip
     df["env_cpu_capability"] = ["AVX2"] * (len(df) - 1) + ["AVX512"]  # one run elsewhere: both named
+    df["env_group_size"] = [4.0] * (len(df) - 1) + [None]  # stored as floats beside a missing one
     report.write_report(experiment(layout=HEATMAP_ONLY), df, tmp_path)
     md = tmp_path / "fab.md"
-    expected = {"device": "cpu", "cpu_capability": "AVX2/AVX512", "torch": "2.14.1", "threads": "1"}
+    expected = {"device": "cpu", "cpu_capability": "AVX2/AVX512", "torch": "2.14.1", "threads": "1",
+                "engine": "sequential", "group_size": "1/4"}  # fmt: skip
     assert report.read_machine(md.read_text()) == expected
     assert "% trained on: device=cpu, cpu_capability=AVX2/AVX512" in (tmp_path / "fab.tex").read_text()
-    unknown = report.machine(df.drop(columns=["env_torch"]))["torch"]
-    assert unknown == "unknown" and report.read_machine("| a |") is None
+    unknown = report.machine(df.drop(columns=["env_torch", "env_group_size"]))
+    assert unknown["torch"] == "unknown" and unknown["group_size"] == "1"
+    assert report.read_machine("| a |") is None
 
 
 def test_titles_name_the_data_source_and_sources_never_mix(tmp_path):

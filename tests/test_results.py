@@ -202,3 +202,28 @@ def test_compare_with_paper_ignores_stand_in_runs_and_names_bad_tables():
     assert out["ours"].isna().all() and out["worst_case_match"].isna().all()
     with pytest.raises(ValueError, match="table='table1' is not in paper_results.csv; valid: bigtable"):
         results.compare_with_paper(df, "table1")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_killed_claimant_not_yet_reaped_holds_no_lock():
+    """A zombie still answers kill(pid, 0): read as alive, its locks kept its runs undone until it was reaped
+    or for LOCK_STALE_S. Its /proc state Z says it is gone."""
+    import signal
+    import subprocess
+    import time
+
+    from prodigy_core.results import _pid_alive
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _pid_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        for _ in range(100):  # until the kernel has made it a zombie (never reaped: no wait() here)
+            if Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.01)
+        assert not _pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not _pid_alive(child.pid)

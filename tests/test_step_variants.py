@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prodigy_core import step_variants, training
+from prodigy_core import local_training, step_variants, training
 from prodigy_core.attacks import idle_byzantine
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import load_federation
@@ -34,12 +34,12 @@ def _float64_federation(distribution: str, n: int = 4):
 def _steps(fed, grad_fn, model, steps=3, batch_size=32, authors=False, idle=0):
     cfg = RunConfig(**{**TINY, "n_clients": fed.n_clients, "batch_size": batch_size, "weight_decay": 1e-2})
     rng = ClientStreams(1, fed.n_clients)
-    stream = training.AuthorsBatchStream(fed, batch_size) if authors else None
+    stream = local_training.AuthorsBatchStream(fed, batch_size) if authors else None
     if grad_fn == "sequential":
-        return training._local_steps_sequential(
+        return local_training.local_steps_sequential(
             model, fed, steps, 0.05, cfg.resolved(), rng, stream, idle=idle
         )
-    return training._local_steps_batched(
+    return local_training.local_steps_batched(
         model, fed, steps, 0.05, cfg.resolved(), rng, grad_fn=grad_fn, stream=stream, idle=idle
     )
 
@@ -61,7 +61,7 @@ def test_client_folded_variants_equal_batched_in_float64(distribution, conv, cha
     model = _model()
     g_ref, buf_ref = _steps(fed, None, model)
     g, buf = _steps(
-        fed, FoldedGrad(training.FunctionalNet(model), conv=conv, channels_last=channels_last), model
+        fed, FoldedGrad(local_training.FunctionalNet(model), conv=conv, channels_last=channels_last), model
     )
     assert g.dtype == torch.float64
     torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
@@ -96,14 +96,15 @@ def test_idle_clients_keep_the_server_model_and_the_others_train_as_if_all_did(
 
     if engine == "sequential":
         plain = F.cross_entropy  # one call per client and step
-        monkeypatch.setattr(training.F, "cross_entropy", lambda *a, **k: seen.append(1) or plain(*a, **k))
+        counted = lambda *a, **k: seen.append(1) or plain(*a, **k)  # noqa: E731
+        monkeypatch.setattr(local_training.F, "cross_entropy", counted)
 
     def engine_fn():
         if engine == "sequential":
             return "sequential"
-        base = training.per_client_grad(model)
+        base = local_training.per_client_grad(model)
         if engine == "channels_last":
-            base = FoldedGrad(training.FunctionalNet(model), conv="grouped", channels_last=True)
+            base = FoldedGrad(local_training.FunctionalNet(model), conv="grouped", channels_last=True)
         counted = _CountedRows(base, seen)
         return StaticSteps(counted) if engine == "static" else counted
 
@@ -153,10 +154,10 @@ def test_static_buffer_steps_are_their_uncaptured_engines_bit_for_bit(engine, au
         plain = (
             None
             if uncaptured == "batched"
-            else step_variants.make_grad(uncaptured, training.ClientGrad(model))
+            else step_variants.make_grad(uncaptured, local_training.ClientGrad(model))
         )
         g_ref, buf_ref = _steps(fed, plain, model, authors=authors)
-        static = step_variants.make_grad(engine, training.ClientGrad(model), capture=False)
+        static = step_variants.make_grad(engine, local_training.ClientGrad(model), capture=False)
         assert isinstance(static, StaticSteps)
         g, buf = _steps(fed, static, model, authors=authors)
         assert static.static["x"].dtype == dtype  # the static path, not the loop of several batch widths
@@ -170,20 +171,20 @@ def test_static_buffer_steps_are_their_uncaptured_engines_bit_for_bit(engine, au
 
 
 def test_static_buffer_steps_of_a_group_are_each_runs_own():
-    """Three runs drawn together (`training.draw_group`: one gather, one mask draw per layer) give each run
-    what it gets alone in the static path, and the steps after the first round reuse the buffers."""
+    """Three runs drawn together (`local_training.draw_group`: one gather, one mask draw per layer) give each
+    run what it gets alone in the static path, and the steps after the first round reuse the buffers."""
     fed = load_federation("digits", 4, distribution="iid", seed=0)
     cfg = RunConfig(**TINY).resolved()
     torch.manual_seed(0)
     models = [make_model("digits").train() for _ in range(3)]
-    static = StaticSteps(training.ClientGrad(models[0]))
+    static = StaticSteps(local_training.ClientGrad(models[0]))
     for _ in range(2):  # two rounds: the second writes into the first's buffers
         rngs = [ClientStreams(i, 4) for i in range(3)]
-        together = training.local_steps_stacked(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, static)
+        together = local_training.local_steps_stacked(models, [fed] * 3, 2, [0.05] * 3, cfg, rngs, static)
     assert len(static.static["x"]) == 3 * 4  # the static path
     for i, model in enumerate(models):
-        ((alone, buf),) = training.local_steps_stacked(
-            [model], [fed], 2, [0.05], cfg, [ClientStreams(i, 4)], training.ClientGrad(model)
+        ((alone, buf),) = local_training.local_steps_stacked(
+            [model], [fed], 2, [0.05], cfg, [ClientStreams(i, 4)], local_training.ClientGrad(model)
         )
         assert torch.equal(together[i][0], alone)
         assert all(torch.equal(together[i][1][k], buf[k]) for k in buf)
@@ -270,7 +271,7 @@ def _kernels_per_step(on_accelerator, monkeypatch, runs: int, engine: str, idle:
     cfg = RunConfig(**{**TINY, "batch_size": 16}).resolved()
     torch.manual_seed(0)
     models = [make_model("digits").train() for _ in range(runs)]
-    base = training.ClientGrad(models[0])
+    base = local_training.ClientGrad(models[0])
     grad_fn = base if engine == "batched" else step_variants.make_grad(engine, base, capture=False)
     tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
     counts = []
@@ -288,7 +289,7 @@ def _kernels_per_step(on_accelerator, monkeypatch, runs: int, engine: str, idle:
             rngs = [ClientStreams(i, 4) for i in range(runs)]
             before = accelerator.kernels
             idles = [2 * (idle and i % 2 == 0) for i in range(runs)]
-            training.local_steps_stacked(models, [fed] * runs, steps, [0.05] * runs, cfg, rngs, grad_fn,
+            local_training.local_steps_stacked(models, [fed] * runs, steps, [0.05] * runs, cfg, rngs, grad_fn,
                                          idle=idles)  # fmt: skip
             counts.append(accelerator.kernels - before)
         monkeypatch.setattr(torch.Tensor, "to", to)
@@ -296,12 +297,12 @@ def _kernels_per_step(on_accelerator, monkeypatch, runs: int, engine: str, idle:
 
 
 @pytest.mark.parametrize("idle", [False, True])
-@pytest.mark.parametrize("engine", ["batched", *step_variants.VARIANTS])
+@pytest.mark.parametrize("engine", ["batched", *step_variants.ENGINE_VARIANTS])
 def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerator, monkeypatch, engine, idle):
     """Every stacked engine's step (the captured ones on their static-buffer path) draws all R runs' batches
-    and masks at once (`training.draw_group`) and computes the R N clients in one pass: its device kernels
-    per local step are the same at R = 1, 4 and 16. Before, every run drew its own: 111 kernels a step at
-    R = 1, 189 at R = 4. With idle clients in some runs, the rows that train are taken from that one draw
+    and masks at once (`local_training.draw_group`) and computes the R N clients in one pass: its device
+    kernels per local step are the same at R = 1, 4 and 16. Before, every run drew its own: 111 kernels a step
+    at R = 1, 189 at R = 4. With idle clients in some runs, the rows that train are taken from that one draw
     in one gather per tensor, whatever R."""
     kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, engine, idle) for r in (1, 4, 16)}
     assert kernels[1] == kernels[4] == kernels[16] > 0
@@ -317,7 +318,7 @@ def test_a_captured_step_never_reads_the_device(on_accelerator, monkeypatch, eng
     cfg = RunConfig(**{**TINY, "batch_size": 16, "weight_decay": 1e-2}).resolved()
     torch.manual_seed(0)
     model = make_model("digits").train()
-    grad_fn = step_variants.make_grad(engine, training.ClientGrad(model), capture=False)
+    grad_fn = step_variants.make_grad(engine, local_training.ClientGrad(model), capture=False)
     step, recorded = StaticSteps._step, []
 
     def watched(self, *args):
@@ -327,7 +328,7 @@ def test_a_captured_step_never_reads_the_device(on_accelerator, monkeypatch, eng
 
     monkeypatch.setattr(StaticSteps, "_step", watched)
     with on_accelerator(*model.parameters(), *model.buffers(), *data) as accelerator:
-        training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
+        local_training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
     assert len(recorded) == 3 and all(waits == 0 and kernels > 0 for waits, kernels in recorded)
 
 
@@ -352,7 +353,7 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
         "compiled",
     )
     cuda_engines = autotune.CANDIDATES["cuda"]["engine"]
-    assert set(step_variants.VARIANTS) <= set(cuda_engines) and cuda_engines[-1] == "compiled"
+    assert set(step_variants.ENGINE_VARIANTS) <= set(cuda_engines) and cuda_engines[-1] == "compiled"
     assert cuda_engines[1:3] == ("bmm_wgrad_graphs", "channels_last_graphs")  # captured first
     space = {"precision": ("fp32",), "size": (1,), "engine": autotune.engine_candidates("cpu")}
     monkeypatch.setitem(autotune.CANDIDATES, "cpu", space)
@@ -365,7 +366,7 @@ def test_the_autotune_chooses_a_faster_variant_the_gate_accepts(monkeypatch):
 
     config = load_experiment("quickstart_digits", scale="smoke").configs[0]
     config = config.replace(device="cpu", distribution="iid", engine="batched")
-    fed = training._load_federation(config.resolved(), torch.device("cpu"))
+    fed = training.run_federation(config.resolved(), torch.device("cpu"))
     # a budget with room for compiled's compilation (the default 45 s leaves it out: autotune.COMPILE_S)
     report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None,
                                budget_s=1000.0)  # fmt: skip
@@ -400,10 +401,10 @@ def test_a_step_is_timed_in_steady_state_after_a_captured_engines_warm_up_and_ca
     def step(*args, **kwargs):
         clock[0] += next(costs)
 
-    monkeypatch.setattr(autotune.training, "local_steps_stacked", step)
+    monkeypatch.setattr(autotune.local_training, "local_steps_stacked", step)
     monkeypatch.setattr(autotune, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     config = load_experiment("quickstart_digits", scale="smoke").configs[0].replace(device="cpu")
-    fed = training._load_federation(config.resolved(), torch.device("cpu"))
+    fed = training.run_federation(config.resolved(), torch.device("cpu"))
     assert autotune.time_step(config, fed, "fp32", "batched", 1, steps=3) == 1.0
     assert next(costs, None) is None  # every step taken: 2 warm-up, 3 timed
 
@@ -421,7 +422,7 @@ def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsy
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("device: CPU") and "TFLOP/s (float32 128^3 matrix product)" in out[0]
     rows = {line.split(" | ")[2]: line.split(" | ") for line in out if line.startswith("digits | fp32")}
-    assert set(rows) == {"batched", *step_variants.VARIANTS}
+    assert set(rows) == {"batched", *step_variants.ENGINE_VARIANTS}
     for engine in ("batched", "channels_last", "bmm_conv"):
         images, tflops, share, first = rows[engine][4:]
         assert float(images.replace(",", "")) > 0 and float(tflops) > 0 and share.endswith("%")
@@ -457,14 +458,14 @@ def test_throughput_writes_the_table_and_each_engines_profile_within_its_budget(
     profiles = (out / "variants-profile.txt").read_text()
     ran = [line.split(" | ")[2] for line in printed if not line.split(" | ")[4].startswith("refused")]
     assert [line.split(", ")[1] for line in profiles.splitlines() if line.startswith("# digits")] == ran
-    ran_expected = 1 + len(step_variants.VARIANTS) - len(step_variants.CUDA_ONLY)  # batched, CPU variants
+    ran_expected = 1 + len(step_variants.ENGINE_VARIANTS) - len(step_variants.CUDA_ONLY)  # batched + CPU ones
     assert profiles.count("## top 15 CPU ops by self_cpu_time_total") == len(ran) == ran_expected
 
     capsys.readouterr()
     none = tmp_path / "none"
     assert throughput.main(["--smoke", "--budget", "0", "--out", str(none)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("digits | fp32")]
-    assert len(rows) == 1 + len(step_variants.VARIANTS)
+    assert len(rows) == 1 + len(step_variants.ENGINE_VARIANTS)
     assert all("not timed: the --budget was spent" in row for row in rows)
 
     calls = []  # compiled last, after every other engine of every dataset; cut first by the budget
@@ -586,11 +587,11 @@ def test_cuda_graph_replays_take_the_batched_engines_steps(engine):
     torch.manual_seed(0)
     model = make_model("digits").double().cuda().train()
     cfg = RunConfig(**{**TINY, "device": "cuda"}).resolved()
-    static = step_variants.make_grad(engine, training.ClientGrad(model))
+    static = step_variants.make_grad(engine, local_training.ClientGrad(model))
     for _ in range(2):
         (ref,), (got,) = (
-            training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
-            for grad_fn in (training.ClientGrad(model), static)
+            local_training.local_steps_stacked([model], [fed], 3, [0.05], cfg, [ClientStreams(0, 4)], grad_fn)
+            for grad_fn in (local_training.ClientGrad(model), static)
         )
         torch.testing.assert_close(got[0], ref[0], rtol=1e-10, atol=1e-10)
         for k in ref[1]:
@@ -607,7 +608,7 @@ def test_folded_variants_equal_batched_on_cuda_in_float64(engine):
     torch.manual_seed(0)
     model = make_model("digits").double().cuda().train()
     g_ref, buf_ref = _steps(fed, None, model)
-    g, buf = _steps(fed, step_variants.make_grad(engine, training.ClientGrad(model)), model)
+    g, buf = _steps(fed, step_variants.make_grad(engine, local_training.ClientGrad(model)), model)
     torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
     for k in buf_ref:
         torch.testing.assert_close(buf[k], buf_ref[k], rtol=1e-10, atol=1e-10)
@@ -638,7 +639,7 @@ def test_client_folded_variants_equal_batched_on_the_papers_models(dataset, imag
     params, buffers = stack_module_state(models)
     x = torch.randn(2, 4, *image, dtype=torch.float64)
     y = torch.randint(0, 10, (2, 4))
-    batched = training.ClientGrad(models[0])
+    batched = local_training.ClientGrad(models[0])
     masks = batched.net.masks(x, lambda layer: torch.arange(2) + 100 * layer)
     assert all(0 < float((m == 0).double().mean()) < 1 for m in masks.values())  # dropout drops some
     ref_buffers = {k: v.clone() for k, v in buffers.items()}

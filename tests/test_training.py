@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from prodigy_core import training
+from prodigy_core import evaluation, local_training, training
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import load_federation
 from prodigy_core.experiments import load_experiment
@@ -62,7 +62,7 @@ def _both_engines(fed, dataset: str, steps: int, batch_size: int, weight_decay: 
                     n_byzantine=0, defense="average", batch_size=batch_size,
                     weight_decay=weight_decay).resolved()  # fmt: skip
     out = []
-    for local_steps in (training._local_steps_batched, training._local_steps_sequential):
+    for local_steps in (local_training.local_steps_batched, local_training.local_steps_sequential):
         # the same batches and dropout masks for both engines. Which streams meet a max-pooling near-tie is
         # chance: digits iid seeded 1 (client 2's 2nd step: 6.6e-4, in the convolutions only), FEMNIST
         # seeded 0 and 2 (as the generators before `ClientStreams` seeded 4); the seeds here meet none
@@ -82,7 +82,7 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_engines_agree_on_digits(distribution):
     # Dirichlet(0.1) gives clients smaller than the batch: the batched engine then vmaps width groups.
     fed = load_federation("digits", 6, distribution=distribution, seed=0)
-    assert len(training._width_groups(fed, 100)) == (1 if distribution == "iid" else 2)
+    assert len(local_training._width_groups(fed, 100)) == (1 if distribution == "iid" else 2)
     (g_b, buf_b), (g_s, buf_s) = _both_engines(fed, "digits", steps=3, batch_size=100, weight_decay=1e-2)
     assert g_b.shape == g_s.shape == (6, sum(p.numel() for p in make_model("digits").parameters()))
     # float32, different kernels (grouped vs plain convolutions): agreement to ~1e-6 relative, 1e-4 stated
@@ -103,16 +103,16 @@ def test_compiled_engine_matches_batched(dropout):
     """engine="compiled" is the batched step under torch.compile: the same function and masks (the streams'
     counter-based draws), other kernels."""
     fed = load_federation("digits", 4, distribution="dirichlet", seed=0)
-    assert len(training._width_groups(fed, 300)) == 2  # two batch widths: the compiled step sees two shapes
+    assert len(local_training._width_groups(fed, 300)) == 2  # two batch widths: two shapes to compile
     torch.manual_seed(0)
     model = make_model("digits").train()
     model = model if dropout else _disable_dropout(model)
     assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) is dropout
     cfg = tiny(n_clients=4, batch_size=300, weight_decay=1e-2).resolved()
     runs = []
-    for grad_fn in (None, training.per_client_grad(model, compiled=True)):
+    for grad_fn in (None, local_training.per_client_grad(model, compiled=True)):
         rng = ClientStreams(1, fed.n_clients)
-        runs.append(training._local_steps_batched(model, fed, 3, 0.05, cfg, rng, grad_fn=grad_fn))
+        runs.append(local_training.local_steps_batched(model, fed, 3, 0.05, cfg, rng, grad_fn=grad_fn))
     (g_eager, buf_eager), (g_compiled, buf_compiled) = runs
     assert _relative_error(g_compiled, g_eager) < 1e-4
     for name in buf_eager:
@@ -128,9 +128,10 @@ def test_compiled_engine_without_a_compiler_says_what_to_do():
     torch._dynamo.reset()
     try:
         with torch._inductor.config.patch(no_compiler):
-            grad_fn = training.ClientGrad(model, compiled=True)  # a new one: the process's may be compiled
+            grad_fn = local_training.ClientGrad(model, compiled=True)  # a new one: the process's may be built
             with pytest.raises(RuntimeError, match=r"engine='compiled'.*C\+\+ compiler.*engine='batched'"):
-                training._local_steps_batched(model, fed, 1, 0.05, cfg, ClientStreams(0, 2), grad_fn=grad_fn)
+                streams = ClientStreams(0, 2)
+                local_training.local_steps_batched(model, fed, 1, 0.05, cfg, streams, grad_fn=grad_fn)
     finally:
         torch._dynamo.reset()
 
@@ -141,7 +142,7 @@ def test_pseudo_gradient_of_one_plain_sgd_step():
     torch.manual_seed(0)
     model = _disable_dropout(make_model("digits")).train()
     cfg = tiny(n_clients=3, batch_size=16, weight_decay=0.0).resolved()
-    g, _ = training._local_steps_batched(model, fed, 1, 0.05, cfg, ClientStreams(5, 3))
+    g, _ = local_training.local_steps_batched(model, fed, 1, 0.05, cfg, ClientStreams(5, 3))
     idx, _ = fed.sample_batch(16, fed.generators(5))
     for k in range(3):
         x, y = fed.train_batch(idx[k], None), fed.train_labels[idx[k]]
@@ -224,7 +225,7 @@ def test_alie_harms_average_and_prodigy_reports_detection():
 
 def test_label_flip_flips_only_byzantine_clients():
     cfg = tiny(n_byzantine=2, attack="lf", rounds=1)
-    shared = training._load_federation(cfg.resolved(), torch.device("cpu"))
+    shared = training.run_federation(cfg.resolved(), torch.device("cpu"))
     before = shared.train_labels.clone()
     fed = training.start_run(cfg, torch.device("cpu"), "batched", fed=shared).fed
     byzantine = torch.cat(fed.client_indices[:2])
@@ -268,9 +269,10 @@ def test_run_rejects_a_plain_dict():
 
 
 def test_auto_engine_is_batched_on_cuda_and_the_measured_choice_on_cpu():
-    assert training.pick_engine("auto", torch.device("cuda"), "cifar10") == "batched"
-    assert training.pick_engine("auto", torch.device("cpu"), "digits") == training.AUTO_CPU_ENGINE["digits"]
-    assert training.pick_engine("sequential", torch.device("cuda"), "digits") == "sequential"
+    assert local_training.pick_engine("auto", torch.device("cuda"), "cifar10") == "batched"
+    auto_cpu = local_training.AUTO_CPU_ENGINE["digits"]
+    assert local_training.pick_engine("auto", torch.device("cpu"), "digits") == auto_cpu
+    assert local_training.pick_engine("sequential", torch.device("cuda"), "digits") == "sequential"
 
 
 def test_the_public_signatures_have_no_test_only_parameter():
@@ -297,15 +299,15 @@ def test_one_dropout_mask_draw_per_round_gives_the_bits_of_one_draw_per_client_s
     st = training.start_run(config, torch.device("cpu"), "sequential")
     st.streams.step = 7  # a later round: the counters carry on
     resolved = config.resolved()
-    batches = [training._draw_batch(st.fed, resolved.batch_size, st.streams) for _ in range(3)]
-    net = training.FunctionalNet(st.model)
-    drawn = training._round_masks(net, st.streams, batches, 10)
+    batches = [local_training._draw_batch(st.fed, resolved.batch_size, st.streams) for _ in range(3)]
+    net = local_training.FunctionalNet(st.model)
+    drawn = local_training._round_masks(net, st.streams, batches, 10)
     widths = set()
     for e, (x, _, mask) in enumerate(batches):
         for k in range(10):
             xk = x[k][mask[k]]
             widths.add(len(xk))
-            expected = training._train_masks(net, st.streams, [k], xk[None], st.streams.step + e)
+            expected = local_training._train_masks(net, st.streams, [k], xk[None], st.streams.step + e)
             got = drawn[e * 10 + k]
             assert got.keys() == expected.keys() == net.dropouts.keys() and len(got) == 1
             assert all(torch.equal(got[n], expected[n][0]) for n in got), (e, k)
@@ -316,14 +318,15 @@ def test_a_compiled_step_is_built_once_per_process_and_architecture():
     # Issue 43: the compiled engine compiled its step for every run (about 100 s each on a 2-core CPU); one
     # per worker process and architecture is reused by every run of it (torch.compile is lazy: nothing
     # compiles here).
-    first = training.per_client_grad(make_model("digits").train(), compiled=True)
-    assert training.per_client_grad(make_model("digits").train(), compiled=True) is first  # other weights
+    first = local_training.per_client_grad(make_model("digits").train(), compiled=True)
+    other_weights = make_model("digits").train()
+    assert local_training.per_client_grad(other_weights, compiled=True) is first
     no_dropout = _disable_dropout(make_model("digits")).train()
-    assert training.per_client_grad(no_dropout, compiled=True) is not first
-    assert training.per_client_grad(make_model("femnist").train(), compiled=True) is not first
-    assert training.per_client_grad(make_model("digits").eval(), compiled=True) is not first
-    eager = training.per_client_grad(make_model("digits").train())
-    assert eager is not training.per_client_grad(make_model("digits").train()) and not eager.compiled
+    assert local_training.per_client_grad(no_dropout, compiled=True) is not first
+    assert local_training.per_client_grad(make_model("femnist").train(), compiled=True) is not first
+    assert local_training.per_client_grad(make_model("digits").eval(), compiled=True) is not first
+    eager = local_training.per_client_grad(make_model("digits").train())
+    assert eager is not local_training.per_client_grad(make_model("digits").train()) and not eager.compiled
 
 
 # ------------------------------------------------------------------------------- where a round goes (41)
@@ -338,7 +341,7 @@ def _slowed(monkeypatch):
 
     from prodigy_core.aggregators import Pipeline
 
-    real_input, real_call, real_eval = training.server_input, Pipeline.__call__, training.evaluate_runs
+    real_input, real_call, real_eval = training.server_input, Pipeline.__call__, evaluation.evaluate_runs
 
     def slow(seconds, fn):
         def wrapped(*args, **kwargs):
@@ -352,7 +355,7 @@ def _slowed(monkeypatch):
 
     monkeypatch.setattr(training, "server_input", server_input)
     monkeypatch.setattr(Pipeline, "__call__", slow(SLEEP["aggregate"], real_call))
-    monkeypatch.setattr(training, "evaluate_runs", slow(SLEEP["eval"], real_eval))
+    monkeypatch.setattr(evaluation, "evaluate_runs", slow(SLEEP["eval"], real_eval))
 
 
 def test_a_record_says_where_its_rounds_went_issue_41_item_1(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prodigy_core import training
+from prodigy_core import local_training, training
 from prodigy_core.aggregators import CClip, TrimmedMean, make_aggregator
 from prodigy_core.attacks import make_attack
 from prodigy_core.config import ConfigError, RunConfig
@@ -78,7 +78,7 @@ def test_each_seed_draws_its_own_split_unless_pinned():
     def split(cfg):
         return [
             ix.tolist()
-            for ix in training._load_federation(cfg.resolved(), torch.device("cpu")).client_indices
+            for ix in training.run_federation(cfg.resolved(), torch.device("cpu")).client_indices
         ]
 
     splits = [split(tiny(distribution="dirichlet", seed=s)) for s in (0, 1, 2)]
@@ -333,7 +333,7 @@ def _two_client_federation() -> Federation:
 
 def test_authors_stream_takes_consecutive_slices_of_each_clients_epoch_shuffles_tail_dropped():
     fed, b, steps = _two_client_federation(), 2, 7
-    stream = training.AuthorsBatchStream(fed, b)
+    stream = local_training.AuthorsBatchStream(fed, b)
     gens = [torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)]
     got = []
     for _ in range(steps):
@@ -360,7 +360,7 @@ def test_authors_stream_takes_consecutive_slices_of_each_clients_epoch_shuffles_
     # the state round-trips: a stream restored from it (with the generator's state) goes on identically
     saved, gen_states = stream.state_dict(), [g.get_state() for g in gens]
     after = [stream.next(gens)[0].tolist() for _ in range(4)]
-    restored = training.AuthorsBatchStream(fed, b)
+    restored = local_training.AuthorsBatchStream(fed, b)
     restored.load_state_dict(saved)
     for g, state in zip(gens, gen_states, strict=True):
         g.set_state(state)
@@ -416,7 +416,7 @@ def test_paper_runs_still_draw_sample_batch_anew_every_step(monkeypatch):
     assert len(seen) == 9
     for idx in seen:
         assert torch.equal(idx, fed.sample_batch(cfg.batch_size, gens)[0])
-    assert training.make_batch_stream(cfg.resolved(), fed) is None
+    assert local_training.make_batch_stream(cfg.resolved(), fed) is None
 
 
 @pytest.mark.parametrize("engine", ["batched", "sequential"])
