@@ -1196,7 +1196,10 @@ def _ray_outcomes(
             try:
                 pairs: list[tuple[str, Outcome]] = ray.get(done[0])
             except Exception as e:  # failed twice (one retry): record it, keep going
-                pairs = [(key, getattr(e, "cause", None) or e) for key in keys]
+                cause = getattr(e, "cause", None) or e
+                # Ray's text holds the worker's traceback (its colour codes taken out)
+                cause.traceback_text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # type: ignore[attr-defined]
+                pairs = [(key, cause) for key in keys]
             for key, outcome in pairs:
                 yield key, outcome, time.perf_counter() - start
     finally:

@@ -221,6 +221,8 @@ def test_ray_executor_runs_a_smoke_grid_and_records_a_failing_task(tmp_path):
     assert sorted(df["key"]) == sorted(c.key() for c in experiment.configs[:2])
     failure = json.loads((tmp_path / "ray" / "ray_small" / f"{bad.key()}.failed.json").read_text())
     assert "no-leaf" in failure["error"] and failure["config"]["dataset"] == "femnist"
+    worker = failure["traceback"]  # the worker's traceback, kept (was null), in plain text
+    assert 'File "' in worker and "no-leaf" in worker and "\x1b" not in worker
     assert df["final_accuracy"].between(0, 100).all() and (df["rounds_completed"] == 3).all()
 
 
