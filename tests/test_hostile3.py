@@ -509,11 +509,15 @@ def test_16_git_setup_fills_a_null_contents_manager(tmp_path):
 # -------------------------------------------------- 22: Ray that cannot start
 
 
-def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_it(work, monkeypatch, capsys):
+def ray_that_fails(work: Path, monkeypatch, message: str) -> tuple[list[str], list[dict]]:
+    """A one-run grid in `work` with Ray whose start raises `message`: (the grid's command line, the keyword
+    arguments of every `ray.init` call)."""
     ray = pytest.importorskip("ray")
+    calls: list[dict] = []
 
     def init(*args, **kwargs):
-        raise Exception("The current node timed out during startup.\nThis could happen because ...")
+        calls.append(kwargs)
+        raise Exception(message)
 
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -521,7 +525,13 @@ def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_i
         "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 1, "
         "defense: average}\ngrid: {attack: [none]}\nseeds: [0]\n"
     )
-    assert main(["grid", "p.yaml", "--executor", "ray", "--results-dir", str(work / "results")]) == 2
+    return ["grid", "p.yaml", "--executor", "ray", "--results-dir", str(work / "results")], calls
+
+
+def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_it(work, monkeypatch, capsys):
+    message = "The current node timed out during startup.\nThis could happen because ..."
+    grid, _ = ray_that_fails(work, monkeypatch, message)
+    assert main(grid) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "prodigy-fl: error:" in line]
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -534,20 +544,8 @@ def test_22_ray_joins_the_cluster_of_ray_address_and_names_a_running_one(work, m
     """`ray job submit` sets RAY_ADDRESS: the grid joins that cluster (Ray refuses num_cpus there); without
     it, a cluster started by `ray start` on this machine makes Ray refuse the local start, and the line says
     how to join it."""
-    ray = pytest.importorskip("ray")
-    calls = []
-
-    def init(*args, **kwargs):
-        calls.append(kwargs)
-        raise Exception("When connecting to an existing cluster, num_cpus and num_gpus must not be provided.")
-
-    monkeypatch.setattr(ray, "init", init)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    (work / "p.yaml").write_text(
-        "experiment: p\ntitle: t\nbase: {dataset: digits, n_clients: 6, n_byzantine: 1, rounds: 1, "
-        "defense: average}\ngrid: {attack: [none]}\nseeds: [0]\n"
-    )
-    grid = ["grid", "p.yaml", "--executor", "ray", "--results-dir", str(work / "results")]
+    message = "When connecting to an existing cluster, num_cpus and num_gpus must not be provided."
+    grid, calls = ray_that_fails(work, monkeypatch, message)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert main(grid) == 2
     assert calls[-1] == {"address": "10.0.0.1:6379", "log_to_driver": False}
