@@ -33,7 +33,7 @@ RULES = Registry("defense")
 _RECENTRE_RATIO = 10.0
 # Rows x columns of one chunk of the Gram matrix: 4 MB in float32 stays in a CPU's cache; a GPU wants few,
 # large products, as kernel launches dominate small ones (float64 accumulation across chunks either way;
-# timings: benchmarks/README.md, aggregators.py).
+# timings: benchmarks/aggregators.py, benchmarks/README.md).
 _CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 26}
 _FLOOR = 1e-12  # relative floor for ProDiGy's divisions (see ProDiGy)
 # float64 products when the median squared norm is below _TINY * d: products under float32's smallest normal

@@ -34,7 +34,7 @@ from prodigy_core.names import (
 # split with numpy under ``authors``): runs equal in them share one loaded federation.
 SPLIT_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
                 "femnist_min_writer_samples", "data_dir", "data_source")  # fmt: skip
-# RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's is a writers hash.
+# RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's hashes its files.
 DATA_SOURCES = {"digits": ("digits",), "cifar10": ("cifar10-binary", "cifar10-jpeg"),
                 "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
 # Part of every ``authors`` result key: bumped whenever the authors variant's numbers change, so that a record

@@ -110,7 +110,8 @@ def resolve_data_source(
     sources: torchvision's binary batches (`cifar10-binary`, `prodigy-fl data cifar10` with internet) and
     the decoded JPEG copy (`cifar10-jpeg`, `prodigy-fl data cifar10 --from cifar10-jpeg.tar.gz`: lossy
     re-encoded images, labelled "CIFAR-10 (JPEG copy)"). FEMNIST's, `femnist-leaf-<hash>`, hashes the
-    writers a run uses (ids and train/test counts), so that runs on different writers never share a key.
+    writers a run uses (ids, train/test counts and the bytes of the files holding them: `femnist_source`), so
+    that runs on different writers, or on other samples of the same writers, never share a key.
     Eligible writers have at least `min_writer_samples` samples over train + test (LEAF's `-k`, counted
     before LEAF's train/test split).
     """
@@ -124,7 +125,7 @@ def resolve_data_source(
     except DataError:
         return None
     writers = eligible_writers(counts, min_writer_samples)
-    return femnist_source(counts, writers[:n_clients]) if len(writers) >= n_clients else None
+    return femnist_source(leaf, counts, writers[:n_clients]) if len(writers) >= n_clients else None
 
 
 def cifar10_source(root: Path) -> str | None:
@@ -238,10 +239,33 @@ def eligible_writers(counts: dict[str, tuple[int, int]], min_writer_samples: int
     return [w for w, (tr, te) in sorted(counts.items()) if tr >= 1 and tr + te >= min_writer_samples]
 
 
-def femnist_source(counts: dict[str, tuple[int, int]], writers: Sequence[str]) -> str:
-    """`femnist-leaf-<12 hex>`: a hash of the writers (in client order) and their train/test counts."""
-    blob = json.dumps([[w, *counts[w]] for w in writers], separators=(",", ":"))
+def femnist_source(leaf_dir: Path, counts: dict[str, tuple[int, int]], writers: Sequence[str]) -> str:
+    """`femnist-leaf-<12 hex>`: a hash of the writers (in client order), their train/test counts and the
+    SHA-256 of every LEAF file of `leaf_dir` that holds one of them (train files, then test files, each
+    sorted by digest: the files' names and the folder's path do not count). The same writers split again by
+    LEAF with another seed (the same counts, other samples) get another source; so does a file that holds
+    them and changes anywhere, which costs a rerun, never a wrong reuse."""
+    used = set(writers)
+    digests = [
+        sorted(_leaf_file_digest(*version) for version in _leaf_file_versions(Path(leaf_dir) / split)
+               if used & _leaf_file_counts(*version).keys())
+        for split in ("train", "test")
+    ]  # fmt: skip
+    blob = json.dumps([[[w, *counts[w]] for w in writers], digests], separators=(",", ":"))
     return FEMNIST_SOURCE_PREFIX + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_file_digest(path: str, mtime_ns: int, size: int) -> str:
+    """SHA-256 of one LEAF file's bytes, cached per file version (read only for files that hold a run's
+    writers: a second or so per GB)."""
+    del mtime_ns, size  # part of the cache key only
+    _check_regular(Path(path))
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def too_few_writers(leaf_dir: Path, counts: dict[str, tuple[int, int]], n_clients: int, k: int) -> DataError:
@@ -972,7 +996,7 @@ def _read_femnist_writers(
     train_x, train_y, sizes = stack(train)
     test_x, test_y, _ = stack(test)
     parts = list(torch.arange(len(train_y)).split(sizes))
-    return train_x, train_y, parts, test_x, test_y, femnist_source(counts, writers)
+    return train_x, train_y, parts, test_x, test_y, femnist_source(leaf_dir, counts, writers)
 
 
 __all__ = [

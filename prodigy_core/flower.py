@@ -43,20 +43,13 @@ from prodigy_core.aggregators import ProDiGy, make_aggregator
 from prodigy_core.attacks import make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
+from prodigy_core.evaluation import diverged_accuracy, eval_due, evaluate
+from prodigy_core.local_training import local_steps_sequential
 from prodigy_core.models import make_model
 from prodigy_core.names import NO_ATTACK
 from prodigy_core.seeding import precision_mode, seed_everything
 from prodigy_core.streams import ClientStreams
-from prodigy_core.training import (
-    RunResult,
-    diverged_accuracy,
-    eval_due,
-    evaluate,
-    local_momentum,
-    local_steps_sequential,
-    median_report,
-    run_federation,
-)
+from prodigy_core.training import RunResult, local_momentum, median_report, run_federation
 
 # Keys of the records a client's reply holds (besides Flower's "metrics").
 UPDATE_KEY, BUFFERS_KEY = "arrays", "buffers"

@@ -177,8 +177,8 @@ def _single_class_batches(fed, batch_size: int) -> list[int]:
 
 
 def test_no_evaluation_batch_of_either_variant_is_one_class(tmp_path, jpeg_folder):
+    from prodigy_core.evaluation import eval_settings
     from prodigy_core.names import VARIANTS
-    from prodigy_core.training import eval_settings
 
     source = jpeg_folder(tmp_path / "jpeg", per_class=20)  # stored class by class, 20 per class
     decode_cifar10_jpeg(source, tmp_path / "data", per_class=20, progress=False)
@@ -194,8 +194,8 @@ def test_authors_numbers_move_when_the_test_set_is_class_sorted():
     one-class batch's own mean, so the same network scores differently on the class-sorted test set."""
     import dataclasses
 
+    from prodigy_core.evaluation import eval_settings, evaluate
     from prodigy_core.models import make_model
-    from prodigy_core.training import eval_settings, evaluate
 
     torch.manual_seed(0)
     fed = load_federation("digits", 1, "iid")
@@ -360,7 +360,12 @@ def test_femnist_24_writer_folder_exact_counts(femnist24_dir):
     first = sorted(counts)[:20]  # the authors' loader: the first N writers in sorted order
     assert [len(ix) for ix in fed.client_indices] == [counts[w][0] for w in first]
     assert len(fed.test_labels) == sum(counts[w][1] for w in first)
-    blob = json.dumps([[w, *counts[w]] for w in first], separators=(",", ":"))
+    # the writers, their counts and the SHA-256 of the folder's one train and one test file
+    files = [
+        hashlib.sha256(next((femnist24_dir / s).glob("*.json")).read_bytes()).hexdigest()
+        for s in ("train", "test")
+    ]
+    blob = json.dumps([[[w, *counts[w]] for w in first], [[files[0]], [files[1]]]], separators=(",", ":"))
     assert fed.source == "femnist-leaf-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -382,6 +387,33 @@ def test_femnist_folder_preference_and_writer_keys(tmp_path, monkeypatch):
     assert on_two.key() == on_two.replace(data_dir=str(two)).key()  # the folder itself is not in the key
     with pytest.raises(DataError, match="not the run's data_source"):
         load_federation("femnist", 2, "natural", data_dir=four, source=on_two.resolved().data_source)
+
+
+def test_femnist_source_names_the_samples_not_only_the_writers(tmp_path):
+    """The same writers with the same counts but other samples (LEAF's split under another seed) get another
+    source; a file that holds none of the run's writers, the files' names and the folder do not count."""
+    from prodigy_core.data import resolve_data_source
+
+    def source(leaf: Path, n: int = 2) -> str:
+        resolved = resolve_data_source("femnist", leaf, n)
+        assert resolved == load_federation("femnist", n, "natural", data_dir=leaf).source  # one formula
+        return resolved
+
+    base = source(write_leaf(tmp_path / "a", {"w_a": [1, 2], "w_b": [3]}, {"w_a": [4], "w_b": [5]}))
+    resplit = write_leaf(tmp_path / "b", {"w_a": [1, 4], "w_b": [3]}, {"w_a": [2], "w_b": [5]})
+    assert leaf_writer_counts(resplit) == leaf_writer_counts(tmp_path / "a")  # the old hash's whole input
+    assert source(resplit) != base
+    moved = write_leaf(tmp_path / "c", {"w_a": [1, 2], "w_b": [3]}, {"w_a": [4], "w_b": [5]})
+    for split in ("train", "test"):
+        (moved / split / "part_1.json").rename(moved / split / "renamed.json")
+        (moved / split / "unused.json").write_text(
+            json.dumps(
+                {"users": ["w_z"], "num_samples": [1], "user_data": {"w_z": {"x": [[0.0] * 784], "y": [9]}}}
+            )
+        )
+    # w_z (sorted last) is not among the first 2 writers: its files do not count
+    assert source(moved) == base
+    assert source(moved, 3) != source(tmp_path / "a", 2)
 
 
 def test_femnist_synthetic_leaf_takes_first_writers_in_sorted_order(tmp_path):
@@ -696,3 +728,108 @@ def read_leaf_labels(folder: Path) -> dict[str, list[int]]:
         for w, d in json.loads(path.read_text())["user_data"].items():
             labels.setdefault(w, []).extend(d["y"])
     return labels
+
+
+# ---------------------------------------- scripts/rekey_femnist_records.py: records keyed on the old FEMNIST
+# source (writers and counts only) get the source their folder makes today and the key a new run makes.
+
+
+@pytest.fixture(scope="module")
+def rekey(scripts):
+    return scripts("scripts/rekey_femnist_records.py")
+
+
+def old_source(leaf, writers) -> str:
+    """The source as the code before 2026-11-28 made it, written out again here."""
+    counts = leaf_writer_counts(leaf)
+    blob = json.dumps([[w, *counts[w]] for w in writers], separators=(",", ":"))
+    return "femnist-leaf-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def rekey_record(config: RunConfig, accuracy: float) -> dict:
+    return {"key": config.key(), "experiment": "t", "status": "done", "config": config.to_dict(),
+            "final_accuracy": accuracy, "accuracy_curve": [[1, accuracy]]}  # fmt: skip
+
+
+@pytest.fixture
+def old_records(tmp_path, monkeypatch):
+    """A LEAF folder of three writers and a results folder: two old records of its first two writers (one
+    per defense), one of its three writers, one of another folder's writers, and one of its first two
+    writers keyed at an older revision of the authors variant (no longer current)."""
+    leaf = write_leaf(
+        tmp_path / "leaf", {"w_a": [1, 2], "w_b": [3], "w_c": [4]}, {w: [5] for w in ("w_a", "w_b", "w_c")}
+    )
+    base = RunConfig(
+        dataset="femnist", distribution="natural", n_clients=2, n_byzantine=0, rounds=1, defense="none"
+    )
+    olds = [
+        base.replace(data_source=old_source(leaf, ["w_a", "w_b"])),
+        base.replace(data_source=old_source(leaf, ["w_a", "w_b"]), defense="nnm+median"),
+        base.replace(data_source=old_source(leaf, ["w_a", "w_b", "w_c"]), n_clients=3),
+        base.replace(data_source="femnist-leaf-0123456789ab"),  # made from some other folder
+    ]
+    results = tmp_path / "results"
+    (results / "t").mkdir(parents=True)
+    for i, c in enumerate(olds):
+        (results / "t" / f"{c.key()}.json").write_text(json.dumps(rekey_record(c, 10.0 + i)))
+    stale = olds[0].replace(variant="authors")
+    with monkeypatch.context() as m:
+        m.setattr("prodigy_core.config.AUTHORS_REVISION", -1)
+        stale_key = stale.key()
+        (results / "t" / f"{stale_key}.json").write_text(json.dumps(rekey_record(stale, 14.0)))
+    return leaf, results, olds, stale_key
+
+
+def rekeyed_keys(leaf, olds, stale_key) -> dict[float, str]:
+    """{accuracy: the key a new run of that record's config makes on `leaf`}; the last two unchanged."""
+    today = [c.replace(data_source=None, data_dir=str(leaf)) for c in olds[:3]]
+    assert all(t.resolved().data_source != c.data_source for t, c in zip(today, olds, strict=False))
+    new = [t.key() for t in today]
+    return {10.0: new[0], 11.0: new[1], 12.0: new[2], 13.0: olds[3].key(), 14.0: stale_key}
+
+
+def test_rekey_a_results_folder_to_the_keys_new_runs_make(rekey, old_records, capsys):
+    leaf, results, olds, stale_key = old_records
+    before = sorted(p.name for p in (results / "t").glob("*.json"))
+    assert rekey.main([str(results), "--leaf", str(leaf), "--dry-run"]) == 0
+    assert sorted(p.name for p in (results / "t").glob("*.json")) == before  # a dry run changes nothing
+    assert rekey.main([str(results), "--leaf", str(leaf)]) == 0
+    out = capsys.readouterr().out
+    assert "3 record(s) rekeyed" in out, out
+    assert f"left as it is: t/{olds[3].key()}.json" in out and f"left as it is: t/{stale_key}.json" in out
+    from prodigy_core.data import resolve_data_source
+    from prodigy_core.results import check_record
+
+    records = [json.loads(p.read_text()) for p in (results / "t").glob("*.json")]
+    assert {r["final_accuracy"]: r["key"] for r in records} == rekeyed_keys(leaf, olds, stale_key)
+    for r in records:
+        if r["final_accuracy"] < 13:  # rekeyed: valid records of current keys (the key, the name, the config)
+            assert check_record(r, results / "t" / f"{r['key']}.json") is None
+            assert r["data_source_rekeyed_from"] == olds[int(r["final_accuracy"]) - 10].data_source
+            n = r["config"]["n_clients"]
+            assert r["config"]["data_source"] == resolve_data_source("femnist", leaf, n)
+        else:
+            assert "data_source_rekeyed_from" not in r
+    assert rekey.main([str(results), "--leaf", str(leaf)]) == 0  # a second pass finds nothing to do
+    assert "0 record(s) rekeyed" in capsys.readouterr().out
+
+
+def test_rekey_a_tarball_in_place_with_its_other_members(rekey, old_records, tmp_path):
+    leaf, results, olds, stale_key = old_records
+    tarball = tmp_path / "results.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(results / "t", arcname="results/t")
+        (tmp_path / "log.txt").write_text("the window's log\n")
+        tar.add(tmp_path / "log.txt", arcname="log.txt")
+    assert rekey.main([str(tarball), "--leaf", str(leaf)]) == 0
+    with tarfile.open(tarball) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    assert members.pop("log.txt") == b"the window's log\n"
+    rekeyed = {json.loads(v)["final_accuracy"]: k for k, v in members.items()}
+    assert rekeyed == {a: f"results/t/{key}.json" for a, key in rekeyed_keys(leaf, olds, stale_key).items()}
+
+
+def test_rekey_without_a_leaf_folder_is_one_line(rekey, tmp_path, capsys):
+    assert rekey.main([str(tmp_path), "--leaf", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere" in err

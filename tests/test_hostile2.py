@@ -185,11 +185,22 @@ def test_a_valid_leaf_folder_still_loads(tmp_path, capsys):
     assert cli.main(["data", "femnist", str(tmp_path / "leaf")]) == 0
 
 
-def test_the_femnist_source_hash_of_the_committed_records_is_unchanged(femnist24_dir):
-    """figures/mini's FEMNIST records were keyed on this source: validation must not change it."""
+def test_the_committed_femnist_records_have_the_source_their_folder_makes_today(femnist24_dir):
+    """figures/gpu's FEMNIST records were made from femnist-leaf-24: their data source must be the one a new
+    run on that folder resolves to, else the next GPU window reruns them (`--resume` finds no key) and a
+    report mixes two sources (scripts/rekey_femnist_records.py migrates old ones)."""
+    import tarfile
+
     from prodigy_core.data import resolve_data_source
 
-    assert resolve_data_source("femnist", femnist24_dir, 20, 350) == "femnist-leaf-a5c029fd3f00"
+    tarball = Path(__file__).resolve().parents[1] / "figures" / "gpu" / "results.tar.gz"
+    with tarfile.open(tarball) as tar:
+        records = [json.load(tar.extractfile(m)) for m in tar if m.isfile() and m.name.startswith("results/")]
+    femnist = [r["config"] for r in records if r["config"]["dataset"] == "femnist"]
+    assert len(femnist) >= 20
+    for config in femnist:
+        n, k = config["n_clients"], config["femnist_min_writer_samples"]
+        assert config["data_source"] == resolve_data_source("femnist", femnist24_dir, n, k), config
 
 
 # ------------------------------------------------------ 4: reproduce --scale mini (papermill's string keys)

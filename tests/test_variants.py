@@ -18,9 +18,10 @@ from prodigy_core.aggregators import CClip, TrimmedMean, make_aggregator
 from prodigy_core.attacks import make_attack
 from prodigy_core.config import ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
+from prodigy_core.evaluation import diverged_accuracy, evaluate
 from prodigy_core.experiments import load_experiment
 from prodigy_core.streams import ClientStreams
-from prodigy_core.training import diverged_accuracy, evaluate, local_momentum, run, server_input
+from prodigy_core.training import local_momentum, run, server_input
 
 TINY = dict(dataset="digits", n_clients=6, n_byzantine=0, defense="average", attack="none", rounds=8,
             local_steps=4, batch_size=32, eval_every=4, device="cpu")  # fmt: skip
