@@ -18,6 +18,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1180,6 +1181,14 @@ def _ray_outcomes(
                     if not address and "existing cluster" in first else "")  # fmt: skip
             fix = "run without Ray: --executor local (the default)"
             raise ValueError(f"Ray could not start {where} ({first}){hint}; {fix}") from None
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    short = _ray_shortfall(nodes, num_cpus, num_gpus)
+    if short and started_here and not address:  # a local cluster never grows: the tasks would wait forever
+        ray.shutdown()
+        raise ValueError(f"Ray on this machine: {short}; ask for less (--num-cpus/--num-gpus) or join a "
+                         "cluster that has it (--address)")  # fmt: skip
+    if short:  # a cluster's autoscaler may add such a node: say so, then wait as Ray does
+        warnings.warn(f"the Ray cluster has {short}: the runs wait for one", RuntimeWarning, stacklevel=2)
     remote = ray.remote(max_retries=1, retry_exceptions=True)(_ray_work)
     here = os.getcwd()  # a worker runs from the driver's folder, where a plug-in's relative path points
     refs: dict[Any, tuple[list[str], float]] = {}
@@ -1207,6 +1216,15 @@ def _ray_outcomes(
             ray.cancel(ref, force=True)
         if started_here:
             ray.shutdown()
+
+
+def _ray_shortfall(nodes: list[dict[str, float]], num_cpus: float, num_gpus: float) -> str | None:
+    """Why no node among `nodes` (their Ray resources) can run a task of num_cpus CPUs and num_gpus GPUs (a
+    task runs on one node); None when one can."""
+    if any(r.get("CPU", 0) >= num_cpus and r.get("GPU", 0) >= num_gpus for r in nodes):
+        return None
+    have = ", ".join(f"{r.get('CPU', 0):g} CPU / {r.get('GPU', 0):g} GPU" for r in nodes) or "none"
+    return f"no node with {num_cpus:g} CPU(s) and {num_gpus:g} GPU(s) for a run (its nodes: {have})"
 
 
 def _with_traceback(error: BaseException) -> BaseException:

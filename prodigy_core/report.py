@@ -968,7 +968,7 @@ def report_title(experiment: Any, df: pd.DataFrame | None = None) -> str:
 
 
 def femnist_label(source: str, df: pd.DataFrame | None = None) -> str:
-    """A FEMNIST data source in words: "FEMNIST, 20 LEAF writers (writer set a5c029fd3f00)"."""
+    """A FEMNIST data source in words: "FEMNIST, 20 LEAF writers (writer set cb412b880d2f)"."""
     from prodigy_core.data import FEMNIST_SOURCE_PREFIX
 
     counts = (

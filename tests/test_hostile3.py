@@ -539,7 +539,6 @@ def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_i
     assert "--executor local" in lines[0]
 
 
-
 def test_22_ray_joins_the_cluster_of_ray_address_and_names_a_running_one(work, monkeypatch, capsys):
     """`ray job submit` sets RAY_ADDRESS: the grid joins that cluster (Ray refuses num_cpus there); without
     it, a cluster started by `ray start` on this machine makes Ray refuse the local start, and the line says
@@ -555,6 +554,40 @@ def test_22_ray_joins_the_cluster_of_ray_address_and_names_a_running_one(work, m
     assert "num_cpus" in calls[-1] and "address" not in calls[-1]
     err = capsys.readouterr().err
     assert "a Ray cluster runs here: join it with --address auto" in err and "Traceback" not in err
+
+
+def test_ray_on_this_machine_without_the_gpus_a_run_asks_for_is_one_line_not_a_wait(
+    work, monkeypatch, capsys
+):
+    """--num-gpus 1 where Ray's local node has no GPU: Ray would queue every task forever (a local cluster
+    never grows); the grid stops at once in one line naming the nodes, and trains nothing."""
+    grid, calls = ray_that_fails(work, monkeypatch, "")
+    ray = pytest.importorskip("ray")
+    stopped = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 1e9}}])
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+    assert main([*grid, "--num-gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "prodigy-fl: error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "no node with 1 CPU(s) and 1 GPU(s) for a run (its nodes: 2 CPU / 0 GPU)" in lines[0]
+    assert "--num-gpus" in lines[0] and stopped
+    assert not list((work / "results").rglob("*.json"))
+
+
+def test_a_run_fits_a_ray_node_only_whole():
+    """A task runs on one node: its CPUs and GPUs must fit one node's; a GPU fraction fits any GPU node."""
+    from prodigy_core.experiments import _ray_shortfall
+
+    gpu_node, cpu_node = {"CPU": 8.0, "GPU": 1.0}, {"CPU": 64.0}
+    assert _ray_shortfall([cpu_node, gpu_node], 1, 0.25) is None
+    assert _ray_shortfall([cpu_node, gpu_node], 16, 0) is None  # the CPU node
+    assert _ray_shortfall([gpu_node, gpu_node], 1, 2) == (
+        "no node with 1 CPU(s) and 2 GPU(s) for a run (its nodes: 8 CPU / 1 GPU, 8 CPU / 1 GPU)"
+    )
+    assert _ray_shortfall([cpu_node, gpu_node], 16, 1) is not None  # enough of each, never on one node
+    assert _ray_shortfall([], 1, 0) == "no node with 1 CPU(s) and 0 GPU(s) for a run (its nodes: none)"
 
 
 def test_22_a_ray_worker_runs_from_the_drivers_folder_where_its_node_has_it(work, monkeypatch, tmp_path):
@@ -617,6 +650,7 @@ def test_23_a_pool_worker_that_dies_costs_the_grid_nothing_but_its_own_run(work,
         assert "its worker process died twice" in failed[0].read_text()
     else:
         assert code == 0 and len(done) == 2 and not failed
+
 
 # -------------------------------------------------- 21: a plug-in named like a built-in
 
