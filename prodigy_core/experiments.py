@@ -919,15 +919,19 @@ def _record_outcome(plan: GridPlan, key: str, outcome: Outcome, seconds: float) 
 
 def grid_summary(plan: GridPlan, finished: int, failed: int) -> list[str]:
     """The lines `run_grid` ends with: each run of the plan left undone (claimed by another process, with
-    its lock's state), then the counts and where the records are."""
+    its lock's state), then the counts (`finished` and `failed` here; the runs another process stored
+    meanwhile) and where the records are."""
     folder, experiment = plan.folder, plan.experiment
     skipped = len(experiment.configs) - len(plan.todo)
-    busy = [c for c in plan.todo if store.stored_record(folder, c.key()) is None
-            and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
+    stored = [store.stored_record(folder, c.key()) is not None for c in plan.todo]
+    busy = [c for c, done in zip(plan.todo, stored, strict=True)
+            if not done and not store.failure_path(folder, c.key()).exists()]  # fmt: skip
+    elsewhere = sum(stored) - finished  # trained by another process working on the same grid
     lines = [f"undone {plan.describe(c)}: {store.lock_state(folder / f'{c.key()}.lock')}" for c in busy]
     lines.append(
-        f"{experiment.results_name}: {plural(finished, 'run')} trained, {skipped} already stored, "
-        f"{failed} failed"
+        f"{experiment.results_name}: {plural(finished, 'run')} trained"
+        + (f", {elsewhere} by another process" if elsewhere > 0 else "")
+        + f", {skipped} already stored, {failed} failed"
         + (f", {len(busy)} left undone (claimed, see above)" if busy else "")
         + f"; records in {folder}"
     )

@@ -396,6 +396,35 @@ def test_the_grid_lists_runs_left_undone_and_exits_1(tmp_path, fake_training, ca
     assert cli.main(["grid", str(params), "--results-dir", str(tmp_path / "res")]) == 0
 
 
+def test_the_grid_counts_the_runs_another_process_trained_meanwhile(
+    tmp_path, fake_training, capsys, monkeypatch
+):
+    """Two processes on one grid: a run the other one claimed and finished while this one trained is counted
+    as the other's (the counts add up to the grid), not left out of the summary."""
+    from prodigy_core import experiments
+
+    params = tmp_path / "seeds.yaml"
+    params.write_text(json.dumps(SEEDS))
+    busy = load_experiment(params).configs[1]
+    folder = tmp_path / "res" / "seeds"
+    folder.mkdir(parents=True)
+    lock = _lock(folder, busy.key(), {"pid": 4242, "host": "another-host"}, age=1)
+    train = experiments.execute
+
+    def train_while_the_other_finishes(task, threads=None):
+        record = {"config": busy.to_dict(), "final_accuracy": 10.0, "accuracy_curve": []}
+        results.save_record(folder, busy.key(), record, "seeds")  # the other process, meanwhile
+        lock.unlink()
+        return train(task, threads)
+
+    monkeypatch.setattr(experiments, "execute", train_while_the_other_finishes)
+    assert cli.main(["grid", str(params), "--results-dir", str(tmp_path / "res")]) == 0
+    assert fake_training == [0]
+    assert (
+        "seeds: 1 run trained, 1 by another process, 0 already stored, 0 failed;" in capsys.readouterr().err
+    )
+
+
 # ------------------------------------------------------------------ 12-17: one error line, exit 2
 
 
