@@ -59,6 +59,7 @@ SOURCE_LABELS = {
     CIFAR10_JPEG: "CIFAR-10 (JPEG copy)",
     DIGITS_SOURCE: "scikit-learn digits",
 }
+CIFAR10_JPEG_PART = "cifar10-jpeg-first-"  # + "<train>-<test>": a copy decoded in part (per_class)
 CIFAR10_BATCH_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_PER_CLASS = {"train": 5000, "test": 1000}
@@ -94,6 +95,9 @@ def source_label(source: str | None) -> str | None:
         return SOURCE_LABELS.get(source) if source else None
     if source.startswith(FEMNIST_SOURCE_PREFIX):
         return f"FEMNIST (LEAF writers {source.removeprefix(FEMNIST_SOURCE_PREFIX)})"
+    if source.startswith(CIFAR10_JPEG_PART):
+        train, test = source.removeprefix(CIFAR10_JPEG_PART).split("-")
+        return f"CIFAR-10 (JPEG copy, its first {train} train / {test} test images per class)"
     return source
 
 
@@ -129,13 +133,39 @@ def resolve_data_source(
 
 
 def cifar10_source(root: Path) -> str | None:
-    """`cifar10-binary` when torchvision's batches are in root/cifar-10-batches-py, else `cifar10-jpeg` when
-    the decoded JPEG copy is in root/cifar10-jpeg, else None (files checked for presence only)."""
+    """`cifar10-binary` when torchvision's batches are in root/cifar-10-batches-py (checked for presence),
+    else the decoded JPEG copy's source when it is in root/cifar10-jpeg (`decoded_source`), else None."""
     if all((root / "cifar-10-batches-py" / name).is_file() for name in CIFAR10_BATCH_FILES):
         return CIFAR10_BINARY
-    if (root / CIFAR10_JPEG_FILE).is_file():
-        return CIFAR10_JPEG
+    path = root / CIFAR10_JPEG_FILE
+    if path.is_file():
+        stat = path.stat()
+        return decoded_source(str(path), stat.st_mtime_ns, stat.st_size)
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def decoded_source(path: str, mtime_ns: int, size: int) -> str:
+    """The source of a decoded JPEG copy (`decode_cifar10_jpeg`): `cifar10-jpeg` when it holds CIFAR-10's
+    5,000 train and 1,000 test images of every class, `cifar10-jpeg-first-<train>-<test>` when it holds
+    fewer (decoded with per_class): a part never shares a key with the whole. Reads its labels only (memory
+    mapped, milliseconds), cached per file version; a file that cannot be read counts as the whole copy, and
+    loading it gives the error."""
+    del mtime_ns, size  # part of the cache key only
+    try:
+        arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        counts = [torch.bincount(arrays[f"{split}_labels"]).tolist() for split in CIFAR10_PER_CLASS]
+    except Exception:  # noqa: BLE001 - whatever a damaged file raises: `_check_decoded` names it on loading
+        return CIFAR10_JPEG
+    return _jpeg_source(counts)
+
+
+def _jpeg_source(counts: list[list[int]]) -> str:
+    """The decoded copy's source from its images per class, train then test (`decoded_source`)."""
+    per_class = [c[0] if c and len(set(c)) == 1 else 0 for c in counts]
+    if per_class == list(CIFAR10_PER_CLASS.values()) or 0 in per_class:  # unequal classes: loading says so
+        return CIFAR10_JPEG
+    return CIFAR10_JPEG_PART + "-".join(map(str, per_class))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -640,8 +670,15 @@ def load_federation(
         if name == "cifar10":
             root = Path(data_dir) if data_dir else data_root()
             source = source or cifar10_source(root) or (CIFAR10_BINARY if download else None)
-            if source == CIFAR10_JPEG:
+            if source is not None and source.startswith(CIFAR10_JPEG):
                 train_x, train_y, test_x, test_y = _read_cifar10_jpeg(root)
+                decoded = _jpeg_source([torch.bincount(y).tolist() for y in (train_y, test_y)])
+                if decoded != source:
+                    raise DataError(
+                        f"{root / CIFAR10_JPEG_FILE} holds {source_label(decoded)}, not the run's "
+                        f"data_source={source}; decode that copy into another data folder, or run with "
+                        "data_source=null"
+                    )
             elif source == CIFAR10_BINARY:
                 train_x, train_y, test_x, test_y = _read_cifar10(root, download)
             else:
@@ -781,7 +818,8 @@ def decode_cifar10_jpeg(
 
     Labels are the class folders in alphabetical order (CIFAR-10's ids 0..9); images sorted by file name
     within a class. The counts must be CIFAR-10's: 5,000 train and 1,000 test images per class (50,000 /
-    10,000). per_class (tests): decode only the first per_class files of every class and split.
+    10,000). per_class (tests): decode only the first per_class files of every class and split; such a copy's
+    data source is `cifar10-jpeg-first-<per_class>-<per_class>`, never the whole copy's (`decoded_source`).
     """
     from PIL import Image
     from tqdm.auto import tqdm

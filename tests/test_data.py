@@ -160,7 +160,7 @@ def test_cifar10_jpeg_folder_decodes_with_labels_in_class_order(tmp_path, jpeg_f
     assert path == tmp_path / "data" / "cifar10-jpeg" / "cifar10-jpeg-uint8.pt"
     assert not [p for p in path.parent.iterdir() if p != path]  # atomic write: no temporary file left
     fed = load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data")
-    assert fed.source == "cifar10-jpeg" and fed.train_images.dtype == torch.uint8
+    assert fed.source == "cifar10-jpeg-first-2-2" and fed.train_images.dtype == torch.uint8
     assert fed.train_labels.tolist() == [c for c in range(10) for _ in range(2)]
     # the test set is read in the stated fixed order: torch.randperm(n) under seed 0, classes interleaved
     test_order = torch.randperm(20, generator=torch.Generator().manual_seed(0)).tolist()
@@ -242,14 +242,46 @@ def test_cifar10_binary_batches_come_before_the_jpeg_copy(cifar_root, jpeg_folde
     decode_cifar10_jpeg(jpeg_folder(root / "jpeg", per_class=1), root, per_class=1, progress=False)
     fed = load_federation("cifar10", 2, "iid", data_dir=root)
     assert fed.source == "cifar10-binary" and len(fed.train_labels) == 5 * CIFAR_PER_BATCH
-    fed = load_federation("cifar10", 2, "iid", data_dir=root, source="cifar10-jpeg")
-    assert fed.source == "cifar10-jpeg" and len(fed.train_labels) == 10
+    fed = load_federation("cifar10", 2, "iid", data_dir=root, source="cifar10-jpeg-first-1-1")
+    assert fed.source == "cifar10-jpeg-first-1-1" and len(fed.train_labels) == 10
     from prodigy_core.config import RunConfig
 
     binary = RunConfig(dataset="cifar10", data_dir=str(root))
-    jpeg = binary.replace(data_source="cifar10-jpeg")
+    jpeg = binary.replace(data_source="cifar10-jpeg-first-1-1")
     assert binary.resolved().data_source == "cifar10-binary"
     assert binary.key() == binary.replace(data_source="cifar10-binary").key() != jpeg.key()
+
+
+def test_a_jpeg_copy_decoded_in_part_never_shares_the_whole_copys_key(tmp_path, jpeg_folder):
+    """decode_cifar10_jpeg(per_class=k) (tests, or a quick look) where the whole copy is read: its runs are
+    keyed `cifar10-jpeg-first-k-k`, and a run keyed on the whole copy refuses it in one line instead of
+    training on 20 images under the whole copy's key."""
+    from prodigy_core.config import ConfigError, RunConfig
+
+    root = tmp_path / "data"
+    decode_cifar10_jpeg(jpeg_folder(tmp_path / "jpeg", per_class=2), root, per_class=2, progress=False)
+    config = RunConfig(
+        dataset="cifar10", n_clients=2, n_byzantine=0, defense="none", distribution="iid", data_dir=str(root)
+    )
+    assert config.resolved().data_source == "cifar10-jpeg-first-2-2"
+    assert config.key() != config.replace(data_source="cifar10-jpeg").key()
+    assert (
+        data.source_label("cifar10-jpeg-first-2-2")
+        == "CIFAR-10 (JPEG copy, its first 2 train / 2 test images per class)"
+    )
+    part = r"CIFAR-10 \(JPEG copy, its first 2 train / 2 test images per class\)"
+    with pytest.raises(DataError, match=rf"holds {part}, not the run's data_source=cifar10-jpeg;"):
+        load_federation("cifar10", 2, "iid", data_dir=root, source="cifar10-jpeg")
+    # the whole copy's counts (faked by repeating the part's labels) make the whole copy's source
+    whole = [[5000] * 10, [1000] * 10]
+    assert data._jpeg_source(whole) == "cifar10-jpeg" and data._jpeg_source([[2] * 10, [2] * 10]).endswith(
+        "2-2"
+    )
+    assert data._jpeg_source([[2] * 9 + [3], [2] * 10]) == "cifar10-jpeg"  # unequal: loading says so
+    for valid in ("cifar10-jpeg-first-2-2", "cifar10-jpeg"):
+        RunConfig(dataset="cifar10", data_source=valid).validate()
+    with pytest.raises(ConfigError, match="cifar10-jpeg-first-<train>-<test>"):
+        RunConfig(dataset="cifar10", data_source="cifar10-jpeg-first-0-2").validate()
 
 
 @pytest.mark.slow  # reads the whole 60,000-file archive

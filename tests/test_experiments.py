@@ -353,7 +353,8 @@ def test_smoke_cifar10_runs_on_real_cifar10_when_this_machine_has_it(tmp_path, m
     decode_cifar10_jpeg(jpeg_folder(tmp_path / "jpeg", 1), per_class=1, progress=False)
     smoke = load_experiment("table1_cifar10", smoke=True)
     assert {c.dataset for c in smoke.configs} == {"cifar10"} and smoke.stand_in is None
-    assert {c.resolved().data_source for c in smoke.configs} == {"cifar10-jpeg"}
+    # the copy decoded here, in part
+    assert {c.resolved().data_source for c in smoke.configs} == {"cifar10-jpeg-first-1-1"}
     on_digits = load_experiment("table1_cifar10", smoke=True, fields={"data_dir": str(tmp_path / "none")})
     assert {c.dataset for c in on_digits.configs} == {"digits"}  # no CIFAR-10 there: the stand-in
 
