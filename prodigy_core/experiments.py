@@ -819,6 +819,26 @@ class GridPlan:
         return " ".join(f"{n}={getattr(config, n)}" for n in self.varying) or config.key()
 
 
+def check_code_is_keyed(configs: Iterable[RunConfig]) -> None:
+    """A ValueError for a rule or an attack registered by name from outside the package: a stored run keys
+    its name, not its code, so an edited class would find the old records; a plug-in spec keys its code."""
+    from prodigy_core.aggregators import RULES, split_defense
+    from prodigy_core.attacks import ATTACKS
+
+    for c in configs:
+        for registry, name in ((RULES, split_defense(c.defense)[1]), (ATTACKS, c.attack)):
+            cls = registry.unkeyed_class(name)
+            if cls is None:
+                continue
+            kind, module, cls_name = registry.kind, cls.__module__, cls.__name__
+            raise ValueError(
+                f"{kind} {name!r} is registered by name from {module}: a stored run's key would hold its "
+                f"name, not its code (an edited {cls_name} would find the old records); save it in a file "
+                f"and name it as a plug-in ({kind}: my_code.py:{cls_name}), whose code the key holds, or "
+                "train it without a store (training.run)"
+            )
+
+
 def plan_grid(
     experiment: Experiment, executor: str, jobs: int | str, force: bool, results_dir: Any, batch_runs: Any
 ) -> GridPlan:
@@ -831,6 +851,7 @@ def plan_grid(
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
     if jobs != "auto" and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs={jobs!r} must be 'auto' or an integer >= 1")
+    check_code_is_keyed(experiment.configs)
     folder = store.experiment_dir(experiment.results_name, results_dir)
     todo = [c for c in experiment.configs if force or store.stored_record(folder, c.key()) is None]
     check_writers(todo)

@@ -104,6 +104,14 @@ class Registry:
             raise ValueError(f"unknown {self.kind} {name!r}{hint}")
         return self._entries[name]
 
+    def unkeyed_class(self, name: str) -> type | None:
+        """The class of a name registered from outside the package (``@RULES.register`` in a notebook or a
+        script), whose code no result key holds: a key names it only. None for the package's own classes
+        and for plug-in specs (their code hash is keyed)."""
+        entry = None if is_plugin(name) else self._entries.get(name)
+        module = getattr(entry.cls, "__module__", "") if entry is not None else "prodigy_core"
+        return None if module == "prodigy_core" or module.startswith("prodigy_core.") else entry.cls  # type: ignore[union-attr]
+
     def display(self, name: str, params: Mapping[str, Any] | None = None) -> str:
         """How a table prints ``name`` with ``params``: "FOE ε=0.1", "CClip (tau=5)"."""
         entry = self.lookup(name)

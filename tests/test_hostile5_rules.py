@@ -94,6 +94,45 @@ def test_r5_3_a_rule_registered_after_import_is_built_by_name_alone_and_behind_n
     assert RunConfig(dataset="digits", defense="mean2", n_byzantine=1).defense == "mean2"
 
 
+def test_a_grid_refuses_a_rule_registered_by_name_whose_code_no_key_holds(
+    own_registry, tmp_path, monkeypatch
+):
+    """The same registered rule, then edited and registered again (a notebook's cell run twice): its runs'
+    key held the name only, so a grid found the first version's records and reported them for the edit. A
+    grid (a store) now refuses such a name, a rule's or an attack's, in one line naming the plug-in way
+    (whose code the key holds); the package's own names pass."""
+    from prodigy_core.attacks import ATTACKS, Attack
+    from prodigy_core.experiments import check_code_is_keyed, experiment_from_spec, run_grid
+
+    monkeypatch.setattr(ATTACKS, "_entries", dict(ATTACKS._entries))
+
+    @RULES.register
+    class Mean2(Rule):
+        name = "mean2"
+
+        def __init__(self, f: int):
+            self.f = f
+
+        def aggregate(self, G):
+            return G.mean(dim=0)
+
+    @ATTACKS.register
+    class Zero(Attack):
+        name = "zero"
+
+    base = {"dataset": "digits", "n_clients": 6, "n_byzantine": 1, "rounds": 1}
+    spec = {"experiment": "mine", "base": base, "grid": {"defense": ["nnm+mean2"], "attack": ["sf"]}}
+    with pytest.raises(ValueError, match=r"defense 'mean2' is registered by name from .*test_hostile5_rules: "
+                       r"a stored run's key would hold its name, not its code .* plug-in \(defense: "
+                       r"my_code.py:Mean2\)"):  # fmt: skip
+        run_grid(experiment_from_spec(spec), results_dir=tmp_path, progress=False)
+    assert not any(tmp_path.rglob("*.json"))  # nothing trained, nothing stored
+    zero = RunConfig(dataset="digits", n_clients=6, n_byzantine=1, defense="nnm+median", attack="zero")
+    with pytest.raises(ValueError, match="attack 'zero' is registered by name"):
+        check_code_is_keyed([zero])
+    check_code_is_keyed([zero.replace(attack="alie"), zero.replace(attack="sf", defense="nnm+krum")])
+
+
 @pytest.mark.parametrize("name", ["", "Mean3", "my rule", "nnm+x", "my.py:X", None])
 def test_r5_4_a_rule_without_a_name_a_params_file_can_write_is_refused_when_registered(own_registry, name):
     """A class without a name was filed under '' (an empty entry in the menus); a name with capitals, a
