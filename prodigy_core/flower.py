@@ -124,7 +124,16 @@ class RobustStrategy(FedAvg):
         **fedavg: Any,
     ) -> None:
         fedavg = {"min_train_nodes": n_clients, "min_available_nodes": n_clients, **fedavg}
+        fixed = {"fraction_train": 1.0, "min_train_nodes": n_clients, "arrayrecord_key": UPDATE_KEY}
+        for name, value in fixed.items():  # what every round of the paper and `training.run` do
+            if fedavg.get(name, value) != value:
+                raise ValueError(
+                    f"RobustStrategy: {name}={fedavg[name]!r} is not supported: every round trains all "
+                    f"n_clients={n_clients} clients and reads their updates from record {UPDATE_KEY!r} "
+                    f"(leave {name} at {value!r})"
+                )
         super().__init__(**fedavg)
+        self.n_clients = n_clients
         self.pipeline = make_aggregator(defense, n_byzantine, n_clients, variant, defense_params)
         self.lr_at = lr_at
         self.attack = None
@@ -145,6 +154,7 @@ class RobustStrategy(FedAvg):
         self.zeroed: list[list[int]] = []  # ProDiGy: the weight-0 clients of every round
         self.diverged_at: int | None = None  # the first round whose step was not finite
         self._arrays: ArrayRecord | None = None
+        self._warned: set[str] = set()  # the once-a-run warnings already given
 
     @classmethod
     def from_config(
@@ -163,6 +173,12 @@ class RobustStrategy(FedAvg):
         missing = [k for k in self.parameters or [] if k not in arrays]
         if missing:
             raise ValueError(f"RobustStrategy: parameters {missing} are not in the server model's arrays")
+        connected = len(list(grid.get_node_ids()))
+        if connected > self.n_clients:  # FedAvg would sample them all: more rows than f and the ids assume
+            raise ValueError(
+                f"RobustStrategy: {connected} nodes connected but n_clients={self.n_clients}: start exactly "
+                "n_clients nodes, or make the strategy with n_clients equal to the nodes"
+            )
         self._arrays = arrays  # theta_t, for the server step
         config["lr"] = float(self.lr_at(server_round - 1))
         return super().configure_train(server_round, arrays, config, grid)
@@ -198,6 +214,7 @@ class RobustStrategy(FedAvg):
             self.diverged_at = server_round
             return self._arrays, metrics
         start = _flat(theta, names)
+        self._warn_if_weights(server_round, G[finite], start)
         self.pipeline.new_round(start)  # CClip (authors) starts from theta_t, in the attack's search too
         aggregate = self.pipeline(self.server_input(G, ids, metrics))
         self._diagnostics(ids, metrics)
@@ -214,7 +231,32 @@ class RobustStrategy(FedAvg):
         out.update(medians)
         if bad_reports:
             metrics["dropped-buffers"] = bad_reports
+        unreported = [name for name in buffers if name not in medians]
+        if unreported:
+            self._warn_once("buffers", f"round {server_round}: half the replies or fewer report the buffers "
+                            f"{unreported} (record {BUFFERS_KEY!r}): they keep their values")  # fmt: skip
         return ArrayRecord(out), metrics
+
+    def _warn_if_weights(self, server_round: int, G: Tensor, start: Tensor) -> None:
+        """Flower's own FedAvg clients reply with their trained weights under the same record name and
+        shapes: the server step would then shrink theta towards 0, silently. Warn (once a run) when the
+        replies' coordinate-wise median lies within 10% of theta_t: an update that close to the weights
+        themselves is no update."""
+        scale = float(start.norm())
+        if "weights" in self._warned or not len(G) or scale == 0:
+            return
+        if float((G.median(dim=0).values - start).norm()) < 0.1 * scale:
+            message = (
+                f"round {server_round}: the replies lie within 10% of the server model: they look like model "
+                f"weights, not updates; record {UPDATE_KEY!r} must hold each client's update "
+                "(theta_t - theta_local) / lr, as the server steps theta_t - lr * Agg"
+            )
+            self._warn_once("weights", message)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log(WARNING, "RobustStrategy: %s", message)
 
     def _skip(self, server_round: int, metrics: MetricRecord, why: str) -> tuple[None, MetricRecord]:
         log(WARNING, "RobustStrategy: round %s skipped, the model stays as it was (%s)", server_round, why)
@@ -290,9 +332,16 @@ def _read_updates(
         k = _client_id(m)
         record = m.content.array_records.get(UPDATE_KEY)
         parts = [_tensor(record, name, p) for name, p in params.items()]
-        if k is None or k in rows or any(t is None for t in parts):
-            log(WARNING, "RobustStrategy: reply of node %s dropped (client id %r, update unusable: %s)",
-                m.metadata.src_node_id, k, any(t is None for t in parts))  # fmt: skip
+        why = (
+            f"no ArrayRecord {UPDATE_KEY!r} (it has {sorted(m.content.array_records)})" if record is None
+            else f"its update lacks {[n for n, t in zip(params, parts, strict=True) if t is None]} or has "
+                 "them of another shape" if any(t is None for t in parts)
+            else f"client id {k!r} is not an integer" if k is None
+            else f"client id {k} came already" if k in rows
+            else None
+        )  # fmt: skip
+        if why is not None:
+            log(WARNING, "RobustStrategy: reply of node %s dropped: %s", m.metadata.src_node_id, why)
             dropped += 1
             continue
         rows[k] = torch.cat([t.reshape(-1).to(torch.float32) for t in parts])  # type: ignore[union-attr]

@@ -4,6 +4,7 @@ Flower's own simulation engine (Ray). Skipped only where the ``flower`` extra is
 import importlib.util
 import pkgutil
 import random
+import re
 import subprocess
 import sys
 import types
@@ -93,6 +94,87 @@ def test_strategy_aggregates_bit_for_bit_as_make_aggregator(monkeypatch, defense
     assert torch.equal(out["bn.running_mean"], torch.quantile(buffers, 0.5, dim=0))
     if isinstance(pipeline.rule, ProDiGy):
         assert metrics["zeroed"] == torch.nonzero(pipeline.rule.last_scores.weight == 0).flatten().tolist()
+
+
+def _one_round(monkeypatch, reply, n: int = 10, connected: int | None = None, **options):
+    """A RobustStrategy (nnm+trimmed_mean, f=3) through configure_train and aggregate_train on one reply a
+    client, ``reply(k, theta)`` giving a client's RecordDict content; returns (strategy, arrays, metrics)."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from prodigy_core.flower import RobustStrategy
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1, raising=False)
+    gen = torch.Generator().manual_seed(3)
+    theta = {"w": torch.randn(2, 3, generator=gen), "bn.running_mean": torch.randn(4, generator=gen)}
+    strategy = RobustStrategy("nnm+trimmed_mean", 3, n, lambda t: 0.05, **options)
+    grid = types.SimpleNamespace(get_node_ids=lambda: list(range(100, 100 + (connected or n))))
+    list(strategy.configure_train(1, ArrayRecord(theta), ConfigRecord(), grid))
+    replies = [
+        Message(RecordDict(reply(k, theta)), dst_node_id=0, message_type=MessageType.TRAIN) for k in range(n)
+    ]
+    return (strategy, theta, *strategy.aggregate_train(1, replies))
+
+
+def _reply(k, theta, update=None, key="arrays", buffers=True):
+    from flwr.app import ArrayRecord, MetricRecord
+
+    gen = torch.Generator().manual_seed(100 + k)
+    content = {key: ArrayRecord({"w": torch.randn(2, 3, generator=gen) if update is None else update}),
+               "metrics": MetricRecord({"partition-id": k})}  # fmt: skip
+    if buffers:
+        content["buffers"] = ArrayRecord({"bn.running_mean": torch.randn(4, generator=gen)})
+    return content
+
+
+@needs_flower
+def test_strategy_warns_once_when_clients_send_weights_not_updates(monkeypatch, caplog):
+    """Flower's FedAvg clients reply with their weights, under the same record and shapes: the step theta -
+    gamma * Agg then shrank the model towards 0 with no word. One warning a run now says so; updates (the
+    bit-for-bit test's) give none."""
+    noise = torch.Generator().manual_seed(0)
+    _, theta, arrays, _ = _one_round(
+        monkeypatch, lambda k, theta: _reply(k, theta, theta["w"] + 0.01 * torch.randn(2, 3, generator=noise))
+    )
+    assert torch.allclose(arrays.to_torch_state_dict()["w"], 0.95 * theta["w"], atol=2e-3)  # the shrink
+    warned = [r.getMessage() for r in caplog.records if "look like model weights" in r.getMessage()]
+    assert len(warned) == 1 and "record 'arrays' must hold each client's update" in warned[0]
+    caplog.clear()
+    _one_round(monkeypatch, _reply)
+    assert not [r for r in caplog.records if "look like model weights" in r.getMessage()]
+
+
+@needs_flower
+def test_strategy_warns_when_no_reply_reports_the_buffers_and_names_why_a_reply_is_dropped(
+    monkeypatch, caplog
+):
+    _, theta, arrays, metrics = _one_round(monkeypatch, lambda k, theta: _reply(k, theta, buffers=False))
+    assert torch.equal(arrays.to_torch_state_dict()["bn.running_mean"], theta["bn.running_mean"])
+    assert any(
+        "report the buffers ['bn.running_mean'] (record 'buffers')" in r.getMessage() for r in caplog.records
+    )
+    caplog.clear()
+    _, _, arrays, metrics = _one_round(monkeypatch, lambda k, theta: _reply(k, theta, key="model"))
+    assert arrays is None and metrics["dropped"] == 10 and metrics["skipped"] == 1
+    assert any("dropped: no ArrayRecord 'arrays' (it has ['buffers', 'model'])" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+@needs_flower
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"fraction_train": 0.5}, "fraction_train=0.5 is not supported: every round trains all n_clients=10"),
+     ({"min_train_nodes": 5}, "min_train_nodes=5 is not supported"),
+     ({"arrayrecord_key": "model"}, "arrayrecord_key='model' is not supported"),
+     ({"connected": 20}, "20 nodes connected but n_clients=10: start exactly n_clients nodes")],
+)  # fmt: skip
+def test_strategy_refuses_what_would_train_other_than_all_n_clients(monkeypatch, options, message):
+    """FedAvg's sampling options: fraction_train=0.5 sampled all N anyway (min_train_nodes=N), with
+    min_train_nodes=5 every round was skipped (f=3 needs N > 6), and 20 connected nodes were all sampled
+    and aggregated as 20 rows while f and the Byzantine ids assume N=10."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _one_round(monkeypatch, _reply, **options)
 
 
 def _config(**changes) -> RunConfig:
