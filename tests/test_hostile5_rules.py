@@ -73,9 +73,8 @@ def own_registry(monkeypatch):
     monkeypatch.setattr(RULES, "_entries", dict(RULES._entries))
 
 
-def test_r5_3_a_rule_registered_after_import_is_built_by_name_alone_and_behind_nnm(own_registry):
-    """`@RULES.register` in a notebook, then the name in make_aggregator and a RunConfig: the names are
-    read from the registry when asked, not from a list made at import."""
+def register_mean2() -> type:
+    """A notebook's rule: the mean, registered by name (`own_registry` forgets it after the test)."""
 
     @RULES.register
     class Mean2(Rule):
@@ -86,6 +85,15 @@ def test_r5_3_a_rule_registered_after_import_is_built_by_name_alone_and_behind_n
 
         def aggregate(self, G):
             return G.mean(dim=0)
+
+    return Mean2
+
+
+def test_r5_3_a_rule_registered_after_import_is_built_by_name_alone_and_behind_nnm(own_registry):
+    """`@RULES.register` in a notebook, then the name in make_aggregator and a RunConfig: the names are
+    read from the registry when asked, not from a list made at import."""
+
+    register_mean2()
 
     G = torch.arange(15.0).view(5, 3)
     assert torch.equal(make_aggregator("mean2", 1)(G), G.mean(dim=0))
@@ -106,15 +114,7 @@ def test_a_grid_refuses_a_rule_registered_by_name_whose_code_no_key_holds(
 
     monkeypatch.setattr(ATTACKS, "_entries", dict(ATTACKS._entries))
 
-    @RULES.register
-    class Mean2(Rule):
-        name = "mean2"
-
-        def __init__(self, f: int):
-            self.f = f
-
-        def aggregate(self, G):
-            return G.mean(dim=0)
+    register_mean2()
 
     @ATTACKS.register
     class Zero(Attack):
