@@ -289,8 +289,7 @@ def femnist_source(leaf_dir: Path, counts: dict[str, tuple[int, int]], writers: 
 def _leaf_file_digest(path: str, mtime_ns: int, size: int) -> str:
     """SHA-256 of one LEAF file's bytes, cached per file version (read only for files that hold a run's
     writers: a second or so per GB)."""
-    del mtime_ns, size  # part of the cache key only
-    _check_regular(Path(path))
+    del mtime_ns, size  # part of the cache key only (`_leaf_file_versions` checked it is a regular file)
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 24), b""):

@@ -154,7 +154,7 @@ class RobustStrategy(FedAvg):
         self.zeroed: list[list[int]] = []  # ProDiGy: the weight-0 clients of every round
         self.diverged_at: int | None = None  # the first round whose step was not finite
         self._arrays: ArrayRecord | None = None
-        self._warned: set[str] = set()  # the once-a-run warnings already given
+        self._warned: set[str] = set()  # the once-a-run warnings (and checks) already given
 
     @classmethod
     def from_config(
@@ -239,12 +239,14 @@ class RobustStrategy(FedAvg):
 
     def _warn_if_weights(self, server_round: int, G: Tensor, start: Tensor) -> None:
         """Flower's own FedAvg clients reply with their trained weights under the same record name and
-        shapes: the server step would then shrink theta towards 0, silently. Warn (once a run) when the
-        replies' coordinate-wise median lies within 10% of theta_t: an update that close to the weights
-        themselves is no update."""
+        shapes: the server step would then shrink theta towards 0, silently. Warn when the replies'
+        coordinate-wise median lies within 10% of theta_t (an update that close to the weights themselves is
+        no update). Checked in the first round with replies only: a client app sends one kind throughout,
+        and a median over (N, d) every round would cost the strategy a sort per coordinate."""
         scale = float(start.norm())
-        if "weights" in self._warned or not len(G) or scale == 0:
+        if "weights-checked" in self._warned or not len(G) or scale == 0:
             return
+        self._warned.add("weights-checked")
         if float((G.median(dim=0).values - start).norm()) < 0.1 * scale:
             message = (
                 f"round {server_round}: the replies lie within 10% of the server model: they look like model "
@@ -331,22 +333,30 @@ def _read_updates(
     for m in sorted(replies, key=lambda m: m.metadata.src_node_id):
         k = _client_id(m)
         record = m.content.array_records.get(UPDATE_KEY)
-        parts = [_tensor(record, name, p) for name, p in params.items()]
-        why = (
-            f"no ArrayRecord {UPDATE_KEY!r} (it has {sorted(m.content.array_records)})" if record is None
-            else f"its update lacks {[n for n, t in zip(params, parts, strict=True) if t is None]} or has "
-                 "them of another shape" if any(t is None for t in parts)
-            else f"client id {k!r} is not an integer" if k is None
-            else f"client id {k} came already" if k in rows
-            else None
-        )  # fmt: skip
+        parts = {name: _tensor(record, name, p) for name, p in params.items()}
+        why = _drop_reason(m, record, parts, k, rows)
         if why is not None:
             log(WARNING, "RobustStrategy: reply of node %s dropped: %s", m.metadata.src_node_id, why)
             dropped += 1
             continue
-        rows[k] = torch.cat([t.reshape(-1).to(torch.float32) for t in parts])  # type: ignore[union-attr]
+        rows[k] = torch.cat([t.reshape(-1).to(torch.float32) for t in parts.values()])  # type: ignore[union-attr]
         kept[k] = m
     return rows, kept, dropped
+
+
+def _drop_reason(
+    m: Message, record: Any, parts: dict[str, Tensor | None], k: int | None, rows: dict[int, Tensor]
+) -> str | None:
+    """Why `_read_updates` drops a reply (its update record, its parameters as read, its client id), or
+    None when it is usable."""
+    if record is None:
+        return f"no ArrayRecord {UPDATE_KEY!r} (it has {sorted(m.content.array_records)})"
+    missing = [name for name, t in parts.items() if t is None]
+    if missing:
+        return f"its update lacks {missing} or has them of another shape"
+    if k is None:
+        return f"client id {k!r} is not an integer"
+    return f"client id {k} came already" if k in rows else None
 
 
 def _median_buffers(replies: list[Message], buffers: dict[str, Tensor]) -> tuple[dict[str, Tensor], int]:

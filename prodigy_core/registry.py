@@ -109,8 +109,9 @@ class Registry:
         script), whose code no result key holds: a key names it only. None for the package's own classes
         and for plug-in specs (their code hash is keyed)."""
         entry = None if is_plugin(name) else self._entries.get(name)
-        module = getattr(entry.cls, "__module__", "") if entry is not None else "prodigy_core"
-        return None if module == "prodigy_core" or module.startswith("prodigy_core.") else entry.cls  # type: ignore[union-attr]
+        if entry is None or entry.cls.__module__.split(".")[0] == "prodigy_core":
+            return None
+        return entry.cls
 
     def display(self, name: str, params: Mapping[str, Any] | None = None) -> str:
         """How a table prints ``name`` with ``params``: "FOE ε=0.1", "CClip (tau=5)"."""

@@ -89,18 +89,20 @@ def rekey_members(members: dict[str, bytes], rekeyer: Rekeyer, say=print) -> dic
             record = json.loads(content) if match else None
         except ValueError:
             record = None
-        new = rekeyer.rekey(record) if isinstance(record, dict) else None
-        new_name = f"{match['folder']}/{new['key']}{match['suffix']}" if new is not None else ""  # type: ignore[index]
+        if not isinstance(record, dict):
+            continue
+        new = rekeyer.rekey(record)
+        if new is None:
+            if str(record.get("config", {}).get("data_source")).startswith(data.FEMNIST_SOURCE_PREFIX):
+                why = f"not an old source of {rekeyer.leaf}, or a key of an older revision"
+                say(f"left as it is: {name} ({why})")
+            continue
+        new_name = f"{match['folder']}/{new['key']}{match['suffix']}"  # type: ignore[index]
         if new_name in members:
             say(f"left as it is: {name} (its rekeyed copy {new_name} is there already)")
-        elif new is not None:
-            say(f"{name} -> {new_name} ({record['config']['data_source']} -> {new['config']['data_source']})")
-            out[name] = (new_name, (json.dumps(new, indent=1) + "\n").encode())
-        elif isinstance(record, dict) and str(record.get("config", {}).get("data_source")).startswith(
-            data.FEMNIST_SOURCE_PREFIX
-        ):
-            why = f"not an old source of {rekeyer.leaf}, or a key of an older revision"
-            say(f"left as it is: {name} ({why})")
+            continue
+        say(f"{name} -> {new_name} ({record['config']['data_source']} -> {new['config']['data_source']})")
+        out[name] = (new_name, (json.dumps(new, indent=1) + "\n").encode())
     return out
 
 
