@@ -1139,8 +1139,8 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     stale = sum(not current for _, _, current in records)
     if stale:
         print(
-            f"{stale} records of the tarball have keys the current code no longer makes (an older variant "
-            "revision): listed in PROVENANCE.md as not current, left out of the reports",
+            f"{stale} records of the tarball have keys the current code no longer makes (an older "
+            "revision of a variant or of the streams): listed in PROVENANCE.md as not current, left out of the reports",
             file=sys.stderr,
         )
     written = []

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--update", action="store_true", help="copy the regenerated files into figures/")
     parser.add_argument("--seeds", type=int, nargs="+", choices=SEEDS, default=list(SEEDS),
-                        help="which tables (default both: 3 1; 1 alone: 42 runs instead of 168)")  # fmt: skip
+                        help="which tables (default both: 3 1; 1 alone: 42 runs instead of 126)")  # fmt: skip
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep the runs in DIR, a new or empty folder (scripts/precision_check.py "
                         "--results-dir DIR then finds its fp32 half there)")  # fmt: skip
