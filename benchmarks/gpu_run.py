@@ -1140,7 +1140,8 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
     if stale:
         print(
             f"{stale} records of the tarball have keys the current code no longer makes (an older "
-            "revision of a variant or of the streams): listed in PROVENANCE.md as not current, left out of the reports",
+            "revision of a variant or of the streams): listed in PROVENANCE.md as not current, left out of "
+            "the reports",
             file=sys.stderr,
         )
     written = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -61,6 +62,9 @@ MAX_ITERATIONS = 100
 
 def check_f(rule: str, f: int, minimum: int = 0) -> int:
     """f, or a ValueError naming ``rule`` when f is not an integer >= minimum (for a rule's ``__init__``)."""
+    if not isinstance(f, bool):
+        with contextlib.suppress(TypeError):
+            f = operator.index(f)  # a numpy or 0-d tensor integer too, stored as an int
     if isinstance(f, bool) or not isinstance(f, int) or f < minimum:
         raise ValueError(f"{rule}: f must be an integer >= {minimum}, got f={f!r}")
     return f
@@ -156,7 +160,9 @@ def _ranged_gram(
 ) -> Tensor:
     """`_gram` on the CPU, recomputed from float64 products where float32 ones lost the range: a vector with
     finite entries whose squared norm came out non-finite (overflow), or a median squared norm below
-    `_TINY` * d (underflow). The check reads K only, plus the rows with a non-finite squared norm."""
+    `_TINY` * d (underflow). The check reads K only, plus the rows with a non-finite squared norm. The origin
+    is finite by construction, so a non-finite entry of its own (a recentred pass, where it lies at -centre)
+    is an overflow too."""
     K = _gram(G, extra, origin, centre, bad).cpu()
     if G.dtype == torch.float64:
         return K
@@ -164,7 +170,14 @@ def _ranged_gram(
     diag = K.diagonal()[: N + (0 if extra is None else len(extra))]
     finite = torch.isfinite(diag)
     over = (~finite).nonzero().squeeze(1).tolist()
-    overflow = any(bool(torch.isfinite(G[i] if i < N else extra[i - N]).all()) for i in over)  # type: ignore[index]
+    rows = [G[[i for i in over if i < N]]] if over else []
+    if over and extra is not None:
+        rows.append(extra[[i - N for i in over if i >= N]])
+    # a vector with finite entries whose squared norm overflowed (one wait per source, not per row), or the
+    # origin's own, which is 0 but about a centre
+    overflow = any(bool(torch.isfinite(r).all(dim=1).any()) for r in rows if len(r)) or (
+        origin and centre is not None and not math.isfinite(float(K[-1, -1]))
+    )
     finite = diag[finite]
     underflow = len(finite) > 0 and float(finite.median()) < _TINY * G.shape[1]
     if overflow or underflow:
@@ -975,6 +988,8 @@ def _aggregate_from_gram(
     if c is None or c.weights is None:
         return None, None if c is None else c.record
     if bad is not None and not mixers and bad.any() and bool(c.weights[:-1][bad.to(c.weights.device)].any()):
+        if int(bad.sum()) > rule.f:  # beyond the rule's contract: no robust answer (NaN, as coordinate rules)
+            return G.new_full(G.shape[1:], math.nan), c.record
         rows = ", ".join(map(str, bad.nonzero().flatten().tolist()))
         raise ValueError(f"{rule!r}: its combine gave weight to non-finite input rows ({rows}), which a "
                          "weighted sum cannot take: give 0 to the rows `bad` marks")  # fmt: skip

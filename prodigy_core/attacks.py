@@ -166,10 +166,11 @@ class Attack:
         raise NotImplementedError
 
     def needs_own(self) -> bool:
-        """Whether ``craft`` reads the Byzantine clients' honest updates ``own``. False (ALIE, FOE, Gaussian,
-        Mimic, Min-Max, Min-Sum under ``paper``): the training loop does not train clients 0..f-1; they keep
-        the server's model, so they report a zero pseudo-gradient and the server's BatchNorm buffers
-        (`training.RunState.idle`). True for any ``send`` that does not declare ``reads_own = False``."""
+        """Whether ``craft`` reads the Byzantine clients' honest updates ``own``. False (ALIE,
+        ALIE-spread, FOE, Gaussian, Mimic, Min-Max, Min-Sum under ``paper``): the training loop does not train
+        clients 0..f-1; they keep the server's model, so they report a zero pseudo-gradient and the server's
+        BatchNorm buffers (`training.RunState.idle`). True for any ``send`` that does not declare
+        ``reads_own = False``."""
         return self.reads_own or "reads_own" not in vars(self._owner("send"))
 
     def _owner(self, method: str) -> type:
@@ -417,7 +418,11 @@ class LineSearchAttack(Attack):
                 best, best_damage = param, damage
         self._record(best)
         if grams is not None and best is not None:
-            self.last_gram = grams.gram_at(best)
+            gram = grams.gram_at(best)
+            # a sent row whose squared norm leaves the dtype's range may have overflowed to inf, where the
+            # float64 Gram matrix stays finite: the server then computes its own (on the host: no wait)
+            if float(gram[0, 0]) <= torch.finfo(honest.dtype).max:
+                self.last_gram = gram
         return self.rows(best, stats).expand(f, d).clone()
 
     def _damages(
@@ -464,7 +469,8 @@ class LineSearchAttack(Attack):
         grid: list[Any],
     ) -> list[float]:
         """Every candidate's damage at once, for a coordinate-wise rule (median, trimmed mean) alone or after
-        one NNM (`Pipeline.coordinatewise`): the same values as running the pipeline on each candidate.
+        one NNM (`Pipeline.coordinatewise`): the same values as running the pipeline on each candidate, to
+        float rounding (the column chunks may sum in another order).
 
         Why: such a rule has no Gram-matrix shortcut, and one by one each candidate costs a pass of the rule
         over its (N, d) input, its kernel launches and a wait for the device to read its damage. Here the C

@@ -182,3 +182,80 @@ def test_r5_6_a_rules_weight_on_a_non_finite_row_is_an_error_not_a_silent_zero()
     for pipeline in (Medoid(3), Pipeline("nnm+medoid", Medoid(3), [NNM(3)])):
         with pytest.raises(ValueError, match=r"weight to non-finite input rows \(0\).*give 0 to the rows"):
             pipeline(G)
+
+
+# ------------------------------------------------------------------ the rules audit of 2026-11-28 (helper-23)
+
+
+def test_a_shared_component_beyond_float32s_range_keeps_prodigy_and_geomed_the_formula():
+    """Updates sharing a component of norm ~3e19 (finite float32 entries): the recentred Gram pass puts the
+    origin at -c, whose squared norm overflowed float32 unseen (only the clients' were checked). ProDiGy then
+    zeroed all 11 clients (the median fallback) and GeoMed returned NaN from finite input. Now both are the
+    brute-force formulas on the same float32 values, to the input's resolution (~1e-3 of the spread)."""
+    from test_aggregators import bf_geomed, bf_prodigy
+
+    spread = 1e14
+    g = torch.Generator().manual_seed(0)
+    G = ((torch.randn(11, 1000, generator=g, dtype=torch.float64) + 1e4) * spread).float()
+    exact = G.double()  # the float32 input's values, for the float64 brute force
+    reference, *_, weights = bf_prodigy(exact, 3)
+    pipeline = make_aggregator("prodigy", 3)
+    out = pipeline(G)
+    assert [k for k, w in enumerate(weights) if w == 0] == pipeline.rule.last_scores.weight.eq(0).nonzero()[
+        :, 0
+    ].tolist()
+    assert len([w for w in weights if w == 0]) == 3  # the formula zeroes f clients here, not all N
+    assert float((out.double() - reference).abs().max()) < 1e-2 * spread
+    geomed = make_aggregator("geomed", 3)(G)
+    assert torch.isfinite(geomed).all()
+    assert float((geomed.double() - bf_geomed(exact)).abs().max()) < 1e-2 * spread
+
+
+@pytest.mark.parametrize("defense", ["geomed", "cclip", "nnm+median", "prodigy"])
+def test_an_attack_whose_rows_overflow_hands_the_server_no_gram_matrix(defense):
+    """FOE with eps = 1e39 sends rows that are +-inf in float32 while the float64 Gram matrix of the search
+    stays finite: given it, the server took every row as finite and returned NaN (a diverged run), where the
+    same input alone gives a finite aggregate. The attack now keeps no Gram matrix for such rows, and the
+    training loop's call equals a fresh pipeline's to the bit."""
+    from prodigy_core.attacks import make_attack
+
+    g = torch.Generator().manual_seed(0)
+    honest, own = torch.randn(8, 5, generator=g) + 1, torch.zeros(2, 5)
+    attack, server = make_attack("foe", params={"eps": 1e39}), make_aggregator(defense, 2)
+    G = torch.cat([attack.craft(honest, own, server), honest])  # as training.server_input stacks them
+    # ProDiGy's search picks a finite row here, but with a squared norm beyond float32's range: no Gram
+    # matrix either (the threshold is the sent row's squared norm, read on the host)
+    assert (defense == "prodigy") != (not torch.isfinite(G[:2]).all()) and attack.last_gram is None
+    out = server(G, gram=attack.last_gram)
+    torch.testing.assert_close(out, make_aggregator(defense, 2)(G), rtol=0, atol=0)
+    assert torch.isfinite(out).all()
+
+
+def test_more_non_finite_rows_than_f_give_multikrum_a_nan_aggregate_not_a_plugin_authors_error():
+    """Three NaN rows with f = 2: Multi-Krum must give weight to one of them (m = N - f rows). That is
+    beyond every rule's contract (at most f), and the coordinate-wise rules return a non-finite aggregate
+    (the training loop then records the divergence; Flower skips the round); Multi-Krum raised the error
+    meant for a plug-in whose combine ignores `bad`. With f NaN rows it is the brute force on the rest."""
+    G = torch.randn(11, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    G[:3] = float("nan")
+    for name in ("multikrum", "nnm+multikrum"):
+        assert torch.isnan(make_aggregator(name, 2)(G)).all()
+    G[2] = torch.randn(4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    finite = G[2:]
+    D = torch.cdist(finite, finite).pow(2)
+    scores = D.sort(dim=1).values[:, 1 : 11 - 2 - 1].sum(dim=1)  # over the N-f-2 nearest others, N = 11
+    chosen = scores.argsort()[: 11 - 2]  # the NaN rows score inf: the m = 9 chosen are finite ones
+    torch.testing.assert_close(make_aggregator("multikrum", 2)(G), finite[chosen].mean(dim=0))
+
+
+def test_f_may_be_a_numpy_or_tensor_integer_but_not_a_bool_or_float():
+    """f from a numpy array or a 0-d tensor (a sweep's `np.arange`) was refused with "f must be an integer,
+    got f=np.int64(2)"; it is stored as a Python int. Booleans and floats stay refused."""
+    import numpy as np
+
+    for f in (np.int64(2), torch.tensor(2)):
+        pipeline = make_aggregator("nnm+krum", f)
+        assert type(pipeline.rule.f) is int and pipeline.rule.f == 2 and type(pipeline.pre[0].f) is int
+    for f in (True, np.True_, 2.0, np.float64(2.0)):
+        with pytest.raises(ValueError, match=r"f must be an integer >= 0"):
+            make_aggregator("krum", f)
