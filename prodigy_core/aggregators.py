@@ -15,7 +15,7 @@ import inspect
 import math
 import operator
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -60,13 +60,14 @@ def _check_input(G: Tensor, rule: str) -> None:
 MAX_ITERATIONS = 100
 
 
-def check_f(rule: str, f: int, minimum: int = 0) -> int:
-    """f, or a ValueError naming ``rule`` when f is not an integer >= minimum (for a rule's ``__init__``)."""
+def check_f(rule: str, f: int, minimum: int = 0, what: str = "f") -> int:
+    """f, or a ValueError naming ``rule`` when f is not an integer >= minimum (for a rule's ``__init__``;
+    ``what``: the argument's name in the message)."""
     if not isinstance(f, bool):
         with contextlib.suppress(TypeError):
             f = operator.index(f)  # a numpy or 0-d tensor integer too, stored as an int
     if isinstance(f, bool) or not isinstance(f, int) or f < minimum:
-        raise ValueError(f"{rule}: f must be an integer >= {minimum}, got f={f!r}")
+        raise ValueError(f"{rule}: {what} must be an integer >= {minimum}, got {what}={f!r}")
     return f
 
 
@@ -1209,6 +1210,8 @@ def split_defense(name: str) -> tuple[str, str]:
 
 def normalise_defense(name: str) -> str:
     """A defense name as stored: lower case, except a plug-in's path and class (``nnm+my.py:MyRule``)."""
+    if not isinstance(name, str):  # str(None) is "none", the plain average
+        raise ValueError(f"defense must be a name such as 'prodigy' or 'nnm+krum', got {name!r}")
     prefix, base = split_defense(str(name).strip().lower())
     if is_plugin(str(name)):
         base = str(name).strip()[len(prefix) + 1 if prefix else 0 :]
@@ -1249,8 +1252,12 @@ def make_aggregator(
     differs takes a ``variant`` keyword)."""
     key = normalise_defense(name)
     prefix, base = split_defense(key)
+    if params is not None and not isinstance(params, Mapping):
+        raise ValueError(f"{key}: params must be a mapping of settings, e.g. {{'tau': 5}}, got {params!r}")
     canonical_defense(key, params)  # the name and the settings checked, with did-you-mean hints
     check_f(key, f)
+    if n_clients is not None:
+        n_clients = check_f(key, n_clients, 1, "n_clients")
     check_variant(key, variant)
     entry = RULES.lookup(base)
     pre_cls, pre_params, params = _split_settings(prefix, {**entry.params, **(params or {})})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -155,6 +155,9 @@ class Attack:
 
     def craft(self, honest: Tensor, own: Tensor, server: Server, honest_finite: bool = False) -> Tensor:
         _check_shapes(self.name, honest, own)
+        if not callable(server):
+            raise ValueError(f"{self.name}: server must be the pipeline it plays against (make_aggregator), "
+                             f"got {server!r}")  # fmt: skip
         self.last_param, self.last_search, self.last_gram = None, [], None
         if own.shape[0] == 0:
             return own.new_empty((0, own.shape[1]))
@@ -730,7 +733,9 @@ contract("attack", Attack)
 
 def normalise_attack(name: str) -> str:
     """An attack name as stored: lower case, except a plug-in's path and class (``my_attacks.py:Mine``)."""
-    name = str(name).strip()
+    if not isinstance(name, str):  # str(None) is "none", no attack
+        raise ValueError(f"attack must be a name such as 'alie' or 'foe_0.1', got {name!r}")
+    name = name.strip()
     return name if is_plugin(name) else name.lower()
 
 
@@ -769,6 +774,10 @@ def make_attack(
     (the authors' code; a class that differs takes a ``variant`` keyword, as SF and ALIE)."""
     name = _known(name)
     check_variant(f"attack {name!r}", variant)
+    if params is not None and not isinstance(params, Mapping):
+        raise ValueError(
+            f"attack {name!r}: params must be a mapping of settings, e.g. {{'eps': 1}}, got {params!r}"
+        )
     entry = ATTACKS.lookup(name)
     accepts, valid = inspect.signature(entry.cls.__init__).parameters, settings_of(entry.cls)
     unknown = sorted(set(run) - set(accepts))

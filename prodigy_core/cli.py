@@ -293,7 +293,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"stored result {path} (use --force to rerun)", file=sys.stderr)
     else:
         record = json.loads(path.read_text())
-    stand_in = f" [stand-in: {record['stand_in']}]" if record.get("stand_in") else ""
+    # this run's label, not the stored record's: a digits run and a CIFAR-10 one on digits share a key
+    label = experiment.stand_in_for(config)
+    stand_in = f" [stand-in: {label}]" if label else ""
     accuracy = record["final_accuracy"]
     row = as_row(config.to_dict())  # "nnm+cclip(tau=5)": the name with its settings
     print(
@@ -404,14 +406,35 @@ def cmd_report(args: argparse.Namespace) -> int:
         experiment = load_experiment(args.params, scale=scale_of(args), fields=parse_fields(args.fields))
         df = results.load(experiment, args.results_dir)
         if df.empty:
-            flag = scale_flag(experiment.scale)
-            raise ValueError(
-                f"no stored results for {experiment.results_name}; run `prodigy-fl grid {args.params}{flag}` "
-                "(runs made with --set are reported with the same --set)"
-            )
+            raise ValueError(_no_results(experiment, args))
         for path in _write_report(experiment, df, args.out_dir, args.results_dir):
             print(path)
     return 0
+
+
+def _no_results(experiment: Any, args: argparse.Namespace) -> str:
+    """Why `report` found nothing, naming the folder it read, and the grid command that stores there."""
+    from prodigy_core import results
+    from prodigy_core.experiments import SCALES
+
+    def folder(scale: str) -> Path:
+        name = experiment.name if scale == "paper" else f"{experiment.name}-{scale}"
+        return results.experiment_dir(name, args.results_dir)
+
+    here = folder(experiment.scale)
+    if here.is_dir():
+        why = f"{here} holds {len(list(here.glob('*.json')))} record file(s), none of this grid's runs"
+    else:
+        why = f"{here} is {'a file' if here.exists() else 'not there'}"
+    others = [s for s in SCALES if s != experiment.scale and any(folder(s).glob("*.json"))]
+    if others:
+        scales = (f"{s} ({scale_flag(s).strip() or 'no scale flag'})" for s in others)
+        why += f"; records at another scale: {', '.join(scales)}"
+    given = f" --results-dir {args.results_dir}" if args.results_dir else ""
+    return (
+        f"no stored results for {experiment.results_name}: {why}; run `prodigy-fl grid {args.params}"
+        f"{scale_flag(experiment.scale)}{given}` (runs made with --set are reported with the same --set)"
+    )
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:

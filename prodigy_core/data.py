@@ -213,8 +213,13 @@ def leaf_writer_counts(leaf_dir: Path) -> dict[str, tuple[int, int]]:
     splits = []
     for split in ("train", "test"):
         counts: dict[str, int] = {}
+        where: dict[str, str] = {}  # the file each writer came from
         for version in _leaf_file_versions(leaf_dir / split):
-            counts.update(_leaf_file_counts(*version))
+            file_counts = _leaf_file_counts(*version)
+            for writer in file_counts.keys() & where.keys():
+                raise DataError(_twice(writer, where[writer], version[0]))
+            where.update(dict.fromkeys(file_counts, version[0]))
+            counts.update(file_counts)
         splits.append(counts)
     train, test = splits
     if set(train) != set(test):
@@ -260,7 +265,16 @@ def _leaf_file_counts(path: str, mtime_ns: int, size: int) -> dict[str, int]:
     for user, count in zip(users, counts, strict=True):
         if not isinstance(user, str) or isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise DataError(f"{path}: num_samples of {user} is {count!r}, not a count of samples")
+    if len(set(users)) < len(users):
+        raise DataError(_twice(next(u for u in users if users.count(u) > 1), path, path))
     return dict(zip(users, counts, strict=True))
+
+
+def _twice(writer: str, first: str | Path, second: str | Path) -> str:
+    """The error for a writer listed twice in a LEAF split: one copy's samples would be lost."""
+    where = f"twice in {first}" if str(first) == str(second) else f"in both {first} and {second}"
+    return (f"LEAF writer {writer} is listed {where} (two LEAF outputs in one folder?): one copy's samples "
+            "would be dropped; keep one copy of each writer")  # fmt: skip
 
 
 def eligible_writers(counts: dict[str, tuple[int, int]], min_writer_samples: int = 0) -> list[str]:
@@ -681,6 +695,13 @@ def load_federation(
             elif source == CIFAR10_BINARY:
                 train_x, train_y, test_x, test_y = _read_cifar10(root, download)
             else:
+                batches = root / "cifar-10-batches-py"
+                missing = [f for f in CIFAR10_BATCH_FILES if not (batches / f).is_file()]
+                if batches.is_dir() and len(missing) < len(CIFAR10_BATCH_FILES):
+                    raise DataError(
+                        f"{batches} is incomplete: {', '.join(missing)} missing; download it again with "
+                        "`prodigy-fl data cifar10` (or download=True)"
+                    )
                 raise DataError(
                     f"CIFAR-10 not found in {root} (neither torchvision's cifar-10-batches-py nor a decoded "
                     f"{CIFAR10_JPEG_FILE}); download it with `prodigy-fl data cifar10` (or download=True), "
@@ -943,6 +964,8 @@ def _read_leaf_split(directory: Path) -> dict[str, tuple[list, list, Path]]:
                 or not isinstance(data.get("y"), list)
             ):
                 raise DataError(f"{path}: writer {user}: user_data needs lists x (images) and y (labels)")
+            if user in writers:
+                raise DataError(_twice(user, writers[user][2], path))
             writers[user] = (data["x"], data["y"], path)
     return writers
 

@@ -584,7 +584,9 @@ def _smoke_config(config: RunConfig, min_byzantine: int) -> tuple[RunConfig, str
         subset = Path(config.data_dir) if config.data_dir else default_femnist_dir(n, k)
         try:
             enough = subset is not None and len(eligible_writers(leaf_writer_counts(subset), k)) >= n
-        except ValueError:  # a malformed folder: the stand-in
+        except ValueError:  # a malformed folder found by default: the stand-in; one named: its error
+            if config.data_dir:
+                raise
             enough = False
         if enough:
             f = _scaled_byzantine(config, n, min_byzantine)
@@ -593,6 +595,8 @@ def _smoke_config(config: RunConfig, min_byzantine: int) -> tuple[RunConfig, str
                 label = f"FEMNIST, {n} writers of {subset.name} (stand-in for N={config.n_clients})"
         else:
             label = "digits (offline stand-in for femnist)"
+            if config.data_dir:
+                label = f"digits (stand-in for femnist: {subset.name} has fewer than {n} eligible writers)"
             changes.update(dataset="digits", distribution="dirichlet", data_dir=None, data_source=None)
     if config.dataset == "cifar10" and config.resolved().data_source is None:
         label = "digits (offline stand-in for cifar10)"

@@ -131,7 +131,11 @@ def install_hook(prefix: str | None = None) -> Path:
     (this one by default): ``ContentsManager.post_save_hook`` in `config_file`, the file's other settings
     kept. A different hook already there is an error (never replaced). Returns the file's path."""
     path = config_file(prefix)
-    config = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else {}
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        config = json.loads(text) if text.strip() else {}
+    except (ValueError, UnicodeDecodeError) as e:  # UnicodeDecodeError is a ValueError: named for the reader
+        raise ValueError(f"{path}: not valid JSON ({e}): fix or remove it") from None
     if not isinstance(config, dict):
         raise ValueError(
             f"{path} is not a JSON object of settings ({type(config).__name__}): fix or remove it"

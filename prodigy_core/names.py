@@ -45,8 +45,11 @@ TYPE_WORDS = {
 FIGURES = ("heatmap", "curves", "distances")
 
 
-def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+def did_you_mean(word: object, candidates: Iterable[str]) -> str:
+    """The hint after an unknown name: the closest candidate, else them all. ``word`` may be any key a
+    YAML file gives (``2000:``, ``on:`` read as a bool): it is compared as text."""
+    candidates = list(candidates)
+    close = difflib.get_close_matches(str(word), candidates, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(candidates)}"
 
 

@@ -237,7 +237,13 @@ def stored_record(folder: Path, key: str) -> dict[str, Any] | None:
     record, why = judge_record(folder, key)
     if why is None:
         return record
-    moved = quarantine(path, "invalid")
+    try:
+        moved = quarantine(path, "invalid")
+    except OSError as e:
+        raise ValueError(
+            f"{path}: not a valid result record ({why}), and it cannot be moved aside to redo the run: "
+            f"{e.strerror or e}; make {folder} writable or pass --results-dir"
+        ) from None
     warnings.warn(f"{path}: not a valid result record: {why}; moved to {moved.name}, the run is redone",
                   RuntimeWarning, stacklevel=2)  # fmt: skip
     return None

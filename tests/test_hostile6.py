@@ -1,0 +1,215 @@
+"""Hostile round 6 (2026-11-28): what an audit of every entry point's bad input broke, each as a test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_data import write_leaf
+
+from prodigy_core import lab, results
+from prodigy_core.aggregators import make_aggregator
+from prodigy_core.attacks import make_attack
+from prodigy_core.cli import main
+from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.data import DataError, leaf_writer_counts, load_federation
+
+
+def one_error_line(capsys, args: list[str]) -> str:
+    """Run the CLI expecting exit 2 with one `prodigy-fl: error:` line and no traceback; that line."""
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("prodigy-fl: error: ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+# ------------------------------------------------------------------ params keys YAML does not read as names
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("base: {rounds: 2000}\nmini: {2000: 60}\n", ["mini", "2000", "rounds"]),  # `rounds:` forgotten
+        ("base: {rounds: 20, on: 2}\n", ["True", "dataset"]),  # YAML 1.1 reads `on` as true
+        ("base: {rounds: 20}\ngrid: {1: [2]}\n", ["1"]),
+    ],
+)
+def test_a_params_key_yaml_reads_as_a_number_or_bool_is_one_error_line(tmp_path, capsys, text, named):
+    """A non-string key reached the did-you-mean hint, and difflib raised "TypeError: 'int' object is not
+    iterable" from deep inside: a traceback that named neither the key nor the file."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    err = one_error_line(capsys, ["grid", str(path), "--mini", "--dry-run"])
+    assert str(path) in err and all(word in err for word in named)
+
+
+def test_run_config_names_a_non_string_field():
+    with pytest.raises(ConfigError, match=r"unknown field 1; valid: dataset"):
+        RunConfig.from_dict({1: 2})
+
+
+# ------------------------------------------------------------------------------- a LEAF writer listed twice
+
+
+def test_a_leaf_writer_in_two_files_is_an_error_not_a_silent_loss_of_one_copy(tmp_path, capsys):
+    """Two LEAF outputs copied into one folder: the writer's samples in the later file replaced those in
+    the earlier one (1,347 training samples became 987 in the audit), the writer fell below the 350 cut and
+    every later writer moved up a client; `prodigy-fl data femnist` called the folder valid."""
+    leaf = write_leaf(tmp_path / "leaf", {"w1": [0, 1, 2], "w2": [3, 4]}, {"w1": [5], "w2": [6]})
+    assert leaf_writer_counts(leaf) == {"w1": (3, 1), "w2": (2, 1)}
+    again = {"users": ["w1"], "num_samples": [1], "user_data": {"w1": {"x": [[0.0] * 784], "y": [7]}}}
+    (leaf / "train" / "part_2.json").write_text(json.dumps(again))
+    with pytest.raises(DataError, match=r"writer w1 is listed in both .*part_1.json and .*part_2.json"):
+        leaf_writer_counts(leaf)
+    err = one_error_line(capsys, ["data", "femnist", str(leaf)])
+    assert "w1" in err and "keep one copy" in err
+
+
+def test_a_leaf_writer_listed_twice_in_one_file_is_an_error(tmp_path):
+    leaf = write_leaf(tmp_path / "leaf", {"w1": [0, 1], "w2": [3]}, {"w1": [5], "w2": [6]})
+    path = leaf / "test" / "part_1.json"
+    content = json.loads(path.read_text())
+    content["users"].append("w1")
+    content["num_samples"].append(1)
+    path.write_text(json.dumps(content))
+    with pytest.raises(DataError, match=r"writer w1 is listed twice in .*part_1.json"):
+        leaf_writer_counts(leaf)
+
+
+def test_the_loader_refuses_a_writer_in_two_files_too(tmp_path, monkeypatch):
+    """The sample reader (`_read_leaf_split`) checks on its own: the counts come from a cache that a folder
+    edited within one mtime tick could leave stale."""
+    from prodigy_core import data
+
+    leaf = write_leaf(tmp_path / "leaf", {"w1": [0, 1], "w2": [3]}, {"w1": [5], "w2": [6]})
+    again = {"users": ["w2"], "num_samples": [1], "user_data": {"w2": {"x": [[0.0] * 784], "y": [7]}}}
+    (leaf / "test" / "part_2.json").write_text(json.dumps(again))
+    with pytest.raises(DataError, match=r"writer w2 is listed in both .*part_1.json and .*part_2.json"):
+        data._read_leaf_split(leaf / "test")
+
+
+# ------------------------------------------------------------------------------------- report finds nothing
+
+
+def test_report_without_results_names_the_folder_it_read_and_the_scale_that_has_records(tmp_path, capsys):
+    """It said only "no stored results; run `prodigy-fl grid X`": a mistyped --results-dir, or runs made
+    at another scale, sent the user to retrain, and into the default folder (the --results-dir left out)."""
+    err = one_error_line(capsys, ["report", "quickstart_digits", "--results-dir", str(tmp_path)])
+    assert f"{tmp_path / 'quickstart_digits'} is not there" in err
+    assert f"`prodigy-fl grid quickstart_digits --results-dir {tmp_path}`" in err
+    (tmp_path / "quickstart_digits-smoke").mkdir()
+    (tmp_path / "quickstart_digits-smoke" / "0123456789abcdef.json").write_text("{}")
+    err = one_error_line(capsys, ["report", "quickstart_digits", "--results-dir", str(tmp_path)])
+    assert "records at another scale: smoke (--smoke)" in err
+    assert main(["report", "quickstart_digits", "--smoke", "--results-dir", str(tmp_path)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the warning that the record is invalid
+    assert "quickstart_digits-smoke holds 1 record file(s), none of this grid's runs" in last
+
+
+# ---------------------------------------------------------------------- smoke scale and a named data folder
+
+
+def test_smoke_with_a_named_femnist_folder_that_is_not_there_is_its_error_not_a_stand_in(tmp_path, capsys):
+    """A typo in data_dir at --smoke trained on digits labelled "offline stand-in", as if no data were on
+    this machine; without --smoke the same typo was already an error. A folder found by default that is
+    malformed still gives the stand-in (CI without data)."""
+    typo = tmp_path / "leaf-typo"
+    err = one_error_line(
+        capsys, ["grid", "table2_femnist_n20", "--smoke", "--dry-run", "--set", f"data_dir={typo}"]
+    )
+    assert f"LEAF directory {typo} has no train or test/ folder" in err
+
+
+def test_smoke_with_a_named_folder_of_too_few_writers_says_so_in_its_label(tmp_path, capsys):
+    leaf = write_leaf(tmp_path / "two", {"w1": [0], "w2": [1]}, {"w1": [2], "w2": [3]})
+    assert main(["grid", "table2_femnist_n20", "--smoke", "--dry-run", "--set", f"data_dir={leaf}"]) == 0
+    assert "digits (stand-in for femnist: two has fewer than 10 eligible writers)" in capsys.readouterr().out
+
+
+def test_run_prints_this_runs_stand_in_label_not_the_stored_records(tmp_path, capsys, monkeypatch):
+    """A digits smoke run and a CIFAR-10 one on a machine without CIFAR-10 are the same computation (one
+    key): the second printed the first's label (none), or a plain digits run the CIFAR-10 one's."""
+    monkeypatch.setenv("PRODIGY_DATA_DIR", str(tmp_path / "no-data"))
+    folder = ["--results-dir", str(tmp_path / "r"), "--set", "rounds=1"]
+    assert main(["run", "--smoke", "--set", "dataset=cifar10", *folder]) == 0
+    assert "accuracy [stand-in: digits (offline stand-in for cifar10)] ->" in "".join(capsys.readouterr())
+    assert main(["run", "--smoke", *folder]) == 0
+    printed = "".join(capsys.readouterr())
+    assert "stored result" in printed and "stand-in" not in printed
+
+
+# ---------------------------------------------------------------------------- a record it cannot move aside
+
+
+def test_an_invalid_record_in_a_folder_it_cannot_write_is_one_line_naming_the_cause(tmp_path, monkeypatch):
+    """The audit made the folder immutable: "Operation not permitted: <record>" named no cause and no fix
+    (the quarantine's rename failed before the writability check). A rename that fails is simulated here."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "0123456789abcdef.json").write_text('{"trunc')
+
+    def refuse(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(src))
+
+    monkeypatch.setattr(results.os, "rename", refuse)
+    why = r"not a valid result record .*cannot be moved aside.*not permitted; make .*exp writable or pass"
+    with pytest.raises(ValueError, match=why):
+        results.stored_record(folder, "0123456789abcdef")
+    assert (folder / "0123456789abcdef.json").read_text() == '{"trunc'  # kept as it was
+
+
+# ----------------------------------------------------------------------------- CIFAR-10 with a file missing
+
+
+def test_a_cifar10_batch_folder_missing_a_file_names_the_file(tmp_path):
+    batches = tmp_path / "cifar-10-batches-py"
+    batches.mkdir()
+    for name in (*(f"data_batch_{i}" for i in range(1, 5)), "test_batch", "batches.meta"):
+        (batches / name).write_bytes(b"x")
+    with pytest.raises(DataError, match=r"cifar-10-batches-py is incomplete: data_batch_5 missing"):
+        load_federation("cifar10", 2, "iid", seed=0, data_dir=tmp_path)
+
+
+# ------------------------------------------------------------------------------- git-setup's Jupyter config
+
+
+@pytest.mark.parametrize("content", [b'{"ContentsManager": {"x": 1},\n', b"{\xff}"])
+def test_a_malformed_jupyter_config_is_named(tmp_path, content):
+    """`git-setup` printed only "Expecting property name enclosed in double quotes: line 2 column 1", not
+    which of the environment's files was broken."""
+    path = lab.config_file(str(tmp_path))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"{path}: not valid JSON .*: fix or remove it"):
+        lab.install_hook(str(tmp_path))
+    assert path.read_bytes() == content
+
+
+# ------------------------------------------------------------------------------------------- the Python API
+
+
+def test_none_is_not_a_defense_or_an_attack_name():
+    """`str(None)` is "none": `make_aggregator(cfg.get("defense"), f)` silently built the plain average, and
+    `make_attack(None)` no attack."""
+    with pytest.raises(ValueError, match=r"defense must be a name such as 'prodigy'.*got None"):
+        make_aggregator(None, 2)
+    with pytest.raises(ValueError, match=r"attack must be a name such as 'alie'.*got None"):
+        make_attack(None)
+
+
+def test_wrong_argument_types_are_named_not_a_traceback_from_inside():
+    with pytest.raises(ValueError, match=r"krum: n_clients must be an integer >= 1, got n_clients='10'"):
+        make_aggregator("krum", 2, "10")
+    assert make_aggregator("krum", 2, torch.tensor(10)).rule.f == 2  # an integer of another type is one
+    with pytest.raises(ValueError, match=r"cclip: params must be a mapping of settings.*got \[1\]"):
+        make_aggregator("cclip", 2, 10, params=[1])
+    with pytest.raises(ValueError, match=r"attack 'foe': params must be a mapping of settings.*got \[1\]"):
+        make_attack("foe", params=[1])
+    honest, own = torch.randn(7, 3), torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"alie: server must be the pipeline it plays against.*got None"):
+        make_attack("alie").craft(honest, own, None)
+    sent = make_attack("foe_0.1").craft(honest, own, make_aggregator("median", 3))
+    assert sent.shape == own.shape and bool(torch.isfinite(sent).all())  # a server: it crafts
