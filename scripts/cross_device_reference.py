@@ -183,16 +183,20 @@ def main(argv: list[str] | None = None) -> int:
                    "root); femnist: the LEAF folder (default: `prodigy-fl data femnist`'s)")  # fmt: skip
     p.add_argument("--out", type=Path, help="default: benchmarks/cross_device/<dataset>.json")
     args = p.parse_args(argv)
+    from prodigy_core.cli import check_out
     from prodigy_core.data import CIFAR10_JPEG_ARCHIVE, decode_cifar10_jpeg
 
-    overrides = {"data_dir": args.data_dir} if args.data_dir else {}
-    if args.dataset == "cifar10":
-        decode_cifar10_jpeg(CIFAR10_JPEG_ARCHIVE, args.data_dir, progress=False)  # once; kept when decoded
-    fields = CONFIGS[args.dataset]
-    summary = reference_with_twin(summarise(fields, **overrides, engine="sequential"),
-                                  summarise(fields, **overrides, engine="batched"))  # fmt: skip
     out = args.out or reference_path(args.dataset)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_out(p, out, f"benchmarks/cross_device/{args.dataset}.json")  # before the training, not after
+    overrides = {"data_dir": args.data_dir} if args.data_dir else {}
+    fields = CONFIGS[args.dataset]
+    try:  # a data folder that is missing, malformed or not a folder: one line (DataError is a ValueError)
+        if args.dataset == "cifar10":
+            decode_cifar10_jpeg(CIFAR10_JPEG_ARCHIVE, args.data_dir, progress=False)  # kept once decoded
+        summary = reference_with_twin(summarise(fields, **overrides, engine="sequential"),
+                                      summarise(fields, **overrides, engine="batched"))  # fmt: skip
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"cross_device_reference: {args.dataset}: {e}") from None
     out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out} (key {summary['key']})")
     return 0

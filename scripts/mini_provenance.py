@@ -13,6 +13,7 @@ bounds). Run it after `prodigy-fl report ... --mini`, in the commit that adds th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import subprocess
@@ -21,8 +22,15 @@ from pathlib import Path
 
 from prodigy_core import paths
 from prodigy_core import results as store
+from prodigy_core.config import RunConfig
 
 OUT = Path(__file__).resolve().parents[1] / "figures" / "mini" / "PROVENANCE.md"
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+
+
+def config_of(record: dict) -> dict:
+    """A record's config with the default of each field it lacks (as its key was made: `from_dict`)."""
+    return {**DEFAULTS, **record["config"]}
 
 
 def rows(results_dir: Path) -> list[str]:
@@ -30,11 +38,13 @@ def rows(results_dir: Path) -> list[str]:
     for folder in sorted(results_dir.glob("*-mini")):
         records = store.read_records(folder)  # valid records of finished runs only
         setting = ("local_momentum", "variant", "defense", "attack")
-        for record in sorted(records, key=lambda r: tuple(r["config"][k] for k in setting)):
-            c, env = record["config"], record["environment"]
+        for record in sorted(records, key=lambda r: tuple(config_of(r)[k] for k in setting)):
+            c = config_of(record)
+            env = record.get("environment") if isinstance(record.get("environment"), dict) else {}
             written = (folder / f"{record['key']}.json").stat().st_mtime
             day = datetime.datetime.fromtimestamp(written, datetime.timezone.utc).date()
-            minutes = sum(t for t in record.get("round_times") or [] if t) / 60
+            times = record.get("round_times") if isinstance(record.get("round_times"), list) else []
+            minutes = sum(t for t in times if store.finite_number(t)) / 60
             cells = [
                 folder.name,
                 c["defense"],
@@ -42,11 +52,11 @@ def rows(results_dir: Path) -> list[str]:
                 c["local_momentum"],
                 c["variant"],
                 c["rounds"],
-                c["data_source"],
+                c["data_source"] or "-",
                 f"{record['final_accuracy']:.2f}",
                 f"{minutes:.0f}",
-                f"{env['device']}, {env['engine']}, {env['threads']} thread(s)",
-                env["torch"],
+                f"{env.get('device', '-')}, {env.get('engine', '-')}, {env.get('threads', '-')} thread(s)",
+                env.get("torch", "-"),
                 day,
             ]
             out.append("| " + " | ".join(str(x) for x in cells) + " |")

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from prodigy_core.cli import check_out, rounds_arg
 from prodigy_core.config import RunConfig, decay_round
 from prodigy_core.experiments import load_experiment
 from prodigy_core.training import run
@@ -24,11 +25,14 @@ OUT = Path(__file__).resolve().parents[1] / "figures" / "quickstart_convergence.
 WITHIN, CONSECUTIVE, EVERY = 1.0, 3, 5
 
 
-def converged_at(curve: list[tuple[int, float]]) -> int:
-    """The first round from which CONSECUTIVE evaluations are within WITHIN points of the final accuracy."""
+def converged_at(curve: list[tuple[int, float]]) -> int | None:
+    """The first round from which CONSECUTIVE evaluations are within WITHIN points of the final accuracy;
+    None when there is none (not converged, or fewer than CONSECUTIVE evaluations)."""
+    if len(curve) < CONSECUTIVE:
+        return None
     final = curve[-1][1]
-    return next(curve[i][0] for i in range(len(curve) - CONSECUTIVE + 1)
-                if all(abs(a - final) <= WITHIN for _, a in curve[i : i + CONSECUTIVE]))  # fmt: skip
+    return next((curve[i][0] for i in range(len(curve) - CONSECUTIVE + 1)
+                 if all(abs(a - final) <= WITHIN for _, a in curve[i : i + CONSECUTIVE])), None)  # fmt: skip
 
 
 def rounds_for(converged: int) -> int:
@@ -42,9 +46,10 @@ def rounds_for(converged: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--rounds", type=rounds_arg, default=150)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
+    check_out(parser, args.out, "figures/quickstart_convergence.csv")  # before the training, not after
     base = load_experiment("quickstart_digits").configs[0]
     config = RunConfig.from_dict({**base.to_dict(), "defense": "prodigy", "attack": "none", "seed": 0,
                                   "rounds": args.rounds, "eval_every": EVERY})  # fmt: skip
@@ -56,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"{r},{a:.2f},{config.lr_at(r - 1):g}" for r, a in curve]
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     converged = converged_at(curve)
+    if converged is None:
+        print(
+            f"quickstart_convergence: not converged within {args.rounds} rounds ({len(curve)} evaluation(s) "
+            f"in {args.out}): rerun with more --rounds",
+            file=sys.stderr,
+        )
+        return 1
     print(f"{args.out}: {len(curve)} evaluations in {seconds:.0f} s; final {curve[-1][1]:.2f}%; converged at "
           f"round {converged}; quickstart rounds: {rounds_for(converged)}")  # fmt: skip
     return 0

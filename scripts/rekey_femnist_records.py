@@ -25,6 +25,7 @@ import json
 import re
 import sys
 import tarfile
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from prodigy_core.config import ConfigError
 from prodigy_core.safe_io import atomic_write, write_json_atomic
 
 RECORD_NAME = re.compile(r"^(?P<folder>(?:.*/)?[^/]+)/(?P<key>[0-9a-f]{16})(?P<suffix>(?:\.failed)?\.json)$")
+RECORD_FILE = re.compile(r"^[0-9a-f]{16}(?:\.failed)?\.json$")  # a record's own name, in its folder
 
 
 def legacy_source(counts: dict[str, tuple[int, int]], writers: Iterable[str]) -> str:
@@ -93,7 +95,9 @@ def rekey_members(members: dict[str, bytes], rekeyer: Rekeyer, say=print) -> dic
             continue
         new = rekeyer.rekey(record)
         if new is None:
-            if str(record.get("config", {}).get("data_source")).startswith(data.FEMNIST_SOURCE_PREFIX):
+            config = record.get("config")  # not a mapping (null, a list): not a FEMNIST record, skipped
+            source = config.get("data_source") if isinstance(config, dict) else None
+            if str(source).startswith(data.FEMNIST_SOURCE_PREFIX):
                 why = f"not an old source of {rekeyer.leaf}, or a key of an older revision"
                 say(f"left as it is: {name} ({why})")
             continue
@@ -107,9 +111,16 @@ def rekey_members(members: dict[str, bytes], rekeyer: Rekeyer, say=print) -> dic
 
 
 def rekey_tarball(tarball: Path, rekeyer: Rekeyer, dry_run: bool, say=print) -> int:
-    with tarfile.open(tarball, "r:gz") as tar:
-        infos = [m for m in tar.getmembers() if m.isfile()]
-        members = {m.name: tar.extractfile(m).read() for m in infos}  # type: ignore[union-attr]
+    try:  # read whole before anything is written; the errors `gpu_run.read_tarball` refuses
+        with tarfile.open(tarball, "r:gz") as tar:
+            infos = [m for m in tar.getmembers() if m.isfile()]
+            members = {m.name: tar.extractfile(m).read() for m in infos}  # type: ignore[union-attr]
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:  # truncated: EOFError; corrupted: zlib's
+        why = " ".join(str(e).split())
+        raise data.DataError(
+            f"{tarball}: not a .tar.gz, or a truncated or corrupted one ({type(e).__name__}: {why}); nothing "
+            "changed"
+        ) from None
     changes = rekey_members(members, rekeyer, say)
     if changes and not dry_run:
         with atomic_write(tarball, "wb") as fh, tarfile.open(fileobj=fh, mode="w:gz") as tar:
@@ -122,6 +133,8 @@ def rekey_tarball(tarball: Path, rekeyer: Rekeyer, dry_run: bool, say=print) -> 
 
 
 def rekey_folder(results: Path, rekeyer: Rekeyer, dry_run: bool, say=print) -> int:
+    if any(RECORD_FILE.match(p.name) for p in results.glob("*.json")):
+        raise data.DataError(f"{results} holds records itself: pass its parent, the results folder")
     paths = {p.relative_to(results).as_posix(): p for p in sorted(results.glob("*/*.json"))}
     changes = rekey_members({name: p.read_bytes() for name, p in paths.items()}, rekeyer, say)
     if not dry_run:
