@@ -35,10 +35,12 @@ MINI_SUBDIR = "mini"
 SMOKE_LABEL = "SMOKE / stand-in"
 MINI_LABEL = "MINI scale"
 DIVERGED_MARK = "†"
-DIVERGED_NOTE = (
-    "the model diverged (became non-finite) in at least one seed; such a run counts at chance accuracy"
-)
-DIVERGED_NOTE_ONE_SEED = "the model diverged (became non-finite); such a run counts at chance accuracy"
+# What a diverged run scores, per variant (`evaluation`): chance under `paper`; under `authors` what their
+# code reports, the class-0 share of a NaN network's argmax, or the evaluation whose test loss was NaN.
+DIVERGED_SCORE = {
+    "paper": "chance accuracy",
+    "authors": "the accuracy the authors' code reports (a NaN network's argmax: the class-0 share)",
+}
 LAYOUT_FIX = (
     "name it in the report layout's blocks (params file: report.blocks), or report one value at a time "
     "(select its rows); write_report splits by precision itself"
@@ -146,15 +148,22 @@ def rounds_phrase(df: pd.DataFrame) -> str | None:
     return f"{rounds[0]} rounds" if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]} rounds"
 
 
-def diverged_note(seeds: str) -> str:
+def diverged_score(df: pd.DataFrame) -> str:
+    """What a diverged run of these runs counts at (`DIVERGED_SCORE` of their variants, ``paper``'s first)."""
+    variants = set(df["variant"]) if "variant" in df else {"paper"}
+    return " or ".join(DIVERGED_SCORE[v] for v in DIVERGED_SCORE if v in variants) or DIVERGED_SCORE["paper"]
+
+
+def diverged_note(seeds: str, df: pd.DataFrame) -> str:
     """The footnote of a diverged cell; "in at least one seed" only where a cell has several."""
-    return DIVERGED_NOTE_ONE_SEED if seeds == "one seed" else DIVERGED_NOTE
+    where = "" if seeds == "one seed" else " in at least one seed"
+    return f"the model diverged (became non-finite){where}; such a run counts at {diverged_score(df)}"
 
 
-def diverged_legend(seeds: str) -> str:
+def diverged_legend(seeds: str, df: pd.DataFrame) -> str:
     """A figure's legend line for a diverged cell (heatmap, worst-case bars); tables: `diverged_note`."""
     where = "" if seeds == "one seed" else " in at least one seed"
-    return f"{DIVERGED_MARK} diverged{where} (counted at chance accuracy)"
+    return f"{DIVERGED_MARK} diverged{where} (counted at {diverged_score(df)})"
 
 
 def table_caption(
@@ -361,7 +370,7 @@ def to_markdown(
             lines.append("| " + " | ".join([display_value(rows, r)] + cells) + " |")
         lines.append("")
     if diverged.to_numpy().any():
-        note = diverged_note(seeds)
+        note = diverged_note(seeds, df)
         lines += [f"{DIVERGED_MARK} {note[0].upper()}{note[1:]}.", ""]
     return "\n".join(lines)
 
@@ -393,7 +402,7 @@ def to_latex(
     headline, tag = split_title(title)
     caption = latex_escape(headline) + (f" ({latex_escape(tag)})" if tag else "")
     after = f" after {rounds_phrase(df)}" if rounds_phrase(df) else ""
-    note = latex_escape(diverged_note(seeds))
+    note = latex_escape(diverged_note(seeds, df))
     footnote = rf" $^\dagger$: {note}." if diverged.to_numpy().any() else ""
     lines = [
         r"\begin{table}[t]",
@@ -561,7 +570,7 @@ def heatmap(
             label += f"\nLOCAL scale {limits[0]:.1f}-{limits[1]:.1f}, not 0-100"
         fig.colorbar(image, ax=axes, label=label, shrink=0.8)
         if diverged.to_numpy().any():
-            label = diverged_legend(seeds)
+            label = diverged_legend(seeds, df)
             hatch = matplotlib.patches.Patch(facecolor="white", edgecolor="0.5", hatch="xxx", label=label)
             fig.legend(handles=[hatch], loc="outside lower center", frameon=False, fontsize=7)
         if title:
@@ -616,7 +625,8 @@ def worst_case_bars(
         for ax in axes.flat[len(groups) :]:
             ax.set_visible(False)
         if marked:
-            note = matplotlib.patches.Patch(facecolor="none", edgecolor="none", label=diverged_legend(seeds))
+            legend = diverged_legend(seeds, df)
+            note = matplotlib.patches.Patch(facecolor="none", edgecolor="none", label=legend)
             fig.legend(handles=[note], loc="outside lower center", frameon=False, fontsize=7)
         if title:
             rounds = rounds_phrase(df)
@@ -1171,7 +1181,8 @@ def pipe_tables(markdown: str) -> Iterator[tuple[list[str], list[list[str]]]]:
 
 
 def markdown_cells(markdown: str) -> dict[tuple[str, str], str]:
-    """{(row, column): cell text} of every pipe table in a Markdown report written by :func:`to_markdown`."""
+    """{(row, column): cell text} of every pipe table in a Markdown report written by :func:`to_markdown`
+    (a later table's cell replaces an earlier one of the same labels)."""
     table: dict[tuple[str, str], str] = {}
     for header, rows in pipe_tables(markdown):
         for parts in rows:
@@ -1216,7 +1227,12 @@ def compare_with_reference(markdown: str, reference: str, digits: int = 2) -> tu
     further than WITHIN_STD std from their mean in bold, then a line counting the cells within and
     `SEED_NOTE`. Only the accuracy table is compared: a detection section (`split_detection`) is
     `compare_detection_with_reference`'s. Returns (that text, cells within, cells compared); (a sentence,
-    0, 0) when no cell is in both. The last digit counts as rounding: |x - mean| <= 2 std + 10**-digits."""
+    0, 0) when no cell is in both. The last digit counts as rounding: |x - mean| <= 2 std + 10**-digits.
+    One table each: the blocks of a blocked report repeat their labels (compare one block at a time)."""
+    for text in (markdown, reference):
+        blocks = len(list(pipe_tables(split_detection(text)[0])))
+        if blocks > 1:
+            raise ValueError(f"a report of {blocks} blocks: compare one block's table at a time")
     ours = markdown_cells(split_detection(markdown)[0])
     theirs = markdown_cells(split_detection(reference)[0])
     rows, columns = list(dict.fromkeys(r for r, _ in theirs)), list(dict.fromkeys(c for _, c in theirs))

@@ -284,6 +284,7 @@ class Claims:
         self.skip_done = skip_done
         self.host = socket.gethostname()
         self.held: set[str] = set()
+        self._written: dict[str, dict[str, Any]] = {}  # the lock content this object wrote, per held key
         folder.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -306,9 +307,10 @@ class Claims:
                 if not self._take_over_if_stale(path):
                     return False
                 continue
+            mine = {"pid": os.getpid(), "host": self.host, "started": time.time()}
             try:
                 with os.fdopen(fd, "w") as fh:
-                    json.dump({"pid": os.getpid(), "host": self.host, "started": time.time()}, fh)
+                    json.dump(mine, fh)
             except BaseException:  # e.g. a full disk: leave no empty lock behind
                 _remove(path)
                 raise
@@ -316,6 +318,7 @@ class Claims:
                 path.unlink()
                 return False
             self.held.add(key)
+            self._written[key] = mine
             if self._beat is None:
                 self._beat = threading.Thread(target=self._heartbeat, name="lock-heartbeat", daemon=True)
                 self._beat.start()
@@ -347,6 +350,17 @@ class Claims:
             os.rename(path, grave)
         except FileNotFoundError:
             return True
+        try:
+            moved, _ = _read_json(grave)
+        except OSError:
+            moved = None
+        if moved != owner:
+            # Another process took the stale lock over between our read and our rename: this is its fresh
+            # lock. Put it back unless a third has claimed meanwhile (link fails on an existing name).
+            with contextlib.suppress(OSError):
+                os.link(grave, path)
+            grave.unlink()
+            return False
         grave.unlink()
         return True
 
@@ -359,10 +373,18 @@ class Claims:
                 self._take_over_if_stale(path)
 
     def release(self, key: str) -> None:
-        if key in self.held:
-            self.held.discard(key)
-            with contextlib.suppress(FileNotFoundError):
-                self.lock_path(key).unlink()
+        """Drop the claim on `key`, and its lock when the lock is still ours: a process whose heartbeat
+        stopped past LOCK_STALE_S (suspended) may find another's lock there, which it must not remove."""
+        if key not in self.held:
+            return
+        self.held.discard(key)
+        mine, path = self._written.pop(key, None), self.lock_path(key)
+        try:
+            owner, _ = _read_json(path)
+        except OSError:  # gone already
+            return
+        if mine is None or not isinstance(owner, dict) or owner == mine:
+            _remove(path)
 
     def release_all(self) -> None:
         for key in list(self.held):

@@ -383,6 +383,10 @@ def start_run(
             model.load_state_dict(state["model"])
             pipeline.load_state_dict(state["pipeline"])
             st.result = RunResult.from_dict(state["result"])
+            # the record names this process's environment, and the ones its earlier rounds ran in
+            before = dict(st.result.environment or {})
+            earlier = [*before.pop("earlier", []), {**before, "until_round": st.start}]
+            st.result.environment = {**result.environment, "earlier": earlier}
             st.byzantine_zeroed = int(state["hits"])
             set_rng_states(state["rng"])
             streams.load_state_dict(state["streams"])

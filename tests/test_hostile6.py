@@ -213,3 +213,111 @@ def test_wrong_argument_types_are_named_not_a_traceback_from_inside():
         make_attack("alie").craft(honest, own, None)
     sent = make_attack("foe_0.1").craft(honest, own, make_aggregator("median", 3))
     assert sent.shape == own.shape and bool(torch.isfinite(sent).all())  # a server: it crafts
+
+
+# ------------------------------------------------------- the training, store and report audit (helper-28)
+
+
+def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path, monkeypatch):
+    """B read the stale lock, was descheduled, A took it over and wrote its own; B then renamed A's fresh
+    lock away as "the stale one" and both trained the run. B now sees that what it moved is not the lock it
+    judged, puts it back and backs off."""
+    import socket
+    import threading
+
+    lock = tmp_path / "k.lock"
+    lock.write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(), "started": 0}))  # dead
+    a, b = results.Claims(tmp_path, skip_done=False), results.Claims(tmp_path, skip_done=False)
+    paused, go, mtime = threading.Event(), threading.Event(), results._mtime
+
+    def slow_mtime(path):  # B stops between reading the lock and renaming it
+        value = mtime(path)
+        if threading.current_thread().name == "B":
+            paused.set()
+            go.wait(10)
+        return value
+
+    monkeypatch.setattr(results, "_mtime", slow_mtime)
+    got: dict[str, bool] = {}
+    thread = threading.Thread(target=lambda: got.__setitem__("B", b.claim("k")), name="B")
+    thread.start()
+    assert paused.wait(10)
+    got["A"] = a.claim("k")
+    held_by_a = json.loads(lock.read_text())
+    go.set()
+    thread.join()
+    assert got == {"A": True, "B": False}
+    assert json.loads(lock.read_text()) == held_by_a  # A's lock, back in place
+    a.release_all()
+    b.release_all()
+    assert not lock.exists() and not list(tmp_path.glob("k.lock.stale.*"))
+
+
+def test_releasing_a_lock_another_process_took_over_leaves_that_lock(tmp_path):
+    """A suspended past LOCK_STALE_S: B took the run over; A woke, finished and deleted B's lock, so a third
+    process could claim the run B was training."""
+    import os
+    import time
+
+    a, b = results.Claims(tmp_path, skip_done=False), results.Claims(tmp_path, skip_done=False)
+    assert a.claim("k")
+    lock = tmp_path / "k.lock"
+    old = time.time() - results.LOCK_STALE_S - 1
+    os.utime(lock, (old, old))
+    assert b.claim("k")
+    b_lock = json.loads(lock.read_text())
+    a.release("k")
+    assert json.loads(lock.read_text()) == b_lock
+    b.release("k")
+    assert not lock.exists()
+    a.release_all()
+    b.release_all()
+
+
+def test_a_resumed_run_records_the_environment_it_finished_in_and_the_earlier_one(tmp_path):
+    """The checkpoint's result replaced this process's: a run started sequential at one thread and resumed
+    batched at two recorded "sequential, 1 thread". Engine and threads are what last bits depend on."""
+    from prodigy_core import training
+
+    config = RunConfig(dataset="digits", n_clients=10, n_byzantine=3, rounds=4, eval_every=2,
+                       checkpoint_every=2, engine="sequential", defense="prodigy", attack="alie")  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with training.killed_after(3):
+            first = training.run(config, progress=False, checkpoint_dir=tmp_path)
+        torch.set_num_threads(2)
+        resumed = training.run(config.replace(engine="batched"), progress=False, checkpoint_dir=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert (first.environment["engine"], first.environment["threads"]) == ("sequential", 1)
+    env = resumed.environment
+    assert (env["engine"], env["threads"]) == ("batched", 2)
+    assert [(e["engine"], e["threads"], e["until_round"]) for e in env["earlier"]] == [("sequential", 1, 2)]
+
+
+def test_the_diverged_footnote_says_what_a_diverged_run_scores_under_each_variant():
+    """Under `authors` a diverged run keeps what their code reports (the class-0 share of a NaN network:
+    10.58 on digits, 2.46 on our FEMNIST test set), not chance: the footnote said chance for both."""
+    import pandas as pd
+
+    from prodigy_core import report
+
+    paper, authors = pd.DataFrame({"variant": ["paper"]}), pd.DataFrame({"variant": ["authors"]})
+    assert report.diverged_note("one seed", paper).endswith("counts at chance accuracy")
+    assert "class-0 share" in report.diverged_note("one seed", authors)
+    assert "chance" not in report.diverged_legend("3 seeds", authors)
+    both = report.diverged_legend("3 seeds", pd.concat([authors, paper]))
+    assert both.startswith("† diverged in at least one seed (counted at chance accuracy or the accuracy")
+
+
+def test_comparing_a_blocked_report_is_refused_not_one_block_silently():
+    """Blocks repeat their row and column labels: the cells of all but the last block were overwritten, and
+    "k of n cells" counted one block of eight."""
+    from prodigy_core import report
+
+    block = "| Defense | ALIE |\n|:---|---:|\n| ProDiGy | 50.00 |\n"
+    two = f"## beta 0\n\n{block}\n## beta 0.9\n\n{block}"
+    with pytest.raises(ValueError, match=r"a report of 2 blocks: compare one block's table at a time"):
+        report.compare_with_reference(two, two)
+    assert report.compare_with_reference(block, block)[1:] == (1, 1)
