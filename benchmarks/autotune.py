@@ -89,6 +89,9 @@ TIMED_STEPS = 3  # timed local steps per configuration, after the warm-up steps
 # capture as one of its 3 steps: 10.2 ms a step against batched's 8.8 (bf16, FEMNIST, alone).
 WARMUP_STEPS = 2
 COMPILE_S = 40.0  # torch.compile's warm-up step, about: a compiled size starts only with this much left
+# After the window's runs (`time_left_out`), compiled starts only with this much more left: no window has
+# compiled yet, and a compilation past the --deadline's slack gets the command killed by its `timeout`.
+COMPILE_MARGIN_S = 20.0
 NOT_TIMED = "not timed: the timing budget was spent"  # a candidate's row then (`time_left_out` times it)
 GATE_ROUNDS = 3
 SERVER_ROUNDS = 3  # a kind's server side (`server_costs`): its rounds after the first, in steady state
@@ -596,22 +599,24 @@ def time_left_out(
     peak: float | None,
     seconds_left: Callable[[], float],
     timer: Callable[..., float] = time_step,
+    compiled: bool = False,
 ) -> list[dict[str, Any]]:
     """The candidates of a dataset's autotune (`tune`, its entry in the report) that its budget left out
-    ("not timed"), timed after the window's runs in the time none of them could use: each while
-    `seconds_left()` holds its need (the longest wall of a row timed, warm-up included; compiled's
-    compilation, COMPILE_S, more), compiled last. A row timed replaces its "not timed" one, marked
-    `after_runs`: never gated, never chosen (the runs are over), there for the table of every variant.
-    Returns the rows timed."""
+    ("not timed"), the compiled ones when `compiled`, else the others (the driver times compiled last),
+    timed after the window's runs in the time none of them could use: each while `seconds_left()` holds its
+    need (the longest wall of a row timed, warm-up included; compiled's: COMPILE_S + COMPILE_MARGIN_S more).
+    A row timed replaces its "not timed" one, marked `after_runs`: never gated, never chosen (the runs are
+    over), there for the table of every variant. Returns the rows timed."""
     resolved = config.resolved()
     walls = [row["wall_s"] for row in tune["timings"] if "wall_s" in row]
     need = max(walls, default=COMPILE_S)
     rows = tune["timings"]
-    left_out = [i for i, row in enumerate(rows) if row.get("error") == NOT_TIMED]
+    left_out = [i for i, row in enumerate(rows)
+                if row.get("error") == NOT_TIMED and (row["engine"] == "compiled") == compiled]  # fmt: skip
     timed = []
-    for i in sorted(left_out, key=lambda i: rows[i]["engine"] == "compiled"):
+    for i in left_out:
         old = rows[i]
-        if seconds_left() < need + (COMPILE_S if old["engine"] == "compiled" else 0.0):
+        if seconds_left() < need + (COMPILE_S + COMPILE_MARGIN_S if compiled else 0.0):
             continue
         row = time_row(timer, resolved, fed, old["precision"], old["engine"], old["size"])
         row["after_runs"] = True

@@ -48,6 +48,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+# The --deadline's origin: the process's start, before torch is imported (13-14 s with the preflight on the
+# H200 of 2026-11-27, which a clock started by `Driver` left out of the slack before the outer `timeout`).
+# Only stdlib modules are imported above.
+PROCESS_START = time.monotonic()
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a source tree, no install needed
 
@@ -163,11 +167,13 @@ def environment_text(flags: dict[str, Any], simulate: bool) -> str:
 class Driver:
     """The steps, the deadline and $OUT; `run_step` trains one step group by group."""
 
-    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+    def __init__(self, args: argparse.Namespace, work: Path, start: float | None = None) -> None:
+        """`start`: the deadline's origin on `time.monotonic`'s clock (the script's: PROCESS_START); now when
+        None."""
         self.args, self.work, self.out = args, work, args.out
         self.results = work / "results"
         self.log_path = work / "log.txt"
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start
         self.group_size = args.group_size
         self.rates: dict[str, float] = {}  # dataset -> seconds per run-round, from the last group
         self.tune: dict[str, Any] = {}  # dataset -> the autotune's choice and rates (`autotune.autotune`)
@@ -176,10 +182,8 @@ class Driver:
         # The estimates (`estimate`), from measurements, updated after every group: one run's server side per
         # round in steady state, per (dataset, defense, attack), from the gate or the finished runs of that
         # kind; the measured local steps of finished groups / their prediction from the autotune's step_s,
-        # per dataset (the latest group's) and per (dataset, trained share) (`local_factor_for`); a
-        # run-round's evaluation, per dataset.
+        # per (dataset, trained share) (`local_factor_for`); a run-round's evaluation, per dataset.
         self.server_s: dict[tuple[str, str, str], float] = {}
-        self.local_factor: dict[str, float] = {}
         self.share_factor: dict[tuple[str, float], float] = {}
         self.eval_s: dict[str, float] = {}
         self.rows: list[dict[str, Any]] = []  # summary rows
@@ -227,9 +231,8 @@ class Driver:
 
         config = config.replace(engine="batched")
         device = resolve_device(config.resolved().device)
-        earlier, source = self.earlier_autotune()
+        earlier, source, why = self.reusable(dataset, config)
         if source is not None:
-            why = autotune.mismatch(earlier, autotune.fingerprint(device), [dataset])
             if why is None:
                 self.log(f"autotune {dataset}: reused from {source} (same GPU, torch, CUDA, cuDNN and tuned "
                          "code)")  # fmt: skip
@@ -249,6 +252,39 @@ class Driver:
             self.log(note)
             return
         self.use_autotune(report)
+
+    def reusable(self, dataset: str, config: Any) -> tuple[Any, str | None, str | None]:
+        """(the earlier report, where it came from, why it cannot be reused for `dataset` here: None when it
+        can) (`earlier_autotune`, `autotune.mismatch`; `config`: one of its runs); (None, None, "none")
+        without one."""
+        from benchmarks import autotune
+        from prodigy_core.seeding import resolve_device
+
+        earlier, source = self.earlier_autotune()
+        if source is None:
+            return None, None, "none"
+        here = autotune.fingerprint(resolve_device(config.resolved().device))
+        return earlier, source, autotune.mismatch(earlier, here, [dataset])
+
+    def run_floor(self, dataset: str, config: Any, runs: list[Any]) -> float:
+        """A lower bound of the seconds of the cheapest of `runs` (`config`: one of them): their local steps
+        alone, at the fastest step per run an earlier autotune on this GPU timed for `dataset` (any
+        candidate and group size; `earlier_autotune`), every idle client's step saved; 0 without one."""
+        from benchmarks import autotune
+        from prodigy_core.seeding import resolve_device
+
+        earlier, _ = self.earlier_autotune()
+        if earlier is None:
+            return 0.0
+        here = autotune.fingerprint(resolve_device(config.resolved().device))["gpu"]
+        try:
+            if earlier["fingerprint"]["gpu"] != here:
+                return 0.0
+            timings = earlier["datasets"][dataset]["timings"]
+            per_run = min(r["step_s"] / r["size"] for r in timings if "step_s" in r)
+        except (TypeError, KeyError, ValueError, ZeroDivisionError):  # none, or not as `autotune` writes it
+            return 0.0
+        return min((c.rounds * c.local_steps * per_run * trained_share([c]) for c in runs), default=0.0)
 
     def earlier_autotune(self) -> tuple[Any, str | None]:
         """(report, where it came from) of --autotune FILE, else of the --resume tarball's autotune.json (as
@@ -308,12 +344,24 @@ class Driver:
         return rounds * first.local_steps * step_s[upper] * share, share
 
     def local_factor_for(self, dataset: str, share: float) -> float:
-        """Measured local seconds / predicted, of the dataset's finished groups with this trained share, else
-        of its latest finished group, else 1. Per share because idle clients save what the device makes of
-        fewer rows: on a CPU about their share, on the H200 of 2026-11-27 nothing for a FEMNIST run alone
-        (0.050-0.068 s a round with 14 of 20 clients training, 0.054-0.064 s with all 20); one factor for all
-        shares swung the estimates by the last group's share (ProDiGy + ALIE 45 s estimated, 62 s taken)."""
-        return self.share_factor.get(share_key(dataset, share), self.local_factor.get(dataset, 1.0))
+        """Measured local seconds / predicted, of the dataset's finished groups with this trained share. Per
+        share because idle clients save what the device makes of fewer rows: on a CPU about their share, on
+        the H200 of 2026-11-27 nothing for a FEMNIST run alone (0.050-0.068 s a round with 14 of 20 clients
+        training, 0.054-0.064 s with all 20); the latest group's factor for an unmeasured share estimated
+        ProDiGy + ALIE at 45 s, and it took 62 s.
+
+        A share no finished group had credits its idle clients nothing (an under-estimate gets the command's
+        last group killed by its `timeout`, an over-estimate leaves a little time unused): the prediction at
+        share 1 (/ share), x the largest measured local seconds per predicted at share 1 (factor x share) of
+        a share at least this one (a step of more rows never takes less), else x the largest factor (if time
+        per row falls as rows grow, as the prediction assumes, it bounds share 1's), else x 1 (the autotune's
+        step, every client training)."""
+        key = share_key(dataset, share)
+        if key in self.share_factor:
+            return self.share_factor[key]
+        measured = {s: f for (d, s), f in self.share_factor.items() if d == dataset}
+        above = [f * s for s, f in measured.items() if s >= key[1]]
+        return (max(above) if above else max(measured.values(), default=1.0)) / share
 
     def server_estimate(self, config: Any) -> float:
         """One run's server side per round: measured for its (dataset, defense, attack) (the gate, then its
@@ -384,20 +432,27 @@ class Driver:
         predicted, share = self.local_prediction(batch, ran)
         measured = sum(r["phase_seconds"]["local"] for _, r in done)
         if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
-            self.local_factor[dataset] = self.share_factor[share_key(dataset, share)] = measured / predicted
+            self.share_factor[share_key(dataset, share)] = measured / predicted
 
-    def prepare(self, dataset: str, config: Any, first: bool = False) -> bool:
-        """Make `dataset` ready when the first step that trains it comes up (`config`: one of its runs): the
-        CIFAR-10 JPEG copy decoded, the cross-device check, the probe, the autotune (or its reuse); a dataset
-        no step reaches costs nothing (the 2026-11-27 windows paid about 25 s a command for a CIFAR-10 that
-        no run of theirs used). False, and nothing done, with less than PREPARE_MIN_S left, except for the
+    def prepare(self, dataset: str, config: Any, first: bool = False, runs: list[Any] = ()) -> bool:
+        """Make `dataset` ready when the first step that trains it comes up (`config`: one of its runs,
+        `runs`: the step's): the CIFAR-10 JPEG copy decoded, the cross-device check, the probe, the autotune
+        (or its reuse); a dataset no step reaches costs nothing (the 2026-11-27 windows paid about 25 s a
+        command for a CIFAR-10 that no run of theirs used). False, and nothing done, with less left than
+        PREPARE_MIN_S + a lower bound of the cheapest of `runs` (`run_floor`); False before the autotune when
+        what is left then no longer covers its budget (none when reused) + that bound. Except for the
         `first` step's dataset (made ready whatever the deadline, as the window's start)."""
+        from benchmarks import autotune
+
         if dataset in self.ready:
             return True
         tic = time.monotonic()
         left = self.args.deadline - (tic - self.start)
-        if left < PREPARE_MIN_S and not first:
-            self.log(f"{dataset}: not prepared ({left:.0f} s left, under the {PREPARE_MIN_S:.0f} s it needs)")
+        floor = 0.0 if first else self.run_floor(dataset, config, runs)
+        cheapest = f" + ~{floor:.0f} s for its cheapest run" if floor else ""
+        if left < PREPARE_MIN_S + floor and not first:
+            self.log(f"{dataset}: not prepared ({left:.0f} s left, under the {PREPARE_MIN_S:.0f} s it needs"
+                     f"{cheapest})")  # fmt: skip
             return False
         if dataset == "cifar10" and not self.args.simulate:
             from prodigy_core.data import decode_cifar10_jpeg
@@ -406,6 +461,14 @@ class Driver:
             self.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s")
         cross_device_check(self, dataset)
         self.probe(dataset, config)
+        if not first:  # what the decode, check and probe left must still cover the autotune and a run
+            tuning = 0.0 if self.reusable(dataset, config)[2] is None else autotune.BUDGET_S
+            toc = time.monotonic()
+            left = self.args.deadline - (toc - self.start)
+            if left < tuning + floor:
+                self.log(f"{dataset}: not prepared ({left:.0f} s left after {toc - tic:.0f} s of decoding, "
+                         f"check and probe, under the autotune's {tuning:.0f} s{cheapest})")  # fmt: skip
+                return False
         self.autotune(dataset, config)
         self.ready[dataset] = config
         toc = time.monotonic()
@@ -413,38 +476,56 @@ class Driver:
         return True
 
     def time_left_out(self) -> None:
-        """After the runs, in the time none of them could use: the candidates each dataset's autotune left
-        out, timed for the table of every engine variant (issue 44; `autotune.time_left_out`: never gated,
-        never chosen), then the server side of the kinds it did not measure (`autotune.server_costs`), into
-        autotune.json, which a `--resume` command on this GPU reuses: its estimates start measured."""
+        """After the runs, in the time none of them could use, most useful first, each measure brought home
+        (autotune.json, which a `--resume` command on this GPU reuses) as soon as it is made: the server side
+        of the kinds each dataset's autotune did not measure (`autotune.server_costs`: the next command's
+        estimates start measured), then the candidates its budget left out, timed for the table of every
+        engine variant (issue 44; `autotune.time_left_out`: never gated, never chosen), `compiled` last,
+        only with its compilation and a margin left (`autotune.COMPILE_MARGIN_S`)."""
         from benchmarks import autotune
         from prodigy_core import training
         from prodigy_core.seeding import resolve_device
 
         peak = (self.report.get("peak") or {}).get("tflops")
         left = lambda: self.args.deadline - self.elapsed()  # noqa: E731
-        for dataset, config in self.ready.items():
-            tune = self.tune.get(dataset)
-            if not tune or left() <= 0:
-                continue
+        feds: dict[str, Any] = {}
+
+        def loaded(dataset: str) -> tuple[Any, Any]:  # the run's data, loaded once (`shared_federations`)
+            config = self.ready[dataset].replace(engine="batched")
+            if dataset not in feds:
+                feds[dataset] = training.run_federation(
+                    config.resolved(), resolve_device(config.resolved().device)
+                )
+            return config, feds[dataset]
+
+        def save(dataset: str, tune: dict[str, Any]) -> None:  # for the next command; this one's estimates
+            self.save_autotune({"datasets": {dataset: tune}})  # stay the runs' measures
+            self.refresh_out(final=True)
+
+        tuned = {d: self.tune[d] for d in self.ready if self.tune.get(d)}
+        for dataset, tune in tuned.items():
             server = tune.setdefault("server_s", {})
             kinds = [k for k in self.kinds(dataset) if "/".join(k) not in server]
-            if not kinds and not any(row.get("error") == autotune.NOT_TIMED for row in tune["timings"]):
+            if not kinds or left() <= 0:
                 continue
-            config = config.replace(engine="batched")
-            fed = training.run_federation(config.resolved(), resolve_device(config.resolved().device))
-            rows = autotune.time_left_out(tune, config, fed, peak, left)
-            if rows:
-                rates = ", ".join(f"{r['precision']}/{r['engine']} x{r['size']} "
-                                  + (f"{r['images_per_s']:,.0f}" if "images_per_s" in r else r["error"])
-                                  for r in rows)  # fmt: skip
-                self.log(f"after the runs, {dataset}: images/s {rates} (not gated, not chosen)")
-            costs = autotune.server_costs(config, fed, kinds, left)
+            costs = autotune.server_costs(*loaded(dataset), kinds, left)
             if costs:
                 server.update(costs)
                 self.log(f"after the runs, {dataset}: the server side of {len(costs)} more kinds measured")
-            if rows or costs:  # for the next command: this one's estimates stay the runs' measures
-                self.save_autotune({"datasets": {dataset: tune}})
+                save(dataset, tune)
+        for compiled in (False, True):
+            for dataset, tune in tuned.items():
+                wanted = [r for r in tune["timings"] if r.get("error") == autotune.NOT_TIMED
+                          and (r["engine"] == "compiled") == compiled]  # fmt: skip
+                if not wanted or left() <= 0:
+                    continue
+                rows = autotune.time_left_out(tune, *loaded(dataset), peak, left, compiled=compiled)
+                if rows:
+                    rates = ", ".join(f"{r['precision']}/{r['engine']} x{r['size']} "
+                                      + (f"{r['images_per_s']:,.0f}" if "images_per_s" in r else r["error"])
+                                      for r in rows)  # fmt: skip
+                    self.log(f"after the runs, {dataset}: images/s {rates} (not gated, not chosen)")
+                    save(dataset, tune)
 
     def kinds(self, dataset: str) -> list[tuple[str, str]]:
         """The (defense, attack) kinds of the plan's runs of `dataset`, most wanted first."""
@@ -481,21 +562,27 @@ class Driver:
                  f"(second round {per_run_round * len(outcomes):.2f} s)")  # fmt: skip
 
     def profile(self) -> None:
-        """torch.profiler over PROFILE_ROUNDS rounds of the first step's first group (its planned size), then
-        of the step's run with the costliest server side (`server_estimate`: an attack's line search against
-        a coordinate-wise rule, on the H200 of 2026-11-27 a third of such a run, which no profile had shown)
-        when it is another kind, each in a scratch folder (nothing is recorded): the top PROFILE_ROWS CUDA
-        kernels and CPU ops by their own time into profile.txt (the tarball), a section each. On the CPU of
-        --simulate: the CPU ops only."""
+        """torch.profiler over PROFILE_ROUNDS rounds of the first step's first group (its planned size among
+        its first `autotune.PROBE_SIZE` runs not made yet: a group of 16 would cost 30-50 s, not PROFILE_S),
+        then of the step's run with the costliest server side (`server_estimate`: an attack's line search
+        against a coordinate-wise rule, on the H200 of 2026-11-27 a third of such a run, which no profile had
+        shown) when it is another kind, each in a scratch folder (nothing is recorded): the top PROFILE_ROWS
+        CUDA kernels and CPU ops by their own time into profile.txt (the tarball), a section each. On the CPU
+        of --simulate: the CPU ops only."""
         import torch
+
+        from benchmarks import autotune
+        from prodigy_core import results as store
 
         if self.elapsed() + PROFILE_S > self.args.deadline:
             self.log("profile: skipped (deadline)")
             return
         try:
             step = plan(self.args.profile, self.args.simulate)[0]
-            todo = self.experiment(step).configs
-            batch, _ = self.choose_group(todo)
+            exp = self.experiment(step)
+            folder = store.experiment_dir(exp.results_name, self.results)
+            todo = [c for c in exp.configs if not made(folder, c)] or exp.configs
+            batch, _ = self.choose_group(todo[: autotune.PROBE_SIZE])
             batches = [batch or todo[:1]]
             costliest = max(todo, key=self.server_estimate)
             kinds = {(c.defense, c.attack) for c in batches[0]}
@@ -524,12 +611,16 @@ class Driver:
     @staticmethod
     def profiled(name: str, batch: list[Any], cuda: bool) -> str:
         """`batch` (one group, or a run alone) for PROFILE_ROUNDS rounds under torch.profiler: its section of
-        profile.txt."""
+        profile.txt. A captured engine's runs at its uncaptured twin (`step_variants.GRAPHED`): a CUDA graph
+        captured under the profiler risks a sticky CUDA error that would fail every later run of the
+        command, and its replay hides the kernels anyway."""
         from torch.profiler import ProfilerActivity, profile
 
         from prodigy_core import groups, training
+        from prodigy_core.step_variants import GRAPHED
 
-        batch = [c.replace(rounds=PROFILE_ROUNDS, eval_every=PROFILE_ROUNDS) for c in batch]
+        batch = [c.replace(rounds=PROFILE_ROUNDS, eval_every=PROFILE_ROUNDS,
+                           engine=GRAPHED.get(c.engine, c.engine)) for c in batch]  # fmt: skip
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
             if len(batch) == 1 or groups.group_key(batch[0]) is None:  # a run alone (or sequential engine)
@@ -537,7 +628,8 @@ class Driver:
             else:
                 groups.run_group(batch)
         what = ", ".join(f"{c.defense}/{c.attack}" for c in batch)
-        text = f"torch.profiler: {name}, a group of {len(batch)} ({what}), {PROFILE_ROUNDS} rounds\n"
+        text = (f"torch.profiler: {name}, a group of {len(batch)} ({what}), {PROFILE_ROUNDS} rounds, "
+                f"{batch[0].precision}/{batch[0].engine}\n")  # fmt: skip
         return text + profile_tables(prof, cuda) + "\n"
 
     def run_step(self, step: Step) -> None:
@@ -553,7 +645,7 @@ class Driver:
             exp = self.experiment(step)
             first = exp.configs[0]
             prepared = first.dataset in self.ready
-            if not prepared and self.prepare(first.dataset, first):
+            if not prepared and self.prepare(first.dataset, first, runs=exp.configs):
                 prepared, exp = True, self.experiment(step)  # at the autotune's choice
         except Exception as e:  # noqa: BLE001 - a step that cannot even be built fails alone
             row["status"] = f"failed: {type(e).__name__}: {e}"
@@ -627,9 +719,10 @@ class Driver:
         return min((self.estimate([c]) for c in todo if c.dataset in self.ready), default=float("inf"))
 
     # --------------------------------------------------------------------------------- what comes home
-    def refresh_out(self) -> None:
-        """Rewrite $OUT's files: the tarball (written aside, then renamed: a kill never leaves half of
-        one), summary.txt."""
+    def refresh_out(self, final: bool = False) -> None:
+        """Rewrite $OUT's files: summary.txt (`write_summary`, `final` once the runs are over), then the
+        tarball, which holds it (written aside, then renamed: a kill never leaves half of one)."""
+        self.write_summary(final)
         tmp = self.out / "results.tar.gz.part"
         with tarfile.open(tmp, "w:gz") as tar:
             for path in sorted(self.results.rglob("*.json")):
@@ -640,7 +733,6 @@ class Driver:
                 if (self.work / name).exists():
                     tar.add(self.work / name, arcname=name)
         tmp.replace(self.out / "results.tar.gz")
-        self.write_summary()
 
     def write_summary(self, final: bool = False) -> None:
         lines = [f"elapsed: {self.elapsed():.0f} s of a {self.args.deadline:.0f} s deadline; "
@@ -823,7 +915,7 @@ def run(args: argparse.Namespace) -> int:
     env = environment_text(flags, args.simulate)
     for folder in (work, args.out):
         (folder / "env.txt").write_text(env, encoding="utf-8")  # first, before any training
-    driver = Driver(args, work)
+    driver = Driver(args, work, start=getattr(args, "started", None))
     driver.log(env.rstrip())
     if args.resume:  # an earlier command's records: its finished runs are not run again
         earlier = {}
@@ -943,10 +1035,9 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
         )
     if args.profile == "mini" and not args.fail_step:
         throughput(driver)
-    driver.write_summary(final=True)  # before the timings below: a kill there leaves it whole
+    driver.refresh_out(final=True)  # $OUT's and the tarball's: a kill in the timings below keeps them whole
     driver.time_left_out()
-    driver.refresh_out()
-    driver.write_summary(final=True)
+    driver.refresh_out(final=True)
     driver.log((work / "summary.txt").read_text().rstrip())
     return EXIT_FAILED if driver.failed() else 0
 
@@ -1276,7 +1367,9 @@ def seconds_arg(text: str) -> float:
     return seconds
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
+    """`started`: the --deadline's origin on `time.monotonic`'s clock (the script passes PROCESS_START; None:
+    when the driver starts, as tests with a fake clock want)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["import"]:
         p = argparse.ArgumentParser(prog="gpu_run.py import", description="unpack, report, provenance")
@@ -1312,8 +1405,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the torch.profiler step (profile.txt)")  # fmt: skip
     p.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     p.set_defaults(tolerances=None)  # tests: the gate's tolerances (None: autotune.TOLERANCES)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    args.started = started
+    return run(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=PROCESS_START))

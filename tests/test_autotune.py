@@ -161,9 +161,9 @@ def test_paper_profile_plan(gpu_run, tmp_path):
 def test_a_group_sized_from_the_measured_costs_fits_the_time_left(gpu_run, tmp_path, seconds_left):
     """`Driver.choose_group`: of the first runs' compatible ones in order, the size with the most run-rounds
     per second whose estimate (GROUP_MARGIN x (rounds x E x step_s[R'] + each run's rounds x server side))
-    fits (the step scaled by the share of the group's clients that train: `trained_share`); when none does,
-    the most wanted runs that fit (here: the unattacked ones, cheaper by their server side); none at all: an
-    empty group."""
+    fits (no group finished yet: idle Byzantine clients credited nothing, `Driver.local_factor_for`); when
+    none does, the most wanted runs that fit (here: the unattacked ones, cheaper by their server side); none
+    at all: an empty group."""
     args = argparse.Namespace(
         simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=seconds_left
     )
@@ -179,7 +179,7 @@ def test_a_group_sized_from_the_measured_costs_fits_the_time_left(gpu_run, tmp_p
     def by_hand(batch):
         upper = min(s for s in step_s if s >= len(batch))
         server = sum(0.0 if c.attack == "none" else 0.1 for c in batch)
-        return gpu_run.GROUP_MARGIN * 800 * (10 * step_s[upper] * trained_share(batch) + server)
+        return gpu_run.GROUP_MARGIN * 800 * (10 * step_s[upper] + server)
 
     batch, estimate = driver.choose_group(todo)
     left = seconds_left - driver.elapsed()
@@ -198,8 +198,8 @@ def test_the_windows_end_packs_a_pair_where_a_group_of_4_no_longer_fits(gpu_run,
     """The 2026-11-27 window ran its last 240 s as single runs (86-125 s each at fp32) because a group of 4
     (212 s measured, more estimated) no longer fitted and no size between 1 and 4 was timed. The autotune now
     times groups of 2 (`CANDIDATES`); with 200 s left and the window's fp32 step times, the driver starts a
-    pair (1.1 x 8,000 steps x 0.019 s = 167 s, less the local steps of idle Byzantine clients) instead of one
-    run (94 s, the same)."""
+    pair (1.1 x 8,000 steps x 0.019 s = 167 s: no group finished yet, so idle Byzantine clients are credited
+    nothing) instead of one run (94 s)."""
     assert 2 in autotune.CANDIDATES["cuda"]["size"]
     args = argparse.Namespace(simulate=False, profile="paper", out=tmp_path, group_size=16, deadline=200.0)
     driver = gpu_run.Driver(args, tmp_path)
@@ -211,9 +211,7 @@ def test_the_windows_end_packs_a_pair_where_a_group_of_4_no_longer_fits(gpu_run,
     driver.server_s = {("femnist", c.defense, c.attack): 0.0 for c in configs}
     batch, estimate = driver.choose_group(configs)
     assert len(batch) == (2 if pair_timed else 1)
-    assert estimate == pytest.approx(
-        gpu_run.GROUP_MARGIN * 800 * 10 * step_s[len(batch)] * trained_share(batch)
-    )
+    assert estimate == pytest.approx(gpu_run.GROUP_MARGIN * 800 * 10 * step_s[len(batch)])
 
 
 def test_the_group_never_outgrows_the_runs_left_or_the_cap(gpu_run, tmp_path):
@@ -262,7 +260,7 @@ def test_estimates_learn_from_a_group_whose_run_diverged_early(gpu_run, tmp_path
     config = driver.experiment(gpu_run.plan("paper", simulate=False)[0]).configs[0]  # E = 10, T = 800
     phases = {"local": 2 * 6 * 10 * 0.01, "craft": 0.6, "aggregate": 0.3, "eval": 0.06, "rest": 0.3}
     driver.learn([config], [{"phase_seconds": phases, "rounds_completed": 6}])
-    assert driver.local_factor["femnist"] == pytest.approx(2.0)
+    assert driver.share_factor["femnist", round(trained_share([config]), 3)] == pytest.approx(2.0)
     assert driver.server_s["femnist", config.defense, config.attack] == pytest.approx(1.2 / 6)
     assert driver.eval_s["femnist"] == pytest.approx(0.01)
     expected = gpu_run.GROUP_MARGIN * 800 * (2 * 10 * 0.01 + 0.2 + 0.01)
@@ -379,8 +377,9 @@ def test_a_candidate_the_timing_budget_leaves_out_is_listed_as_not_timed(digits,
 
 def test_the_candidates_the_budget_left_out_are_timed_after_the_runs_in_the_time_left(digits):
     """Issue 44's table of every variant: after the window's runs, each "not timed" row is timed while the
-    time left holds the longest wall measured (compiled: COMPILE_S more), compiled last; a row timed replaces
-    its placeholder, marked after_runs, with its TFLOP/s and share of the peak; the rest stay "not timed"."""
+    time left holds the longest wall measured, compiled apart (`compiled=True`, which the driver calls last)
+    and only with COMPILE_S + COMPILE_MARGIN_S more; a row timed replaces its placeholder, marked after_runs,
+    with its TFLOP/s and share of the peak; the rest stay "not timed"."""
     config, fed = digits
     placeholder = {"error": autotune.NOT_TIMED}
     tune = {"gflop_per_image": 0.5, "timings": [
@@ -398,7 +397,7 @@ def test_the_candidates_the_budget_left_out_are_timed_after_the_runs_in_the_time
         return 0.5
 
     rows = autotune.time_left_out(tune, config, fed, peak=10.0, seconds_left=lambda: left[0], timer=timer)
-    # 5 s left: bmm_conv fp32 (needs 3), then 4 s: bmm_conv bf16; compiled needs 3 + COMPILE_S: not timed
+    # 5 s left: bmm_conv fp32 (needs 3), then 4 s: bmm_conv bf16; compiled is not among these
     assert timed == [("fp32", "bmm_conv", 4), ("bf16", "bmm_conv", 1)] and len(rows) == 2
     by_key = {(r["precision"], r["engine"]): r for r in tune["timings"]}
     images = 4 * config.resolved().n_clients * config.resolved().batch_size / 0.5
@@ -408,8 +407,12 @@ def test_the_candidates_the_budget_left_out_are_timed_after_the_runs_in_the_time
         row["tflops"] / 10.0
     )
     assert by_key["fp32", "compiled"]["error"] == autotune.NOT_TIMED
-    left[0] = 3.0 + autotune.COMPILE_S  # enough for compiled now
-    autotune.time_left_out(tune, config, fed, peak=None, seconds_left=lambda: left[0], timer=timer)
+    left[0] = 3.0 + autotune.COMPILE_S  # its compilation, not the margin: not timed
+    assert not autotune.time_left_out(tune, config, fed, None, lambda: left[0], timer, compiled=True)
+    left[0] = 3.0 + autotune.COMPILE_S + autotune.COMPILE_MARGIN_S  # enough for compiled now
+    autotune.time_left_out(
+        tune, config, fed, peak=None, seconds_left=lambda: left[0], timer=timer, compiled=True
+    )
     assert timed[-1] == ("fp32", "compiled", 4) and by_key["fp32", "batched"] is tune["timings"][0]
     assert "peak_share" not in tune["timings"][1] and tune["timings"][1]["after_runs"]
 
