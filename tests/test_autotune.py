@@ -469,3 +469,36 @@ def test_the_gate_runs_a_candidate_in_a_group_of_its_fastest_size_at_most_the_pr
     sizes.clear()
     report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
     assert {g["size"] for g in report["datasets"]["digits"]["gate"]} == {autotune.PROBE_SIZE}
+
+
+def test_the_gate_also_judges_the_fastest_fp32_variant_when_the_two_fastest_are_tensor_core_ones(
+    digits, grouped_space, monkeypatch
+):
+    """GPU driver audit W6: only the two fastest candidates were gated; on CIFAR-10 both were tf32/bf16 and
+    refused, so the window ran fp32/batched while an fp32 engine variant 2x faster went ungated. Here bf16
+    (the two fastest) is refused by construction and fp32/bmm_conv, gated as a third, is chosen."""
+    config, fed = digits
+    monkeypatch.setattr(autotune, "add_rates", lambda *args: None)
+
+    def timer(resolved, fed, precision, engine, size):  # bf16 3x fp32: its two engines the two fastest
+        rate = grouped_rates("fp32", engine, size) * (3.0 if precision == "bf16" else 1.0)
+        return size * resolved.n_clients * resolved.batch_size / rate
+
+    real_trajectory, real_compare = autotune.trajectory, autotune.compare
+
+    def trajectory(config, fed, precision, *args, **kwargs):
+        return {**real_trajectory(config, fed, precision, *args, **kwargs), "precision": precision}
+
+    def compare(ref, cand):  # a bf16 trajectory far from the reference, an fp32 one as measured
+        measures = real_compare(ref, cand)
+        return {k: 1e9 for k in measures} if cand.get("precision") == "bf16" else measures
+
+    monkeypatch.setattr(autotune, "trajectory", trajectory)
+    monkeypatch.setattr(autotune, "compare", compare)
+    tune = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    tune = tune["datasets"]["digits"]
+    gated = list(dict.fromkeys((g["precision"], g["engine"]) for g in tune["gate"]))
+    # by rate: bf16/bmm_conv 6, bf16/batched 3, bf16/channels_last 2.4, fp32/bmm_conv 2, fp32/batched 1
+    assert gated == [("bf16", "bmm_conv"), ("bf16", "batched"), ("fp32", "bmm_conv")]
+    assert [g["accepted"] for g in tune["gate"] if g["precision"] == "bf16"] == [False] * 4
+    assert tune["chosen"] == {"precision": "fp32", "engine": "bmm_conv"}
