@@ -1212,9 +1212,9 @@ def normalise_defense(name: str) -> str:
     """A defense name as stored: lower case, except a plug-in's path and class (``nnm+my.py:MyRule``)."""
     if not isinstance(name, str):  # str(None) is "none", the plain average
         raise ValueError(f"defense must be a name such as 'prodigy' or 'nnm+krum', got {name!r}")
-    prefix, base = split_defense(str(name).strip().lower())
-    if is_plugin(str(name)):
-        base = str(name).strip()[len(prefix) + 1 if prefix else 0 :]
+    prefix, base = split_defense(name.strip().lower())
+    if is_plugin(name):
+        base = name.strip()[len(prefix) + 1 if prefix else 0 :]
     return f"{prefix}+{base}" if prefix else base
 
 

@@ -216,8 +216,9 @@ def leaf_writer_counts(leaf_dir: Path) -> dict[str, tuple[int, int]]:
         where: dict[str, str] = {}  # the file each writer came from
         for version in _leaf_file_versions(leaf_dir / split):
             file_counts = _leaf_file_counts(*version)
-            for writer in file_counts.keys() & where.keys():
-                raise DataError(_twice(writer, where[writer], version[0]))
+            twice = sorted(file_counts.keys() & where.keys())
+            if twice:
+                raise DataError(_twice(twice[0], where[twice[0]], version[0]))
             where.update(dict.fromkeys(file_counts, version[0]))
             counts.update(file_counts)
         splits.append(counts)
