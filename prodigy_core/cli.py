@@ -415,11 +415,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def _no_results(experiment: Any, args: argparse.Namespace) -> str:
     """Why `report` found nothing, naming the folder it read, and the grid command that stores there."""
     from prodigy_core import results
-    from prodigy_core.experiments import SCALES
+    from prodigy_core.experiments import SCALES, scale_folder
 
     def folder(scale: str) -> Path:
-        name = experiment.name if scale == "paper" else f"{experiment.name}-{scale}"
-        return results.experiment_dir(name, args.results_dir)
+        return results.experiment_dir(scale_folder(experiment.name, scale), args.results_dir)
 
     here = folder(experiment.scale)
     if here.is_dir():

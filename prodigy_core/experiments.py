@@ -44,6 +44,13 @@ EXECUTORS = ("local", "ray")
 LARGE_GRID, LARGE_GRID_SAMPLE = 1000, 16
 SCALES = ("smoke", "mini", "paper")
 
+
+def scale_folder(name: str, scale: str) -> str:
+    """An experiment's folder under the results directory at `scale`: smoke and mini runs never mix with
+    paper-scale ones (`<name>-smoke/`, `<name>-mini/`, `<name>/`)."""
+    return name if scale == "paper" else f"{name}-{scale}"
+
+
 # Smoke profile: the one place that says how a grid is shrunk (see smoke_profile).
 SMOKE_ROUNDS = 3
 SMOKE_LOCAL_STEPS = 2
@@ -76,8 +83,8 @@ class Experiment:
 
     @property
     def results_name(self) -> str:
-        """Folder under the results directory: smoke and mini runs never mix with paper-scale ones."""
-        return self.name if self.scale == "paper" else f"{self.name}-{self.scale}"
+        """Folder under the results directory (`scale_folder`)."""
+        return scale_folder(self.name, self.scale)
 
     def stand_in_for(self, config: RunConfig) -> str | None:
         """The stand-in label of one run (None when it runs on the dataset the params file names)."""
@@ -1264,6 +1271,7 @@ def _with_traceback(error: BaseException) -> BaseException:
 __all__ = [
     "PARAMS_DIR",
     "SCALES",
+    "scale_folder",
     "Experiment",
     "Task",
     "check_writers",
