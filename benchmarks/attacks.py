@@ -2,13 +2,15 @@
 
 A search attack runs the pipeline once per candidate, so the goal is craft / pipeline <= candidates + 1.
 Defaults: the paper's largest setting, N = 100 clients (f = 30) with FEMNIST-sized updates, d = 1,690,046.
-For a coordinate-wise pipeline (median, trimmed mean, alone or after NNM) the search runs its candidates as
-one batch; ``1-by-1 s`` times the same craft with the pipeline run on each candidate instead (the route
-before batching), and ``speed-up`` is the ratio of the two, measured alternately in this run.
+The search scores its candidates from one Gram matrix of their points (a pipeline that gives weights, or
+one led by NNM) or runs them as one batch (a coordinate-wise pipeline: median, trimmed mean, alone or after
+NNM); ``1-by-1 s`` times the same craft with the pipeline run on each candidate instead (the route before
+either), and ``speed-up`` is the ratio of the two, measured alternately in this run.
 
     python benchmarks/attacks.py                 # full size (about 2 GB of updates, minutes on a laptop CPU)
     python benchmarks/attacks.py --d 100000      # quick look
     python benchmarks/attacks.py --n 20 --f 4 --d 200000 --defenses nnm+trimmed_mean nnm+median median
+    python benchmarks/attacks.py --n 20 --f 6 --attacks alie_spread --defenses prodigy nnm+trimmed_mean
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from prodigy_core.aggregators import Pipeline, make_aggregator
-from prodigy_core.attacks import make_attack
+from prodigy_core.attacks import LineSearchAttack, make_attack
 from prodigy_core.seeding import resolve_device
 
 
@@ -42,13 +44,16 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
 
 @contextlib.contextmanager
 def one_by_one() -> Iterator[None]:
-    """The search as before batching: no pipeline counts as coordinate-wise, so each candidate is run."""
-    real = Pipeline.coordinatewise
+    """The search as before batching: no Gram matrix of the candidates' points and no pipeline counted as
+    coordinate-wise, so the pipeline runs on each candidate."""
+    real, grams = Pipeline.coordinatewise, LineSearchAttack._candidate_grams
     Pipeline.coordinatewise = property(lambda self: False)  # type: ignore[method-assign, assignment]
+    LineSearchAttack._candidate_grams = lambda *args: None  # type: ignore[method-assign]
     try:
         yield
     finally:
         Pipeline.coordinatewise = real  # type: ignore[method-assign]
+        LineSearchAttack._candidate_grams = grams  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -75,7 +80,7 @@ def main() -> None:
     print(f"device={device} N={args.n} f={args.f} d={args.d:,} threads={torch.get_num_threads()}")
     header = ("defense", "attack", "cand.", "pipeline s", "attacked s", "craft s", "ratio", "goal",
               "1-by-1 s", "speed-up")  # fmt: skip
-    print("{:<18} {:<8} {:>5} {:>10} {:>10} {:>9} {:>6} {:>5} {:>9} {:>8}".format(*header))
+    print("{:<18} {:<11} {:>5} {:>10} {:>10} {:>9} {:>6} {:>5} {:>9} {:>8}".format(*header))
     for defense in args.defenses:
         server = make_aggregator(defense, args.f, n_clients=args.n)
         server.peek(X)  # warm-up (allocator, kernels)
@@ -86,7 +91,7 @@ def main() -> None:
             craft = lambda: attack.craft(honest, own, server)  # noqa: B023, E731
             craft_s, byzantine = timed(craft, device, args.repeats)
             old = ""
-            if server.coordinatewise:  # alternately, so that a drift in the machine's speed hits both
+            if isinstance(attack, LineSearchAttack):  # alternately, so that a drift in speed hits both
                 batched, single = [], []
                 for _ in range(args.repeats):
                     batched.append(timed(craft, device, 1)[0])
@@ -98,7 +103,7 @@ def main() -> None:
             attacked = torch.cat([byzantine, honest])
             attacked_s, _ = timed(lambda: server.peek(attacked), device, args.repeats)  # noqa: B023
             print(
-                f"{defense:<18} {name:<8} {candidates:>5} {pipeline_s:>10.3f} {attacked_s:>10.3f} "
+                f"{defense:<18} {name:<11} {candidates:>5} {pipeline_s:>10.3f} {attacked_s:>10.3f} "
                 f"{craft_s:>9.3f} {craft_s / pipeline_s:>6.2f} {candidates + 1:>5} {old}"
             )
     print("ratio = craft s / pipeline s (one pipeline call on the round's honest-looking input);")

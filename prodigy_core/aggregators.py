@@ -14,7 +14,6 @@ import contextlib
 import inspect
 import math
 import operator
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -446,8 +445,9 @@ class Average(Rule):
     """Plain mean (1/N) sum_i g_i: FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks
     from Decentralized Data", AISTATS 2017), the paper's ``none`` defense.
 
-    Not robust: one Byzantine vector moves it arbitrarily, and a NaN/Inf vector makes it non-finite (it
-    warns then, and returns the non-finite mean so that the training loop sees the divergence)."""
+    Not robust: one Byzantine vector moves it arbitrarily, and a NaN/Inf vector makes it non-finite. It
+    returns that mean as is, with no check that would wait for the device: the training loop records the
+    divergence (`RunResult.diverged`)."""
 
     name = "average"
     display = "Average"
@@ -458,15 +458,7 @@ class Average(Rule):
         self.f = check_f("Average", f)
 
     def aggregate(self, G: Tensor) -> Tensor:
-        out = G.mean(dim=0)
-        if not torch.isfinite(out).all():
-            warnings.warn(
-                "Average: non-finite client vectors make the mean non-finite; "
-                "the average is not robust, use a robust rule",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return out
+        return G.mean(dim=0)
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
         if bad.any():  # the mean of a bad vector is not a finite combination
@@ -579,10 +571,14 @@ def krum_scores(D: Tensor, f: int) -> Tensor:
 @RULES.register
 class Krum(Rule):
     """Krum (Blanchard et al., 2017): the g_k minimising the sum of squared distances to its N-f-2 nearest
-    others. Ties go to the lowest index. Needs N > 2f+2."""
+    others. Ties go to the lowest index. Needs N > 2f+2.
+
+    Computed as the weights e_k on the inputs (``by_weights``), so the attack search's Gram matrix serves
+    the aggregation too, as for Multi-Krum (the weighted sum of a one-hot weight vector is g_k itself)."""
 
     name = "krum"
     display = "Krum"
+    by_weights = True
     batched = True
 
     def __init__(self, f: int):
@@ -590,9 +586,6 @@ class Krum(Rule):
 
     def check_n(self, n: int) -> None:
         self.need(n > 2 * self.f + 2, n, f"N > 2f+2 = {2 * self.f + 2}")
-
-    def aggregate(self, G: Tensor) -> Tensor:
-        return G[int(krum_scores(geometry(G).D, self.f).argmin())].clone()
 
     def combine(self, K: Tensor, D: Tensor, bad: Tensor) -> Combination:
         w = torch.zeros(D.shape[:-1], dtype=torch.float64, device=D.device)

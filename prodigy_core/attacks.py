@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, column_step, geometry, pairwise_sq_distances
@@ -296,7 +297,8 @@ class _MinMaxMinSum(Attack):
     gamma is the largest value meeting the attack's constraint, which is a sum or a maximum of quadratics
     q_i(gamma) = norm(mu_H - g_i - gamma p)^2, convex in gamma and met at gamma = 0: the paper finds it by
     bisection; here it is the exact root of the quadratic (the point the bisection converges to).
-    All Byzantine clients send m; ``last_param`` is gamma.
+    All Byzantine clients send m; ``last_param`` is gamma. With one honest client the honest spread is 0,
+    so gamma = 0 and m is that client's update.
     """
 
     DEVIATIONS = ("std", "unit_vec", "sign")
@@ -326,7 +328,10 @@ class _MinMaxMinSum(Attack):
         dots = (offsets @ p).double()  # <a_i, p>
         p_sq = p.pow(2).sum(dtype=torch.float64).item()
         del offsets
-        dist = pairwise_sq_distances(honest).double()
+        if len(honest) > 1:
+            dist = pairwise_sq_distances(honest).double()
+        else:  # one honest client: no spread to hide in, so gamma = 0 and m is its update
+            dist = torch.zeros((1, 1), dtype=torch.float64, device=honest.device)
         gamma = 0.0 if p_sq == 0 else self._gamma(sq_norms, dots, p_sq, dist)
         self.last_param = gamma
         return (mean - gamma * p).expand(own.shape).clone()
@@ -364,15 +369,19 @@ class MinSum(_MinMaxMinSum):
         return ((b + (b.pow(2) + h * p_sq * slack).sqrt()) / (h * p_sq)).item()
 
 
+_LINE_MOVES = torch.tensor([[[-1.0, 1.0]]], dtype=torch.float64)  # a line's (1 - t) p0 + t p1 (`affine`)
+
+
 class LineSearchAttack(Attack):
     """An attack with one parameter chosen per round by maximising norm(server(cat[byzantine, honest]) - mu_H)
     over a grid, through the real server (``peek`` when present). Subclasses give the grid, the per-round
     statistics and the Byzantine rows for a parameter (``rows`` must work on column slices of the
     statistics). The search scores all the candidates from one Gram matrix as one batch when the pipeline
     gives weights (`_damages`), runs a coordinate-wise pipeline on all of them at once (`_batched_damages`),
-    else runs the pipeline once per candidate. With a line (`line`, defined by the class that defines
-    ``rows``: a subclass's own rows need not lie on its parent's line), ``last_gram`` is the chosen
-    candidate's Gram matrix, for the server's own aggregation.
+    else runs the pipeline once per candidate. With a line (`line`), or more generally the points whose
+    affine combinations the rows are (`affine`), defined by the class that defines ``rows`` (a subclass's own
+    rows need not lie on its parent's line), ``last_gram`` is the chosen candidate's Gram matrix, for the
+    server's own aggregation.
     """
 
     # False: a non-finite aggregate counts as infinite damage (this package); True: the damage as computed,
@@ -405,6 +414,15 @@ class LineSearchAttack(Attack):
         """End points (p0, p1) when every candidate sends the one vector (1 - param) p0 + param p1."""
         return None
 
+    def affine(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+        """The candidates' rows as affine combinations of k points, when they are: (P, S) with P (k, d) the
+        points and S (m, f or 1, k) float64 how each of the m parameters moves the rows' weights on them.
+        Byzantine row j of the candidate with parameters t = (t_1 .. t_m) is (e_1 + sum_l t_l S[l, j]) P,
+        P[0] at t = 0 (each row of S sums to 0, so the weights sum to 1). By default the line's: P = [p0; p1],
+        S = [[-1, 1]]."""
+        line = self.line(stats)
+        return None if line is None else (torch.stack(line), _LINE_MOVES)
+
     def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         f, (h, d) = own.shape[0], honest.shape
         stats = self.statistics(honest, f)
@@ -423,8 +441,9 @@ class LineSearchAttack(Attack):
         if grams is not None and best is not None:
             gram = grams.gram_at(best)
             # a sent row whose squared norm leaves the dtype's range may have overflowed to inf, where the
-            # float64 Gram matrix stays finite: the server then computes its own (on the host: no wait)
-            if float(gram[0, 0]) <= torch.finfo(honest.dtype).max:
+            # float64 Gram matrix stays finite: the server then computes its own (on the host: no wait). Any
+            # point's (not only the sent rows'): one op fewer, and the honest rows' are in range anyway.
+            if float(gram.diagonal().max()) <= torch.finfo(honest.dtype).max:
                 self.last_gram = gram
         return self.rows(best, stats).expand(f, d).clone()
 
@@ -434,10 +453,10 @@ class LineSearchAttack(Attack):
         f: int,
         stats: dict[str, Tensor],
         server: Server,
-        grams: _LineGeometry | None,
+        grams: _AffineGeometry | None,
         grid: list[Any],
     ) -> Iterator[float]:
-        """Each candidate's damage: from the line's Gram matrix alone when the pipeline gives weights
+        """Each candidate's damage: from the points' Gram matrix alone when the pipeline gives weights
         (`Pipeline.weights`), all candidates as one batch (C, N+1, N+1) on the host; else by running the
         pipeline on the candidate (with its Gram matrix when there is one: a leading NNM takes its distances
         from it)."""
@@ -468,7 +487,7 @@ class LineSearchAttack(Attack):
         f: int,
         stats: dict[str, Tensor],
         server: Pipeline,
-        grams: _LineGeometry | None,
+        grams: _AffineGeometry | None,
         grid: list[Any],
     ) -> list[float]:
         """Every candidate's damage at once, for a coordinate-wise rule (median, trimmed mean) alone or after
@@ -478,7 +497,7 @@ class LineSearchAttack(Attack):
         Why: such a rule has no Gram-matrix shortcut, and one by one each candidate costs a pass of the rule
         over its (N, d) input, its kernel launches and a wait for the device to read its damage. Here the C
         candidates' inputs X (C, N, d) go through the rule together (`Rule.coordinatewise`), after NNM as
-        A_c X_c with each candidate's mixing matrix A_c from the line's Gram matrix (`Pipeline.mixing`, on
+        A_c X_c with each candidate's mixing matrix A_c from the points' Gram matrix (`Pipeline.mixing`, on
         the host). X is built chunk by chunk of columns, bounding memory (C = 9, N = 20, d = 1.69M would be
         1.2 GB in float32); the C aggregates (C, d) are kept, and their distances to mu_H are taken as
         `_damage` takes them, in their dtype (float32 rounding makes exact ties, which must fall the same
@@ -517,70 +536,81 @@ class LineSearchAttack(Attack):
 
     def _candidate_grams(
         self, honest: Tensor, f: int, stats: dict[str, Tensor], server: Server
-    ) -> _LineGeometry | None:
-        line = self.line(stats)
-        if line is None or not (isinstance(server, Pipeline) and server.takes_gram):
+    ) -> _AffineGeometry | None:
+        # the rows' own class must give their points: a subclass's rows need not lie on its parent's line
+        own = self._owner("affine")
+        if self._owner("rows") is not (self._owner("line") if own is LineSearchAttack else own):
             return None
-        if self._owner("rows") is not self._owner("line"):  # a subclass's rows need not lie on the line
+        span = self.affine(stats)
+        if span is None or not (isinstance(server, Pipeline) and server.takes_gram):
             return None
+        points, moves = span
+        k = len(points)
+        if moves.dim() != 3 or moves.shape[1] not in (1, f) or moves.shape[2] != k:
+            raise ValueError(f"{self.name}.affine: S must be (m, f or 1, k) = (m, {f} or 1, {k}) for its "
+                             f"{k} points, got {tuple(moves.shape)}")  # fmt: skip
         reference = server.reference(honest)
         if reference is not None:
-            line = (*line, reference)
-        K = geometry(honest, extra=torch.stack(line), origin=reference is None).K
-        return _LineGeometry(K, f) if torch.isfinite(K).all() else None
+            points = torch.cat([points, reference[None]])
+        K = geometry(honest, extra=points, origin=reference is None).K
+        return _AffineGeometry(K, f, moves) if torch.isfinite(K).all() else None
 
     def _record(self, best: Any) -> None:
         self.last_param = best
 
 
-class _LineGeometry:
-    """Every candidate's Gram matrix from one Gram matrix K of the h + 3 base points B = [honest; p0; p1; r],
-    r the pipeline's reference point (`Pipeline.reference`: the origin, or CClip's start).
+class _AffineGeometry:
+    """Every candidate's Gram matrix from one Gram matrix K of the h + k + 1 base points B = [honest; P; r]:
+    P the attack's k points (`LineSearchAttack.affine`; a line's p0 and p1), r the pipeline's reference point
+    (`Pipeline.reference`: the origin, or CClip's start).
 
-    Candidate t puts the f Byzantine clients at (1 - t) p0 + t p1, so its points [byzantine; honest; r] are
-    C_t B for a coefficient matrix C_t (N + 1, h + 3) and their Gram matrix is C_t K C_t^T. A pipeline's
-    weights w on them give the aggregate w^T C_t B, an affine combination of B (w sums to 1) like the honest
-    mean m^T B, so the damage is sqrt((w^T C_t - m^T) K (C_t^T w - m)): O(N^2 h) per candidate, no pass
-    over the d coordinates. float64 throughout, as the pipeline's own Gram matrix."""
+    Candidate t puts Byzantine client j at (e_1 + sum_l t_l S[l, j]) P (on a line: (1 - t) p0 + t p1), so its
+    points [byzantine; honest; r] are C_t B for a coefficient matrix C_t = C_0 + sum_l t_l S_l (N + 1,
+    h + k + 1) and their Gram matrix is C_t K C_t^T. A pipeline's weights w on them give the aggregate
+    w^T C_t B, an affine combination of B (w sums to 1) like the honest mean m^T B, so the damage is
+    sqrt((w^T C_t - m^T) K (C_t^T w - m)): O(N^2 h) per candidate, no pass over the d coordinates. float64
+    throughout, as the pipeline's own Gram matrix."""
 
-    def __init__(self, K: Tensor, f: int) -> None:
-        h = K.shape[0] - 3
+    def __init__(self, K: Tensor, f: int, moves: Tensor) -> None:
+        m, k = moves.shape[0], moves.shape[-1]
+        h = K.shape[0] - k - 1
         self.K, self.f, self.n = K, f, f + h
-        # C_t = C_0 + t S: the Byzantine clients at p0 + t (p1 - p0), the honest clients and the reference
-        # point stay themselves
-        eye, kept = torch.eye(h + 3, dtype=K.dtype, device=K.device), list(range(h)) + [h + 2]
+        # C_0: the Byzantine clients at P[0], the honest clients and the reference point themselves; S_l: the
+        # parameter l's moves of the Byzantine rows' weights on P
+        eye, kept = torch.eye(h + k + 1, dtype=K.dtype, device=K.device), list(range(h)) + [h + k]
         self.C = eye[[h] * f + kept]
-        self.S = eye[[h + 1] * f + kept] - self.C
+        self.S = F.pad(moves.to(K.device).expand(m, f, k), (h, 1, 0, h + 1)).flatten(1)  # (m, (N+1)(h+k+1))
         self.mean = self.C[f : f + h].mean(dim=0)  # 1/h on each honest client
-        self.ts: list[float] = []  # the candidates of the last `grams`, their coefficients and Gram matrices
+        self.ts: list[Any] = []  # the candidates of the last `grams`, their coefficients and Gram matrices
         self.coefficients: Tensor | None = None
         self.batch: Tensor | None = None
 
-    def grams(self, ts: list[float]) -> Tensor:
-        """The Gram matrices C_t K C_t^T (len(ts), N+1, N+1) of [byzantine; honest; r] when the Byzantine
-        clients send (1 - t) p0 + t p1, for each t of ``ts``, as one batch (kept for `gram_at`)."""
+    def grams(self, ts: list[Any]) -> Tensor:
+        """The Gram matrices C_t K C_t^T (len(ts), N+1, N+1) of [byzantine; honest; r] for each candidate t
+        of ``ts`` (a number, or a tuple of the m parameters), as one batch (kept for `gram_at`)."""
         self.ts, self.coefficients = list(ts), self._coefficients(ts)
         self.batch = self._sandwich(self.coefficients)
         return self.batch
 
-    def gram_at(self, t: float) -> Tensor:
+    def gram_at(self, t: Any) -> Tensor:
         """The Gram matrix of one candidate t: its matrix of the last `grams` when t was one of them."""
         return self.batch[self.ts.index(t)] if t in self.ts else self._sandwich(self._coefficients([t]))[0]
 
     def damages(self, weights: Tensor) -> Tensor:
         """norm(aggregate - honest mean) (C,) for the candidates of the last `grams`, whose aggregates are
         the weights (C, N+1) on their points (NaN where a row of weights is NaN)."""
-        c = torch.bmm(weights.unsqueeze(-2), self.coefficients) - self.mean  # (C, 1, h+3)
+        c = torch.bmm(weights.unsqueeze(-2), self.coefficients) - self.mean  # (C, 1, h+k+1)
         return self._sandwich(c).flatten().clamp(min=0).sqrt()
 
-    def _coefficients(self, ts: list[float]) -> Tensor:
-        """C_t for each t of ``ts``, (len(ts), N+1, h+3): 1 - t and t exactly where the Byzantine rows
-        weigh p0 and p1."""
-        t = torch.tensor(ts, dtype=self.K.dtype, device=self.K.device)
-        return self.C + t.view(-1, 1, 1) * self.S
+    def _coefficients(self, ts: list[Any]) -> Tensor:
+        """C_t for each t of ``ts``, (len(ts), N+1, h+k+1) (on a line: 1 - t and t exactly where the Byzantine
+        rows weigh p0 and p1, as t S_1 is exact)."""
+        columns = [t if isinstance(t, tuple) else (t,) for t in ts]  # (C, m), built here: no op
+        t = torch.tensor(columns, dtype=self.K.dtype, device=self.K.device)
+        return torch.addmm(self.C.flatten(), t, self.S).view(len(ts), *self.C.shape)
 
     def _sandwich(self, X: Tensor) -> Tensor:
-        """X K X^T for each matrix of the batch X (C, P, h+3), by batched products over K repeated for each
+        """X K X^T for each matrix of the batch X (C, P, h+k+1), by batched products over K repeated for each
         (a view): each candidate's product alone, as one product over all of them would round rows by
         where they fall, so equal candidates keep equal bits and ties among damages stay ties."""
         return torch.bmm(torch.bmm(X, self.K.expand(len(X), *self.K.shape)), X.mT)
@@ -720,6 +750,18 @@ class ALIESpread(LineSearchAttack):
     def rows(self, param: tuple[float, float], stats: dict[str, Tensor]) -> Tensor:
         z, rho = param
         return torch.add(stats["mean"] - z * stats["sigma"], stats["spread"], alpha=rho)
+
+    def affine(self, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Row j at (z, rho) is (1 - z - rho) mu + z (mu - sigma) + rho (mu + xi_j sigma): the points
+        P = [mu; mu - sigma; mu + xi_1 sigma; ...; mu + xi_f sigma], so the search scores every (z, rho)
+        from one Gram matrix, as ALIE's line."""
+        mean, sigma, spread = stats["mean"], stats["sigma"], stats["spread"]
+        f = spread.shape[0]
+        moves = torch.zeros((2, f, f + 2), dtype=torch.float64)
+        moves[:, :, 0] = -1.0  # z and rho both move weight off mu: onto mu - sigma, onto row j's own point
+        moves[0, :, 1] = 1.0
+        moves[1, :, 2:] = torch.eye(f, dtype=torch.float64)
+        return torch.cat([torch.stack([mean, mean - sigma]), mean + spread]), moves
 
     def _record(self, best: tuple[float, float]) -> None:
         self.last_param, self.last_rho = best

@@ -287,6 +287,19 @@ def test_minmax_minsum_gamma_matches_bisection(name, deviation):
     torch.testing.assert_close(rows, (mean - attack.last_param * p).float().expand(F, D))
 
 
+@pytest.mark.parametrize("name", ["minmax", "minsum"])
+@pytest.mark.parametrize("deviation", ["std", "unit_vec", "sign"])
+def test_minmax_minsum_with_one_honest_client_send_its_update(name, deviation):
+    """One honest client g: its spread (max or sum of squared distances to the others) is 0, and only m = g
+    meets norm(m - g)^2 <= 0, so gamma = 0 (``std``: the direction is 0 anyway). It raised an error naming
+    pairwise_sq_distances before."""
+    honest = torch.randn(1, D, generator=torch.Generator().manual_seed(3))
+    attack = make_attack(name, deviation=deviation)
+    rows = attack.craft(honest, torch.zeros(F, D), make_aggregator("average", F))
+    assert attack.last_param == 0.0
+    assert torch.equal(rows, honest.expand(F, D))
+
+
 def test_gaussian_is_seeded_and_has_the_stated_distribution():
     honest, own = make_updates(10, d=20_000)
     draws = [
@@ -332,11 +345,11 @@ def test_bad_input_raises_clear_errors(name):
 def test_an_attack_that_needs_no_own_update_sends_the_same_rows_whatever_own_holds(name, variant):
     """`Attack.needs_own` False lets the training loop skip the Byzantine clients' local steps, so such an
     attack's rows must not depend on the values of ``own`` (here drawn updates, zeros and 1e3-sized noise,
-    the same random state for each craft); those built from ``own`` (none, SF, LF) say they need it."""
+    the same random state for each craft); those built from ``own`` (none, SF, LF, and the authors' ALIE,
+    which sends it at their z = 0) say they need it."""
     honest, own = make_updates(13)
     attack = make_attack(name, variant=variant)
-    if name in ("none", "sf", "lf"):
-        assert attack.needs_own()
+    assert attack.needs_own() == (name in ("none", "sf", "lf") or (name, variant) == ("alie", "authors"))
     if attack.needs_own():
         return
     sent = []

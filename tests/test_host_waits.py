@@ -44,7 +44,6 @@ def test_host_waits_per_round_are_bounded(on_accelerator, defense, most):
     assert waits[-1] == most + 2
 
 
-@pytest.mark.filterwarnings("ignore:Average.*non-finite:RuntimeWarning")
 @pytest.mark.parametrize("eval_every", [4, 3])
 def test_a_model_that_becomes_non_finite_is_recorded_at_its_round(monkeypatch, eval_every):
     """Round 3's server step makes the model non-finite (an infinite update averaged in). Whether that is

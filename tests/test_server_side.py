@@ -11,7 +11,7 @@ import torch
 
 from prodigy_core import aggregators as agg
 from prodigy_core.aggregators import column_step, geometry, make_aggregator
-from prodigy_core.attacks import FOE, make_attack
+from prodigy_core.attacks import FOE, ALIESpread, make_attack
 
 FEMNIST = (20, 1_690_046)  # N clients x d parameters of the paper's FEMNIST CNN
 F = 6
@@ -53,6 +53,40 @@ def test_prodigy_under_alie_at_femnist_shape_costs_few_host_ops_and_one_wait(on_
     assert accelerator.host_ops <= 200
     assert accelerator.waits == 1  # the line's Gram matrix
     assert not accelerator.holds(server.rule.last_scores.weight)  # the training loop logs it
+
+
+def test_prodigy_under_alie_spread_scores_its_candidates_as_one_batch(on_accelerator, monkeypatch):
+    """ALIE-spread's f distinct rows mu - z sigma + rho xi_j sigma are affine combinations of f + 2 points
+    (`ALIESpread.affine`), so its 33 candidates (11 z x 3 rho) are scored from one Gram matrix, as ALIE's 11
+    are from its line, and the aggregation takes the chosen one's. Before: 67 waits and 4,562 host ops at
+    (20, 169,004), ProDiGy run on each candidate (two waits each)."""
+    gpu_chunks(monkeypatch)
+    G = updates(*FEMNIST)
+    with on_accelerator(G) as accelerator:
+        attack, server, out = server_side(G, "prodigy", "alie_spread")
+        assert accelerator.holds(out)
+    assert len(attack.last_search) == 33 and attack.last_gram is not None
+    assert accelerator.waits == 1  # the points' Gram matrix
+    assert accelerator.host_ops <= 250
+
+
+def test_krum_alone_takes_the_search_s_gram_matrix_and_sends_its_choice_to_the_bit(
+    on_accelerator, monkeypatch
+):
+    """Krum alone gives its output as weights (`Rule.by_weights`), so the aggregation under ALIE takes the
+    search's Gram matrix (one wait a round, was two: Krum computed its own), and the one-hot weighted sum is
+    the chosen row itself: the row of the lowest brute-force Krum score (float64 distances)."""
+    gpu_chunks(monkeypatch, 10)
+    G = updates(FEMNIST[0], FEMNIST[1] // 10)
+    with on_accelerator(G) as accelerator:
+        attack, _, out = server_side(G, "krum", "alie")
+    assert accelerator.waits == 1 and attack.last_gram is not None
+    sent = candidate(attack, attack.last_param, G[F:], F)
+    X = sent.double()
+    D = ((X[:, None] - X[None]) ** 2).sum(-1)
+    n = len(X)
+    scores = [sorted(D[i, j].item() for j in range(n) if j != i)[: n - F - 2] for i in range(n)]
+    assert torch.equal(out, sent[min(range(n), key=lambda i: sum(scores[i]))])
 
 
 def test_nnm_trimmed_mean_under_alie_launches_few_kernels_per_chunk(on_accelerator, monkeypatch):
@@ -137,6 +171,36 @@ def test_the_batched_search_and_the_aggregation_from_its_gram_matrix_equal_the_o
     if defense.endswith("prodigy"):
         for got, ref in zip(server.rule.last_scores, want.rule.last_scores, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("defense", WEIGHTED + COORDINATEWISE)
+def test_alie_spread_scored_from_one_gram_matrix_equals_the_pipeline_on_each_candidate(defense):
+    """float64: each (z, rho)'s damage from the points' Gram matrix equals the pipeline run on that
+    candidate's rows (the same draw xi, from the same seed), the search chooses a largest one, and the
+    aggregation given the chosen candidate's Gram matrix equals the pipeline's own on the rows sent."""
+    G = updates(20, 3000, 0, torch.float64) + 0.3
+    honest = G[F:]
+    attack = ALIESpread(generator=torch.Generator().manual_seed(5))
+    server = make_aggregator(defense, F)
+    sent = attack.craft(honest, G[:F], server, honest_finite=True)
+    out = server(torch.cat([sent, honest]), gram=attack.last_gram)
+    reference = ALIESpread(generator=torch.Generator().manual_seed(5))
+    stats, mean = reference.statistics(honest, F), honest.mean(0)
+    grid = reference.grid(20, F)
+    damages = [
+        torch.linalg.vector_norm(
+            make_aggregator(defense, F).peek(torch.cat([reference.rows(p, stats), honest])) - mean
+        ).item()
+        for p in grid
+    ]
+    assert [p for p, _ in attack.last_search] == grid
+    assert [x for _, x in attack.last_search] == pytest.approx(damages, rel=1e-9, abs=1e-12)
+    chosen = (attack.last_param, attack.last_rho)
+    assert damages[grid.index(chosen)] >= max(damages) * (1 - 1e-9)
+    assert torch.equal(sent, reference.rows(chosen, stats))
+    assert len({tuple(row.tolist()) for row in sent}) == F  # f distinct rows
+    want = make_aggregator(defense, F)(torch.cat([sent, honest]))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("seed", [2, 3])
@@ -261,3 +325,41 @@ def test_an_attack_whose_rows_leave_its_line_hands_the_server_no_gram_matrix():
     for attack, handed in ((FOE(eps=0.1), True), (Shifted(eps=0.1), False)):
         attack.craft(G[F:], G[:F], server)
         assert (attack.last_gram is not None) == handed
+
+
+@pytest.mark.parametrize("name", ["alie", "alie_spread"])
+def test_the_attack_benchmark_s_one_by_one_route_runs_the_pipeline_on_every_candidate(scripts, name):
+    """benchmarks/attacks.py compares the search with the route before it (``one_by_one``): there the
+    pipeline runs on each candidate (one ``peek`` each), where the search itself runs it on none."""
+    bench = scripts("benchmarks/attacks.py")
+    G = updates(20, 500)
+    server = make_aggregator("prodigy", F)
+    peeks = []
+    real = server.peek
+    server.peek = lambda *a, **k: peeks.append(1) or real(*a, **k)
+    attack = make_attack(name)
+    attack.craft(G[F:], G[:F], server)
+    assert not peeks and attack.last_gram is not None
+    with bench.one_by_one():
+        attack.craft(G[F:], G[:F], server)
+    assert len(peeks) == len(attack.grid(20, F)) and attack.last_gram is None
+    attack.craft(G[F:], G[:F], server)  # the route restored
+    assert len(peeks) == len(attack.grid(20, F))
+
+
+def test_an_affine_span_of_the_wrong_shape_is_named():
+    """A plug-in's `affine` whose moves do not fit its points is an error that names the expected shape,
+    not a broadcasting error from inside torch."""
+
+    class Bent(ALIESpread):
+        def rows(self, param, stats):  # its own rows and points (else its points are not trusted: no Gram)
+            return super().rows(param, stats)
+
+        def affine(self, stats):
+            points, moves = super().affine(stats)
+            return points, moves[:, :, :-1]  # one column short of its f + 2 points
+
+    G = updates(20, 300)
+    shape = r"alie_spread.affine: S must be \(m, f or 1, k\) = \(m, 6 or 1, 8\)"
+    with pytest.raises(ValueError, match=shape):
+        Bent().craft(G[F:], G[:F], make_aggregator("prodigy", F))
