@@ -1276,10 +1276,10 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path, e
     imports (the reports use them too; this file does not describe them). The precision is the config's
     (the key's), not the record's environment; a field a record lacks shows its default, an odd one as text
     (`provenance_cell`); a record that cannot be listed says why in one line and has a row saying so."""
-    from prodigy_core.config import RunConfig
+    from prodigy_core.config import field_defaults
     from prodigy_core.results import finite_number
 
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    defaults = field_defaults()
 
     def text(name: str, missing: str) -> str:  # as the tarball brought it, whatever its bytes
         path = figures_dir / name

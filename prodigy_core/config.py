@@ -458,6 +458,11 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(RunConfig)]
 
 
+def field_defaults() -> dict[str, Any]:
+    """Every field's default: what a record that lacks a field was keyed with (`RunConfig.from_dict`)."""
+    return {f.name: f.default for f in dataclasses.fields(RunConfig)}
+
+
 def parse_value(name: str, text: str) -> Any:
     """Parse a command-line ``key=value`` string into the field's type (YAML scalars: 0.1, true, [1, 2])."""
     import yaml

@@ -36,6 +36,7 @@ def setup_git(folder: Path, prefix: str | None = None) -> list[str]:
     if top.returncode != 0:
         raise ValueError(f"{folder} is not in a git clone: run git-setup inside your clone of prodigy-fl")
     repo = Path(top.stdout.strip())
+    hook_file, config = _hook_config(prefix)  # a config it cannot use stops it before git's is changed
     strip = subprocess.run([sys.executable, "-m", "nbstripout", "--install"], cwd=repo,
                            capture_output=True, text=True, check=False)  # fmt: skip
     if strip.returncode != 0:
@@ -44,7 +45,7 @@ def setup_git(folder: Path, prefix: str | None = None) -> list[str]:
             'the dev extra, pip install -e ".[dev]"'
         )
     _git(repo, "config", "filter.nbstripout.extrakeys", NBSTRIPOUT_EXTRA_KEYS)
-    hook = install_hook(prefix)
+    hook = _write_config(hook_file, config)
     return [
         f"nbstripout filters notebooks in {repo} (extra keys: {NBSTRIPOUT_EXTRA_KEYS})",
         f"JupyterLab's post-save hook in {hook} (undo: remove ContentsManager.post_save_hook)",
@@ -130,6 +131,11 @@ def install_hook(prefix: str | None = None) -> Path:
     """Register `refresh_git_index` as JupyterLab's post-save hook for the Python environment at ``prefix``
     (this one by default): ``ContentsManager.post_save_hook`` in `config_file`, the file's other settings
     kept. A different hook already there is an error (never replaced). Returns the file's path."""
+    return _write_config(*_hook_config(prefix))
+
+
+def _hook_config(prefix: str | None) -> tuple[Path, dict[str, Any]]:
+    """`config_file` and its settings with the hook set (`install_hook`), checked, not written yet."""
     path = config_file(prefix)
     try:
         text = path.read_text(encoding="utf-8") if path.is_file() else ""
@@ -160,6 +166,10 @@ def install_hook(prefix: str | None = None) -> Path:
             f"{HOOK} from it, or remove it and run git-setup again"
         )
     section["post_save_hook"] = HOOK
+    return path, config
+
+
+def _write_config(path: Path, config: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -13,7 +13,6 @@ bounds). Run it after `prodigy-fl report ... --mini`, in the commit that adds th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import platform
 import subprocess
@@ -22,10 +21,10 @@ from pathlib import Path
 
 from prodigy_core import paths
 from prodigy_core import results as store
-from prodigy_core.config import RunConfig
+from prodigy_core.config import field_defaults
 
 OUT = Path(__file__).resolve().parents[1] / "figures" / "mini" / "PROVENANCE.md"
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+DEFAULTS = field_defaults()
 
 
 def config_of(record: dict) -> dict:

@@ -208,11 +208,15 @@ def test_ray_executor_runs_a_smoke_grid_and_records_a_failing_task(tmp_path):
     experiment = experiment_from_spec(spec)
     import ray
 
-    try:  # started here, so that run_grid joins it: a node that cannot start is a skip, not a failure
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    except Exception as e:  # e.g. its GCS or raylet not up in time on a loaded machine
-        ray.shutdown()
-        pytest.skip(f"Ray's local node did not start ({type(e).__name__}: {str(e)[:200]}); rerun when idle")
+    for attempt in (1, 2):  # started here, so that run_grid joins it; a loaded machine may need a second try
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:  # e.g. its GCS or raylet not up in time
+            ray.shutdown()
+            if attempt == 2:  # a skip here elsewhere; under CI a broken cluster path must not pass as a skip
+                why = f"Ray's local node did not start twice ({type(e).__name__}: {str(e)[:200]})"
+                (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)(why + "; rerun when idle")
     try:
         df = run_grid(experiment, executor="ray", jobs=2, results_dir=tmp_path / "ray", progress=False)
     finally:

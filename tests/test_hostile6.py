@@ -188,6 +188,29 @@ def test_a_malformed_jupyter_config_is_named(tmp_path, content):
     assert path.read_bytes() == content
 
 
+def test_git_setup_on_a_config_it_cannot_use_leaves_git_as_it_was(tmp_path):
+    """`git-setup` installed nbstripout as git's filter first and read the Jupyter config after, so a broken
+    config stopped it half done (the filter in, no hook). The config is checked first now: git untouched."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    path = lab.config_file(str(tmp_path / "env"))
+    path.parent.mkdir(parents=True)
+    path.write_text('{"ContentsManager": "x"}')
+    with pytest.raises(ValueError, match="ContentsManager='x' is not an object of settings"):
+        lab.setup_git(repo, prefix=str(tmp_path / "env"))
+    filters = subprocess.run(["git", "-C", str(repo), "config", "--local", "--get-regexp", "filter"],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    assert filters.stdout == ""  # no nbstripout filter installed
+    assert not (repo / ".git" / "info" / "attributes").exists()
+    assert path.read_text() == '{"ContentsManager": "x"}'
+
+
 # ------------------------------------------------------------------------------------------- the Python API
 
 
