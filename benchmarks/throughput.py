@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     engines = args.engines or engines_for(device)
     precisions, sizes = args.precisions or space["precision"], args.sizes or space["size"]
     fastest: dict[str, dict[str, tuple[float, str, int]]] = {d: {} for d in loaded}  # engine: (images/s, ...)
+    refused: set[tuple[str, str, str]] = set()  # (dataset, engine, precision): its other sizes not tried
 
     def timed(dataset: str, engine: str, precision: str, size: int) -> bool:
         """One row of the table; False when the engine is refused here (its other sizes are not tried)."""
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             seconds = time_step(config, fed, precision, engine, size, args.steps)
         except Exception as e:  # noqa: BLE001 - refused (no CUDA, no compiler): said, not fatal
             say(*row, f"refused: {type(e).__name__}: {str(e).splitlines()[0][:160]}", "", "", "")
+            refused.add((dataset, engine, precision))
             return False
         first = time.perf_counter() - tic - args.steps * seconds
         images = size * config.n_clients * config.batch_size / seconds
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             for engine in selected:
                 for precision in precisions:
                     for size in sizes:
+                        if (dataset, engine, precision) in refused:  # the head row refused: not again
+                            break
                         if (dataset, engine, precision, size) != head and not timed(
                             dataset, engine, precision, size
                         ):

@@ -328,6 +328,29 @@ def test_throughput_times_one_compiled_row_first_and_the_others_last(monkeypatch
     assert timed == [("compiled", "fp32", 1), *batched, *compiled]
 
 
+def test_a_refused_compiled_head_row_is_not_tried_again(monkeypatch, capsys):
+    """The compiled head row refused (no compiler, say): its precision's other sizes are not tried after
+    every other engine (that cost a second failed call, with its compilation attempt, in a GPU window);
+    the other precision still is."""
+    from benchmarks import throughput
+
+    timed = []
+
+    def time_step(config, fed, precision, engine, size, steps):
+        timed.append((engine, precision, size))
+        if engine == "compiled" and precision == "fp32":
+            raise RuntimeError("no C compiler")
+        return 0.01
+
+    monkeypatch.setattr(throughput, "time_step", time_step)
+    args = ["--datasets", "digits", "--engines", "batched", "compiled", "--precisions", "fp32", "bf16",
+            "--sizes", "1", "2", "--steps", "1", "--peak-size", "64"]  # fmt: skip
+    assert throughput.main(args) == 0
+    batched = [("batched", p, z) for p in ("fp32", "bf16") for z in (1, 2)]
+    assert timed == [("compiled", "fp32", 1), *batched, ("compiled", "bf16", 1), ("compiled", "bf16", 2)]
+    assert capsys.readouterr().out.count("refused: RuntimeError: no C compiler") == 1
+
+
 def test_throughputs_budget_counts_from_the_process_start(monkeypatch, capsys):
     """throughput.py started 1,000 s ago (its `import torch` included), --budget 500: nothing starts."""
     timed = run_throughput(monkeypatch, "--budget", "500", started=time.perf_counter() - 1000)
