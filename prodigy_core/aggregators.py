@@ -21,11 +21,20 @@ import torch
 from torch import Tensor
 
 from prodigy_core.names import check_variant, did_you_mean
-from prodigy_core.registry import Registry, Settings, check_settings, contract, is_plugin, settings_of
+from prodigy_core.registry import (
+    Registry,
+    Settings,
+    check_settings,
+    contract,
+    is_plugin,
+    settings_of,
+    spec_hint,
+)
 
 # Every rule a params file can name, filled by `@RULES.register` below (BASE_NAMES, AGGREGATOR_NAMES, the
 # report's names and the explorer's menu derive from it).
-RULES = Registry("defense")
+RULES = Registry("defense", needs={"f": "a rule takes f first, the number of Byzantine clients it must "
+                                   "tolerate (def __init__(self, f, ...)), even one that does not use it"})
 
 # Recentre on a central client when the centre (first the origin) lies this many times further from it
 # (squared) than its median distance to the others: float32 cancellation costs about RATIO * eps relative
@@ -946,15 +955,37 @@ def _mix_geometry(gram: Tensor, D: Tensor, mixers: list[NNM]) -> tuple[Tensor, T
     return gram, D, mix
 
 
+def _combine(rule: Rule, K: Tensor, D: Tensor, bad: Tensor) -> Combination | None:
+    """rule.combine(K, D, bad), its result checked when the rule is not the package's own (a plug-in's
+    mistake is named here, not met as a shape error inside torch or as a silently scaled output)."""
+    c = rule.combine(K, D, bad)
+    if type(rule).__module__ == __name__:
+        return c
+    shape, why = tuple(K.shape[:-1]), ""
+    if c is not None and not isinstance(c, Combination):
+        why = f"returned a {type(c).__name__}, not a Combination (or None)"
+    elif c is not None and c.weights is not None:
+        w = c.weights
+        if not isinstance(w, Tensor) or tuple(w.shape) != shape:
+            got = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
+            why = f"gave weights of shape {got}, not {shape} (the N inputs, then the reference point)"
+        elif bool(((w.sum(dim=-1) - 1).abs() > 1e-6).any()):
+            why = "gave weights that do not sum to 1 (they are an affine combination of its points)"
+    if why:
+        batch = " (a batch: it says batched = True)" if K.dim() == 3 else ""
+        raise ValueError(f"{rule!r}.combine{batch} {why}: see Rule.combine and Combination")
+    return c
+
+
 def _combination_through_mixers(
     rule: Rule, mixers: list[NNM], K: Tensor, D: Tensor, bad: Tensor
 ) -> Combination | None:
     """rule(mixers(G)) as a Combination of [G; reference], from K the Gram matrix of [G; reference]: the
     mixers map it to the Gram matrix of [A G; reference] and the rule's weights w' back to A^T w'."""
     if not mixers:
-        return rule.combine(K, D, bad)
+        return _combine(rule, K, D, bad)
     K, D, mix = _mix_geometry(K, D, mixers)
-    c = rule.combine(K, D, bad)
+    c = _combine(rule, K, D, bad)
     if c is None or c.weights is None:
         return c
     return c._replace(weights=torch.cat([_times(mix.mT, c.weights[..., :-1]), c.weights[..., -1:]], dim=-1))
@@ -1223,7 +1254,7 @@ def canonical_defense(name: str, params: dict[str, Any] | None = None) -> tuple[
         hint = did_you_mean(key, names)
         if not hint.startswith("; valid"):
             hint += f"; valid: {', '.join(names)}"
-        raise ValueError(f"unknown defense {name!r}{hint}")
+        raise ValueError(f"unknown defense {name!r}{hint}{spec_hint(name)}")
     pre_cls, pre, params = _split_settings(prefix, params or {})
     base, rule = RULES.canonical(base, params)
     if pre_cls is not None:

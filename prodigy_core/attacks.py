@@ -21,7 +21,15 @@ from torch import Tensor
 
 from prodigy_core.aggregators import Pipeline, column_step, geometry, pairwise_sq_distances
 from prodigy_core.names import NO_ATTACK, check_variant, did_you_mean
-from prodigy_core.registry import Registry, Settings, check_settings, contract, is_plugin, settings_of
+from prodigy_core.registry import (
+    Registry,
+    Settings,
+    check_settings,
+    contract,
+    is_plugin,
+    settings_of,
+    spec_hint,
+)
 
 # Every attack a params file can name, filled below the classes (`Registry.register`).
 ATTACKS = Registry("attack")
@@ -381,7 +389,9 @@ class LineSearchAttack(Attack):
     else runs the pipeline once per candidate. With a line (`line`), or more generally the points whose
     affine combinations the rows are (`affine`), defined by the class that defines ``rows`` (a subclass's own
     rows need not lie on its parent's line), ``last_gram`` is the chosen candidate's Gram matrix, for the
-    server's own aggregation.
+    server's own aggregation. A plug-in's rows are checked against the points it declares at its first craft
+    (`_checked_span`). A candidate may be a tuple of parameters; ``last_param`` is then the chosen tuple
+    (a list per round in a run's record).
     """
 
     # False: a non-finite aggregate counts as infinite damage (this package); True: the damage as computed,
@@ -427,7 +437,7 @@ class LineSearchAttack(Attack):
         f, (h, d) = own.shape[0], honest.shape
         stats = self.statistics(honest, f)
         grid = self.grid(f + h, f)
-        grams = self._candidate_grams(honest, f, stats, server)
+        grams = self._candidate_grams(honest, f, stats, server, grid)
         if isinstance(server, Pipeline) and server.coordinatewise and (grams is not None or not server.pre):
             damages = self._batched_damages(honest, f, stats, server, grams, grid)
         else:
@@ -535,25 +545,57 @@ class LineSearchAttack(Attack):
         return damages if self.raw_damage else [x if math.isfinite(x) else math.inf for x in damages]
 
     def _candidate_grams(
-        self, honest: Tensor, f: int, stats: dict[str, Tensor], server: Server
+        self, honest: Tensor, f: int, stats: dict[str, Tensor], server: Server, grid: list[Any]
     ) -> _AffineGeometry | None:
         # the rows' own class must give their points: a subclass's rows need not lie on its parent's line
         own = self._owner("affine")
         if self._owner("rows") is not (self._owner("line") if own is LineSearchAttack else own):
             return None
         span = self.affine(stats)
-        if span is None or not (isinstance(server, Pipeline) and server.takes_gram):
+        if span is None or not grid or not (isinstance(server, Pipeline) and server.takes_gram):
             return None
         points, moves = span
-        k = len(points)
-        if moves.dim() != 3 or moves.shape[1] not in (1, f) or moves.shape[2] != k:
-            raise ValueError(f"{self.name}.affine: S must be (m, f or 1, k) = (m, {f} or 1, {k}) for its "
-                             f"{k} points, got {tuple(moves.shape)}")  # fmt: skip
+        if self._owner("rows").__module__ != __name__:  # a plug-in's points: checked against its rows
+            points, moves = self._checked_span(points, moves, stats, f, grid[-1])
         reference = server.reference(honest)
         if reference is not None:
             points = torch.cat([points, reference[None]])
         K = geometry(honest, extra=points, origin=reference is None).K
         return _AffineGeometry(K, f, moves) if torch.isfinite(K).all() else None
+
+    def _checked_span(
+        self, points: Any, moves: Any, stats: dict[str, Tensor], f: int, param: Any
+    ) -> tuple[Tensor, Tensor]:
+        """A plug-in's `affine` (or `line`) as tensors, checked: S's shape, rows of S summing to 0, and (at
+        the first craft) its rows at ``param`` equal to ``rows(param)``, else the search would score other
+        rows than those sent, and the server aggregate the sent ones with their Gram matrix."""
+        where = "affine" if self._owner("affine") is not LineSearchAttack else "line"
+        points = points if isinstance(points, Tensor) else torch.stack(list(points))
+        moves = torch.as_tensor(moves, dtype=torch.float64)
+        k = len(points)
+        if moves.dim() != 3 or moves.shape[1] not in (1, f) or moves.shape[2] != k:
+            raise ValueError(f"{self.name}.affine: S must be (m, f or 1, k) = (m, {f} or 1, {k}) for its "
+                             f"{k} points, got {tuple(moves.shape)}")  # fmt: skip
+        if float(moves.sum(dim=-1).abs().max()) > 1e-12:
+            raise ValueError(f"{self.name}.affine: each row of S must sum to 0 (the rows' weights on the "
+                             "points then sum to 1: an affine combination)")  # fmt: skip
+        if getattr(self, "_span_checked", False):
+            return points, moves
+        t = torch.tensor(param if isinstance(param, tuple) else (param,), dtype=torch.float64)
+        if len(t) != len(moves):
+            raise ValueError(f"{self.name}.affine: S has {len(moves)} parameters' moves, but a candidate of "
+                             f"its grid has {len(t)} ({param!r})")  # fmt: skip
+        weights = torch.einsum("l,lfk->fk", t, moves)
+        weights[:, 0] += 1
+        declared = weights.to(points.device, points.dtype) @ points
+        scale = max(float(torch.linalg.vector_norm(declared.double())), 1e-300)
+        gap = float(torch.linalg.vector_norm((self.rows(param, stats) - declared).double())) / scale
+        if not gap <= max(1e-3, 8 * torch.finfo(points.dtype).eps):
+            raise ValueError(f"{type(self).__name__}: rows({param!r}) are not the combination of points that "
+                             f"its {where} declares (relative difference {gap:.3g}): fix {where}, or remove "
+                             "it (the search then runs the pipeline on each candidate)")  # fmt: skip
+        self._span_checked = True
+        return points, moves
 
     def _record(self, best: Any) -> None:
         self.last_param = best
@@ -797,7 +839,7 @@ def _known(name: str) -> str:
         hint = did_you_mean(name, ATTACKS)
         if not hint.startswith("; valid"):
             hint += f"; valid: {', '.join(ATTACKS)}"
-        raise ValueError(f"unknown attack {given!r}{hint}")
+        raise ValueError(f"unknown attack {given!r}{hint}{spec_hint(given)}")
     return name
 
 

@@ -36,6 +36,14 @@ RUN_KEYWORDS = ("self", "f", "variant", "generator")
 SCALARS = (bool, int, float, str, type(None))
 
 
+def spec_hint(name: str) -> str:
+    """For an unknown name that looks like a plug-in spec without its ':' (``rules/mine.py.Mine``), the form
+    of one; else ""."""
+    if "/" in name or ".py" in name:
+        return "; a plug-in is written path/to/file.py:ClassName (a ':' before the class name)"
+    return ""
+
+
 class Entry(NamedTuple):
     """What a name stands for: the class, the settings its name fixes ({} for the class's own name), the
     name a table prints."""
@@ -50,10 +58,11 @@ class Registry:
 
     ``register`` (a class decorator) files the class under ``cls.name`` and every name of ``cls.presets``
     ({name: (display, settings)}); the did-you-mean lists, the report's names and the explorer's menus all
-    read from here."""
+    read from here. ``needs``: the ``__init__`` parameters every class of the kind takes, and why (a rule's
+    f), checked when a class is looked up."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, needs: Mapping[str, str] | None = None) -> None:
+        self.kind, self.needs = kind, dict(needs or {})
         self._entries: dict[str, Entry] = {}
 
     def register(self, cls: type) -> type:
@@ -96,13 +105,20 @@ class Registry:
             if not imports_plugins():
                 raise ValueError(f"{self.kind} {name!r} is a plug-in: not imported while records are read")
             cls = load_plugin(name, self.kind)
-            return Entry(cls, {}, self._plugin_display(getattr(cls, "display", "") or cls.__name__, name))
-        if name not in self._entries:
+            entry = Entry(cls, {}, self._plugin_display(getattr(cls, "display", "") or cls.__name__, name))
+        elif name not in self._entries:
             hint = did_you_mean(name, self._entries)
             if not hint.startswith("; valid"):
                 hint += f"; valid: {', '.join(self._entries)}"
-            raise ValueError(f"unknown {self.kind} {name!r}{hint}")
-        return self._entries[name]
+            raise ValueError(f"unknown {self.kind} {name!r}{hint}{spec_hint(name)}")
+        else:
+            entry = self._entries[name]
+        takes = inspect.signature(entry.cls.__init__).parameters
+        for needed, why in self.needs.items():
+            if needed not in takes:
+                cls = entry.cls.__name__
+                raise ValueError(f"{self.kind} {name!r}: {cls}.__init__ takes no {needed}: {why}")
+        return entry
 
     def unkeyed_class(self, name: str) -> type | None:
         """The class of a name registered from outside the package (``@RULES.register`` in a notebook or a
@@ -576,5 +592,6 @@ __all__ = [
     "records_are_data",
     "settings_of",
     "settings_text",
+    "spec_hint",
     "split_label",
 ]

@@ -63,7 +63,7 @@ class RunResult:
     round_times: list[float] = field(default_factory=list)  # seconds per round (training + aggregation)
     # seconds of local steps, attack craft, aggregation, evaluation, the rest, over all rounds (`PhaseTimer`)
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    attack_params: list[float | None] = field(default_factory=list)  # attack.last_param per round
+    attack_params: list[float | list[float] | None] = field(default_factory=list)  # last_param per round
     zeroed_clients: list[list[int]] = field(default_factory=list)  # ProDiGy: weight-0 clients per round
     detection_precision: float | None = None
     detection_recall: float | None = None
@@ -439,7 +439,7 @@ def server_round(
     st.timer.lap("rest")
     updates = server_input(momentum, f, st.attack, st.pipeline)
     st.timer.lap("craft")
-    result.attack_params.append(None if st.attack is None else _as_float(st.attack.last_param))
+    result.attack_params.append(None if st.attack is None else _as_param(st.attack.last_param))
     if r in resolved.record_distances_at:
         result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
     if on_round is not None:
@@ -661,8 +661,12 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
 
 
-def _as_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _as_param(value: Any) -> float | list[float] | None:
+    """An attack's ``last_param`` as a record keeps it: a number, or a list of numbers for a search over
+    several parameters (a plug-in's tuple; ALIE-spread keeps z here and rho in ``last_rho``)."""
+    if value is None:
+        return None
+    return [float(v) for v in value] if isinstance(value, tuple | list) else float(value)
 
 
 def _json_safe(value: Any) -> Any:

@@ -144,3 +144,22 @@ def test_the_readmes_paper_scale_table_is_the_committed_gpu_reports_and_the_pape
             assert first_number(cell) == expected, f"README {label} / {column}: {cell!r}, not {expected}"
             checked += 1
     assert checked == 8 * 6  # five "ours" rows, three "paper" rows
+
+
+def test_the_library_pages_python_runs_and_its_search_attack_is_scored_from_one_gram_matrix():
+    """docs/library.md's code blocks run as written; its `Tilt` is a search attack whose line is trusted
+    (checked against its rows) and scored from one Gram matrix."""
+    import torch
+
+    from prodigy_core.aggregators import make_aggregator
+
+    page = (REPO / "docs" / "library.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) >= 2
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/library.md", "exec"), scope)
+    G = torch.randn(10, 300, generator=torch.Generator().manual_seed(0))
+    tilt = scope["Tilt"]()
+    tilt.craft(G[3:], G[:3], make_aggregator("prodigy", 3))
+    assert tilt.last_gram is not None and tilt.last_param in (0.5, 1.0, 1.5)

@@ -1,0 +1,215 @@
+"""A plug-in author's mistakes, each named with its fix (found by a plug-in author's walk through the docs):
+a search attack whose rows are not what its `line` / `affine` declares, a search over two parameters, a
+rule without f, a `combine` that breaks its contract, and a plug-in spec written with '.' for ':'."""
+
+import json
+
+import pytest
+import torch
+
+from prodigy_core import aggregators as agg
+from prodigy_core.aggregators import make_aggregator
+from prodigy_core.attacks import LineSearchAttack, make_attack
+from prodigy_core.config import RunConfig
+from prodigy_core.training import run
+
+F = 3
+
+
+def updates(n: int = 10, d: int = 200, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(d, generator=g) + torch.randn(n, d, generator=g)
+
+
+class Tilt(LineSearchAttack):
+    """mu - t sigma: the line (mu, mu - sigma), ALIE's, written as a plug-in author would."""
+
+    name = "tilt"
+
+    def grid(self, n, f):
+        return [0.5, 1.0, 1.5]
+
+    def rows(self, t, stats):
+        return stats["mean"] - t * stats["sigma"]
+
+    def line(self, stats):
+        return stats["mean"], stats["mean"] - stats["sigma"]
+
+
+class DirectionNotEnd(Tilt):
+    def rows(self, t, stats):  # its own rows, so its own line is trusted: and checked
+        return super().rows(t, stats)
+
+    def line(self, stats):
+        return stats["mean"], -stats["sigma"]  # a direction where the end point p1 belongs
+
+
+class Plane(LineSearchAttack):
+    """mu - z sigma + t u, u a fixed direction: two parameters (z, t), from `affine`."""
+
+    name = "plane"
+    swapped = False
+
+    def grid(self, n, f):
+        return [(z, t) for z in (0.5, 1.0) for t in (0.0, 2.0)]
+
+    def statistics(self, honest, f):
+        stats = super().statistics(honest, f)
+        stats["u"] = torch.ones_like(stats["mean"])  # in stats: `rows` must work on its column slices
+        return stats
+
+    def rows(self, param, stats):
+        z, t = param
+        return stats["mean"] - z * stats["sigma"] + t * stats["u"]
+
+    def affine(self, stats):
+        points = torch.stack([stats["mean"], stats["mean"] - stats["sigma"], stats["mean"] + stats["u"]])
+        moves = [[[-1.0, 1.0, 0.0]], [[-1.0, 0.0, 1.0]]]  # z, then t (float64 given as a list: accepted)
+        return points, torch.tensor(moves[::-1] if self.swapped else moves, dtype=torch.float32)
+
+
+def test_a_plugin_line_is_scored_from_one_gram_matrix_and_equals_the_pipeline_on_each_candidate():
+    G = updates()
+    server = make_aggregator("prodigy", F)
+    attack = Tilt()
+    attack.craft(G[F:], G[:F], server)
+    assert attack.last_gram is not None  # scored from the line's Gram matrix
+    mean, sigma = G[F:].mean(0), G[F:].std(0, unbiased=False)
+    damages = [
+        torch.linalg.vector_norm(server.peek(torch.cat([(mean - t * sigma).expand(F, -1), G[F:]])) - mean)
+        for t in attack.grid(10, F)
+    ]
+    assert [x for _, x in attack.last_search] == pytest.approx([float(x) for x in damages], rel=1e-4)
+
+
+@pytest.mark.parametrize("attack", [DirectionNotEnd(), Plane()], ids=["line", "affine"])
+def test_rows_that_are_not_what_the_plugin_declares_are_named(attack):
+    """The search would score other rows than those sent, and the server aggregate the sent ones with a
+    Gram matrix of others (the plug-in author saw the defense's output off by 119%, silently)."""
+    if isinstance(attack, Plane):
+        attack.swapped = True  # (t, z) where the grid gives (z, t)
+    G = updates()
+    where = "line" if isinstance(attack, DirectionNotEnd) else "affine"
+    with pytest.raises(ValueError, match=rf"rows\(.*\) are not the combination of points that its {where}"):
+        attack.craft(G[F:], G[:F], make_aggregator("prodigy", F))
+
+
+def test_two_parameters_run_through_training_and_are_recorded_as_lists(tmp_path, monkeypatch):
+    """`last_param` a tuple (z, t): training failed with "float() argument must be ... not 'tuple'"."""
+    G = updates()
+    attack = Plane()
+    attack.craft(G[F:], G[:F], make_aggregator("prodigy", F))
+    assert attack.last_gram is not None and attack.last_param in attack.grid(10, F)
+    source = "import torch\nfrom prodigy_core.attacks import LineSearchAttack\n\n\n"
+    import inspect
+
+    (tmp_path / "plane.py").write_text(source + inspect.getsource(Plane))
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(dataset="digits", n_clients=10, n_byzantine=F, defense="prodigy", rounds=2,
+                       attack="plane.py:Plane", local_steps=1, batch_size=16, eval_every=2)  # fmt: skip
+    result = run(config, progress=False)
+    assert len(result.attack_params) == 2
+    assert all(list(p) in [list(c) for c in Plane().grid(10, F)] for p in result.attack_params)
+    json.dumps(result.to_dict(), allow_nan=False)
+
+
+def test_an_affine_with_rows_of_s_that_do_not_sum_to_0_is_named():
+    class Off(Plane):
+        def rows(self, param, stats):
+            return super().rows(param, stats)
+
+        def affine(self, stats):
+            points, moves = super().affine(stats)
+            return points, moves + 0.5
+
+    G = updates()
+    with pytest.raises(ValueError, match=r"plane.affine: each row of S must sum to 0"):
+        Off().craft(G[F:], G[:F], make_aggregator("prodigy", F))
+
+
+# ------------------------------------------------------------------------------------------------ rules
+class NoF(agg.Rule):
+    def __init__(self, extra: int = 0):
+        self.extra = extra
+
+    def aggregate(self, G):
+        return G.mean(dim=0)
+
+
+def test_a_rule_without_f_is_refused_naming_f(tmp_path, monkeypatch):
+    """It was built with the class's f = 0 (a rule meant to drop 2f clients dropped none), or, with a
+    required setting instead of f, told to give that setting."""
+    (tmp_path / "nof.py").write_text(
+        "from prodigy_core.aggregators import Rule\n\n\nclass NoF(Rule):\n"
+        "    def __init__(self, k):\n        self.k = k\n\n    def aggregate(self, G):\n"
+        "        return G.mean(dim=0)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    message = r"NoF.__init__ takes no f: a rule takes f first, the number of Byzantine clients"
+    with pytest.raises(ValueError, match=message):
+        make_aggregator("nof.py:NoF", 2)
+    monkeypatch.setattr(agg.RULES, "_entries", dict(agg.RULES._entries))  # registered for this test only
+    agg.RULES.register(type("NoFRule", (NoF,), {"name": "no_f_rule"}))
+    with pytest.raises(ValueError, match=r"no_f_rule.*NoFRule.__init__ takes no f"):
+        make_aggregator("no_f_rule", 2)
+
+
+class Combining(agg.Rule):
+    """A plug-in rule giving its output as weights; ``mistake`` breaks the contract one way."""
+
+    by_weights = True
+
+    def __init__(self, f: int, mistake: str = ""):
+        self.f, self.mistake = f, mistake
+
+    def combine(self, K, D, bad):
+        n = D.shape[-1]
+        w = torch.full((n,), 1.0 / n, dtype=torch.float64)
+        if self.mistake == "tensor":
+            return w
+        if self.mistake == "n":
+            return agg.Combination(w)
+        if self.mistake == "sum":
+            return agg.Combination(torch.cat([10 * w, w.new_zeros(1)]))
+        return agg.Combination(torch.cat([w, w.new_zeros(1)]))
+
+
+@pytest.mark.parametrize(
+    ("mistake", "pre", "message"),
+    [
+        ("tensor", [], r"returned a Tensor, not a Combination"),
+        ("n", [], r"gave weights of shape \(10,\), not \(11,\)"),
+        ("n", [agg.NNM(F)], r"gave weights of shape \(10,\), not \(11,\)"),
+        ("sum", [], r"gave weights that do not sum to 1"),
+    ],
+)
+def test_a_combine_that_breaks_its_contract_is_named(mistake, pre, message):
+    """They met a torch error (`'Tensor' object has no attribute 'weights'`, `mat1 and mat2 shapes cannot be
+    multiplied`) or, for weights summing to 10, an output 10 times too large, silently."""
+    G = updates()
+    pipeline = agg.Pipeline("mine", Combining(F, mistake), pre)
+    with pytest.raises(ValueError, match=rf"Combining\(f=3\).combine {message}"):
+        pipeline(G, gram=agg.geometry(G, origin=True).K)
+    assert torch.allclose(agg.Pipeline("mine", Combining(F))(G), G.mean(dim=0), atol=1e-6)
+
+
+def test_a_batched_claim_with_a_one_matrix_combine_is_named():
+    class Claims(Combining):
+        batched = True
+
+        def combine(self, K, D, bad):  # one matrix only, though it says batched
+            w = torch.full((D.shape[-1],), 1.0 / D.shape[-1], dtype=torch.float64)
+            return agg.Combination(torch.cat([w, w.new_zeros(1)]))
+
+    G = updates()
+    message = r"combine \(a batch: it says batched = True\) gave weights of shape"
+    with pytest.raises(ValueError, match=message):
+        make_attack("alie").craft(G[F:], G[:F], agg.Pipeline("claims", Claims(F)))
+
+
+@pytest.mark.parametrize("kind", ["defense", "attack"])
+def test_a_plugin_spec_with_a_dot_for_its_colon_gets_the_form(kind):
+    build = make_aggregator if kind == "defense" else make_attack
+    args = (2,) if kind == "defense" else ()
+    with pytest.raises(ValueError, match=r"a plug-in is written path/to/file.py:ClassName \(a ':' before"):
+        build("rules/my_defense.py.Closest", *args)
