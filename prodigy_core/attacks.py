@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -378,6 +379,7 @@ class MinSum(_MinMaxMinSum):
 
 
 _LINE_MOVES = torch.tensor([[[-1.0, 1.0]]], dtype=torch.float64)  # a line's (1 - t) p0 + t p1 (`affine`)
+_UNTRUSTED_SPANS: set[type] = set()  # classes whose line/affine a warning said is not used (once each)
 
 
 class LineSearchAttack(Attack):
@@ -548,8 +550,16 @@ class LineSearchAttack(Attack):
         self, honest: Tensor, f: int, stats: dict[str, Tensor], server: Server, grid: list[Any]
     ) -> _AffineGeometry | None:
         # the rows' own class must give their points: a subclass's rows need not lie on its parent's line
-        own = self._owner("affine")
-        if self._owner("rows") is not (self._owner("line") if own is LineSearchAttack else own):
+        own, rows = self._owner("affine"), self._owner("rows")
+        declares = self._owner("line") if own is LineSearchAttack else own
+        if rows is not declares:
+            if issubclass(declares, rows) and declares not in _UNTRUSTED_SPANS:  # points newer than the rows
+                _UNTRUSTED_SPANS.add(declares)
+                where = "line" if own is LineSearchAttack else "affine"
+                name = declares.__name__
+                warnings.warn(f"{name}.{where} is not used: its rows are {rows.__name__}'s; define rows in "
+                              f"{name} too (the search runs the pipeline on each candidate meanwhile)",
+                              RuntimeWarning, stacklevel=4)  # fmt: skip
             return None
         span = self.affine(stats)
         if span is None or not grid or not (isinstance(server, Pipeline) and server.takes_gram):

@@ -3,6 +3,7 @@ a search attack whose rows are not what its `line` / `affine` declares, a search
 rule without f, a `combine` that breaks its contract, and a plug-in spec written with '.' for ':'."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -213,3 +214,29 @@ def test_a_plugin_spec_with_a_dot_for_its_colon_gets_the_form(kind):
     args = (2,) if kind == "defense" else ()
     with pytest.raises(ValueError, match=r"a plug-in is written path/to/file.py:ClassName \(a ':' before"):
         build("rules/my_defense.py.Closest", *args)
+
+
+def test_a_line_redefined_without_its_rows_is_said_to_be_unused_once():
+    """A subclass that gives ALIE another line but keeps ALIE's rows: its line cannot be trusted for those
+    rows, so the search runs the pipeline on each candidate; it was silent, now one warning per class."""
+
+    class OtherLine(LineSearchAttack):
+        def grid(self, n, f):
+            return [0.5, 1.0]
+
+        def rows(self, t, stats):
+            return stats["mean"] - t * stats["sigma"]
+
+    class Redeclared(OtherLine):
+        def line(self, stats):
+            return stats["mean"], stats["mean"] - stats["sigma"]
+
+    G = updates()
+    server = make_aggregator("prodigy", F)
+    with pytest.warns(RuntimeWarning, match=r"Redeclared.line is not used: its rows are OtherLine's"):
+        Redeclared().craft(G[F:], G[:F], server)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attack = Redeclared()
+        attack.craft(G[F:], G[:F], server)  # once per class
+    assert attack.last_gram is None
