@@ -378,6 +378,15 @@ class MinSum(_MinMaxMinSum):
         return ((b + (b.pow(2) + h * p_sq * slack).sqrt()) / (h * p_sq)).item()
 
 
+def recorded_param(value: Any) -> float | list[float] | None:
+    """An attack's ``last_param`` as a run's record and Flower's metrics keep it: a number, or a list of
+    numbers for a search over several parameters (a plug-in's tuple; ALIE-spread keeps z here, rho in
+    ``last_rho``)."""
+    if value is None:
+        return None
+    return [float(v) for v in value] if isinstance(value, tuple | list) else float(value)
+
+
 _LINE_MOVES = torch.tensor([[[-1.0, 1.0]]], dtype=torch.float64)  # a line's (1 - t) p0 + t p1 (`affine`)
 _UNTRUSTED_SPANS: set[type] = set()  # classes whose line/affine a warning said is not used (once each)
 
@@ -433,7 +442,7 @@ class LineSearchAttack(Attack):
         P[0] at t = 0 (each row of S sums to 0, so the weights sum to 1). By default the line's: P = [p0; p1],
         S = [[-1, 1]]."""
         line = self.line(stats)
-        return None if line is None else (torch.stack(line), _LINE_MOVES)
+        return None if line is None else (torch.stack(line), _LINE_MOVES.clone())  # a copy: S is the caller's
 
     def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         f, (h, d) = own.shape[0], honest.shape
@@ -454,7 +463,8 @@ class LineSearchAttack(Attack):
             gram = grams.gram_at(best)
             # a sent row whose squared norm leaves the dtype's range may have overflowed to inf, where the
             # float64 Gram matrix stays finite: the server then computes its own (on the host: no wait). Any
-            # point's (not only the sent rows'): one op fewer, and the honest rows' are in range anyway.
+            # point's (not only the sent rows'): one op fewer; an honest row past 1.8e19 in float32 then
+            # makes the server compute its own too, which costs time, never a wrong aggregate.
             if float(gram.diagonal().max()) <= torch.finfo(honest.dtype).max:
                 self.last_gram = gram
         return self.rows(best, stats).expand(f, d).clone()
@@ -561,12 +571,14 @@ class LineSearchAttack(Attack):
                               f"{name} too (the search runs the pipeline on each candidate meanwhile)",
                               RuntimeWarning, stacklevel=4)  # fmt: skip
             return None
+        if not grid or not (isinstance(server, Pipeline) and server.takes_gram):
+            return None
         span = self.affine(stats)
-        if span is None or not grid or not (isinstance(server, Pipeline) and server.takes_gram):
+        if span is None:
             return None
         points, moves = span
         if self._owner("rows").__module__ != __name__:  # a plug-in's points: checked against its rows
-            points, moves = self._checked_span(points, moves, stats, f, grid[-1])
+            points, moves = self._checked_span(points, moves, stats, f, [grid[0], grid[-1]])
         reference = server.reference(honest)
         if reference is not None:
             points = torch.cat([points, reference[None]])
@@ -574,38 +586,42 @@ class LineSearchAttack(Attack):
         return _AffineGeometry(K, f, moves) if torch.isfinite(K).all() else None
 
     def _checked_span(
-        self, points: Any, moves: Any, stats: dict[str, Tensor], f: int, param: Any
+        self, points: Any, moves: Any, stats: dict[str, Tensor], f: int, params: list[Any]
     ) -> tuple[Tensor, Tensor]:
         """A plug-in's `affine` (or `line`) as tensors, checked: S's shape, rows of S summing to 0, and (at
-        the first craft) its rows at ``param`` equal to ``rows(param)``, else the search would score other
-        rows than those sent, and the server aggregate the sent ones with their Gram matrix."""
+        the first craft) its rows at each of ``params`` (the grid's ends) equal to ``rows(param)``, else the
+        search would score other rows than those sent, and the server aggregate the sent ones with their
+        Gram matrix."""
         where = "affine" if self._owner("affine") is not LineSearchAttack else "line"
         points = points if isinstance(points, Tensor) else torch.stack(list(points))
+        given = moves.dtype if isinstance(moves, Tensor) and moves.is_floating_point() else torch.float64
         moves = torch.as_tensor(moves, dtype=torch.float64)
         k = len(points)
         if moves.dim() != 3 or moves.shape[1] not in (1, f) or moves.shape[2] != k:
             raise ValueError(f"{self.name}.affine: S must be (m, f or 1, k) = (m, {f} or 1, {k}) for its "
                              f"{k} points, got {tuple(moves.shape)}")  # fmt: skip
-        if float(moves.sum(dim=-1).abs().max()) > 1e-12:
+        scale = max(1.0, float(moves.abs().max()))
+        if float(moves.sum(dim=-1).abs().max()) > 64 * torch.finfo(given).eps * scale:  # S's own rounding
             raise ValueError(f"{self.name}.affine: each row of S must sum to 0 (the rows' weights on the "
                              "points then sum to 1: an affine combination)")  # fmt: skip
-        if getattr(self, "_span_checked", False):
+        for param in [] if getattr(self, "_span_checked", False) else params:
+            t = torch.tensor(param if isinstance(param, tuple | list) else (param,), dtype=torch.float64)
+            if len(t) != len(moves):
+                raise ValueError(f"{self.name}.affine: S has {len(moves)} parameters' moves, but a candidate "
+                                 f"of its grid has {len(t)} ({param!r})")  # fmt: skip
+            weights = torch.einsum("l,lfk->fk", t, moves)
+            weights[:, 0] += 1
+            declared = weights.to(points.device, points.dtype) @ points
+            size = max(float(torch.linalg.vector_norm(declared.double())), 1e-300)
+            gap = float(torch.linalg.vector_norm((self.rows(param, stats) - declared).double())) / size
+            if not gap <= max(1e-3, 8 * torch.finfo(points.dtype).eps):
+                break
+        else:  # every end matches (or matched at an earlier craft)
+            self._span_checked = True
             return points, moves
-        t = torch.tensor(param if isinstance(param, tuple) else (param,), dtype=torch.float64)
-        if len(t) != len(moves):
-            raise ValueError(f"{self.name}.affine: S has {len(moves)} parameters' moves, but a candidate of "
-                             f"its grid has {len(t)} ({param!r})")  # fmt: skip
-        weights = torch.einsum("l,lfk->fk", t, moves)
-        weights[:, 0] += 1
-        declared = weights.to(points.device, points.dtype) @ points
-        scale = max(float(torch.linalg.vector_norm(declared.double())), 1e-300)
-        gap = float(torch.linalg.vector_norm((self.rows(param, stats) - declared).double())) / scale
-        if not gap <= max(1e-3, 8 * torch.finfo(points.dtype).eps):
-            raise ValueError(f"{type(self).__name__}: rows({param!r}) are not the combination of points that "
-                             f"its {where} declares (relative difference {gap:.3g}): fix {where}, or remove "
-                             "it (the search then runs the pipeline on each candidate)")  # fmt: skip
-        self._span_checked = True
-        return points, moves
+        raise ValueError(f"{type(self).__name__}: rows({param!r}) are not the combination of points that its "
+                         f"{where} declares (relative difference {gap:.3g}): fix {where}, or remove it (the "
+                         "search then runs the pipeline on each candidate)")  # fmt: skip
 
     def _record(self, best: Any) -> None:
         self.last_param = best
@@ -657,7 +673,7 @@ class _AffineGeometry:
     def _coefficients(self, ts: list[Any]) -> Tensor:
         """C_t for each t of ``ts``, (len(ts), N+1, h+k+1) (on a line: 1 - t and t exactly where the Byzantine
         rows weigh p0 and p1, as t S_1 is exact)."""
-        columns = [t if isinstance(t, tuple) else (t,) for t in ts]  # (C, m), built here: no op
+        columns = [t if isinstance(t, tuple | list) else (t,) for t in ts]  # (C, m), built here: no op
         t = torch.tensor(columns, dtype=self.K.dtype, device=self.K.device)
         return torch.addmm(self.C.flatten(), t, self.S).view(len(ts), *self.C.shape)
 

@@ -460,7 +460,10 @@ def field_names() -> list[str]:
 
 def field_defaults() -> dict[str, Any]:
     """Every field's default: what a record that lacks a field was keyed with (`RunConfig.from_dict`)."""
-    return {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    return {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(RunConfig)
+    }
 
 
 def parse_value(name: str, text: str) -> Any:

@@ -40,7 +40,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from torch import Tensor
 
 from prodigy_core.aggregators import ProDiGy, make_aggregator
-from prodigy_core.attacks import make_attack
+from prodigy_core.attacks import make_attack, recorded_param
 from prodigy_core.config import RunConfig
 from prodigy_core.data import Federation
 from prodigy_core.evaluation import diverged_accuracy, eval_due, evaluate
@@ -277,7 +277,7 @@ class RobustStrategy(FedAvg):
         G = G.clone()
         G[bad] = self.attack.craft(G[~bad], G[bad], self.pipeline).to(G.dtype)
         if self.attack.last_param is not None:
-            metrics["attack-param"] = float(self.attack.last_param)
+            metrics["attack-param"] = recorded_param(self.attack.last_param)
         return G
 
     def _diagnostics(self, ids: list[int], metrics: MetricRecord) -> None:

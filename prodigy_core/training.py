@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 import prodigy_core
 from prodigy_core.aggregators import Pipeline, ProDiGy, make_aggregator, pairwise_sq_distances
-from prodigy_core.attacks import Attack, idle_byzantine, make_attack
+from prodigy_core.attacks import Attack, idle_byzantine, make_attack, recorded_param
 from prodigy_core.config import SPLIT_FIELDS, ConfigError, RunConfig
 from prodigy_core.data import Federation, load_federation
 from prodigy_core.evaluation import diverged_accuracy, eval_due, eval_settings, evaluate
@@ -439,7 +439,7 @@ def server_round(
     st.timer.lap("rest")
     updates = server_input(momentum, f, st.attack, st.pipeline)
     st.timer.lap("craft")
-    result.attack_params.append(None if st.attack is None else _as_param(st.attack.last_param))
+    result.attack_params.append(None if st.attack is None else recorded_param(st.attack.last_param))
     if r in resolved.record_distances_at:
         result.distance_matrices[r] = pairwise_sq_distances(updates).tolist()
     if on_round is not None:
@@ -659,14 +659,6 @@ def set_rng_states(states: dict[str, Any]) -> None:
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
-
-
-def _as_param(value: Any) -> float | list[float] | None:
-    """An attack's ``last_param`` as a record keeps it: a number, or a list of numbers for a search over
-    several parameters (a plug-in's tuple; ALIE-spread keeps z here and rho in ``last_rho``)."""
-    if value is None:
-        return None
-    return [float(v) for v in value] if isinstance(value, tuple | list) else float(value)
 
 
 def _json_safe(value: Any) -> Any:

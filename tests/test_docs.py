@@ -146,6 +146,15 @@ def test_the_readmes_paper_scale_table_is_the_committed_gpu_reports_and_the_pape
     assert checked == 8 * 6  # five "ours" rows, three "paper" rows
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_code_fence_is_a_line_of_its_own(page):
+    """A fence with text after it (```` ``` More prose````) does not close its block: the rest of the page
+    renders as code (docs/library.md did, once)."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    fences = [line for line in lines if line.lstrip().startswith("```")]
+    assert [line for line in fences if not re.fullmatch(r"\s*```\w*", line)] == []
+
+
 def test_the_library_pages_python_runs_and_its_search_attack_is_scored_from_one_gram_matrix():
     """docs/library.md's code blocks run as written; its `Tilt` is a search attack whose line is trusted
     (checked against its rows) and scored from one Gram matrix."""

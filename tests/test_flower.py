@@ -235,3 +235,24 @@ def test_simulate_refuses_the_authors_variant_and_a_running_ray_cluster_in_one_l
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     with pytest.raises(RuntimeError, match=r"a Ray cluster runs on this machine \(ray start\): stop it"):
         flower._start_ray(2)
+
+
+@needs_flower
+def test_a_search_over_two_parameters_reports_both_in_the_round_metrics(tmp_path, monkeypatch):
+    """`attack-param` was float(last_param), which a tuple of parameters broke; now a list of both."""
+    from flwr.app import MetricRecord
+
+    from prodigy_core.flower import RobustStrategy
+
+    (tmp_path / "plane.py").write_text(
+        "import torch\nfrom prodigy_core.attacks import LineSearchAttack\n\n\n"
+        "class Plane(LineSearchAttack):\n"
+        "    def grid(self, n, f):\n        return [(0.5, 0.0), (1.0, 2.0)]\n\n"
+        "    def rows(self, p, stats):\n        return stats['mean'] - p[0] * stats['sigma'] + p[1]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    strategy = RobustStrategy("prodigy", 3, 10, lambda t: 0.05, attack="plane.py:Plane")
+    metrics = MetricRecord({})
+    G = torch.randn(10, 20, generator=torch.Generator().manual_seed(0))
+    strategy.server_input(G, list(range(10)), metrics)
+    assert metrics["attack-param"] in ([0.5, 0.0], [1.0, 2.0])

@@ -65,7 +65,7 @@ class Plane(LineSearchAttack):
 
     def affine(self, stats):
         points = torch.stack([stats["mean"], stats["mean"] - stats["sigma"], stats["mean"] + stats["u"]])
-        moves = [[[-1.0, 1.0, 0.0]], [[-1.0, 0.0, 1.0]]]  # z, then t (float64 given as a list: accepted)
+        moves = [[[-1.0, 1.0, 0.0]], [[-1.0, 0.0, 1.0]]]  # z, then t (a float32 S: taken as float64)
         return points, torch.tensor(moves[::-1] if self.swapped else moves, dtype=torch.float32)
 
 
@@ -240,3 +240,64 @@ def test_a_line_redefined_without_its_rows_is_said_to_be_unused_once():
         attack = Redeclared()
         attack.craft(G[F:], G[:F], server)  # once per class
     assert attack.last_gram is None
+
+
+class Thirds(LineSearchAttack):
+    """p0 + t (0.1 p1 + 0.9 p2 - p0), its S given in float32 (a row sums to 2e-8 there, not 0)."""
+
+    name = "thirds"
+
+    def grid(self, n, f):
+        return [[0.5], [1.0]]  # candidates as lists: one parameter each
+
+    def statistics(self, honest, f):
+        stats = super().statistics(honest, f)
+        stats["p2"] = stats["mean"] + 2 * stats["sigma"]
+        return stats
+
+    def rows(self, param, stats):
+        (t,) = param
+        mean, sigma = stats["mean"], stats["sigma"]
+        return mean + t * (0.1 * (mean - sigma) + 0.9 * stats["p2"] - mean)
+
+    def affine(self, stats):
+        points = [stats["mean"], stats["mean"] - stats["sigma"], stats["p2"]]  # a list: stacked
+        return points, torch.tensor([[[-1.0, 0.1, 0.9]]], dtype=torch.float32)
+
+
+def test_a_float32_s_lists_of_points_and_list_candidates_are_taken():
+    """S's rows sum to 0 to float32's rounding (refused by a float64 tolerance before the review), the
+    points may be a list, and a candidate a list like a tuple."""
+    G = updates()
+    attack = Thirds()
+    attack.craft(G[F:], G[:F], make_aggregator("prodigy", F))
+    assert attack.last_gram is not None and attack.last_param in ([0.5], [1.0])
+
+
+def test_the_points_are_checked_at_both_ends_of_the_grid():
+    """Swapped S: at (0, 0) every S gives P[0], so a check at the grid's last candidate alone let it by."""
+
+    class EndsAtZero(Plane):
+        swapped = True
+
+        def grid(self, n, f):
+            return [(1.0, 2.0), (0.0, 0.0)]
+
+        def rows(self, param, stats):
+            return super().rows(param, stats)
+
+        def affine(self, stats):
+            return super().affine(stats)
+
+    G = updates()
+    with pytest.raises(ValueError, match=r"rows\(\(1.0, 2.0\)\) are not the combination of points"):
+        EndsAtZero().craft(G[F:], G[:F], make_aggregator("prodigy", F))
+
+
+def test_the_line_s_moves_are_a_copy_for_whoever_changes_them():
+    """`affine` of a line hands out S; a plug-in scaling it in place changed ALIE's and FOE's for the whole
+    process (a module constant)."""
+    stats = {"mean": torch.zeros(3), "sigma": torch.ones(3)}
+    _, moves = Tilt().affine(stats)
+    moves *= 2
+    assert Tilt().affine(stats)[1].tolist() == [[[-1.0, 1.0]]]

@@ -207,7 +207,7 @@ def test_alie_spread_scored_from_one_gram_matrix_equals_the_pipeline_on_each_can
 def test_candidates_with_the_same_aggregate_get_the_same_damage_to_the_bit(seed):
     """Krum under FOE ε=100 picks the same honest client for every candidate: their damages are ties, which
     the first candidate wins. One product over all the candidates' rows rounded them apart (2 values here);
-    each candidate's own product (`_LineGeometry`) keeps them equal."""
+    each candidate's own product (`_AffineGeometry._sandwich`) keeps them equal."""
     G = torch.randn(20, 3000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.3
     attack = make_attack("foe_100")
     attack.craft(G[F:], G[:F], make_aggregator("krum", F))
