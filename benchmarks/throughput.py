@@ -167,27 +167,26 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     fastest: dict[str, dict[str, tuple[float, str, int]]] = {d: {} for d in loaded}  # engine: (images/s, ...)
     refused: set[tuple[str, str, str]] = set()  # (dataset, engine, precision): its other sizes not tried
 
-    def timed(dataset: str, engine: str, precision: str, size: int) -> bool:
-        """One row of the table; False when the engine is refused here (its other sizes are not tried)."""
+    def timed(dataset: str, engine: str, precision: str, size: int) -> None:
+        """One row of the table; an engine refused here goes into `refused` (its other sizes not tried)."""
         config, fed, flops = loaded[dataset]
         row = (dataset, precision, engine, str(size))
         if not fits(engine):
             say(*row, "not timed: the --budget was spent", "", "", "")
-            return True
+            return
         tic = time.perf_counter()
         try:
             seconds = time_step(config, fed, precision, engine, size, args.steps)
         except Exception as e:  # noqa: BLE001 - refused (no CUDA, no compiler): said, not fatal
             say(*row, f"refused: {type(e).__name__}: {str(e).splitlines()[0][:160]}", "", "", "")
             refused.add((dataset, engine, precision))
-            return False
+            return
         first = time.perf_counter() - tic - args.steps * seconds
         images = size * config.n_clients * config.batch_size / seconds
         rate = images * flops / 1e12
         say(*row, f"{images:,.0f}", f"{rate:.3g}", f"{100 * rate / peak:.2g}%", f"{first:.3g}")
         fastest[dataset][engine] = max(fastest[dataset].get(engine, (0.0, "", 0)), (images, precision, size))
         write()
-        return True
 
     # One compiled row first (the first dataset, precision and size), the others after every other engine:
     # no window has timed compiled yet (issue 44), and at the start of --budget a compilation longer than
@@ -202,12 +201,10 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             for engine in selected:
                 for precision in precisions:
                     for size in sizes:
-                        if (dataset, engine, precision) in refused:  # the head row refused: not again
+                        if (dataset, engine, precision) in refused:  # at a smaller size, or the head row
                             break
-                        if (dataset, engine, precision, size) != head and not timed(
-                            dataset, engine, precision, size
-                        ):
-                            break
+                        if (dataset, engine, precision, size) != head:
+                            timed(dataset, engine, precision, size)
             if args.profile:
                 config, fed, _ = loaded[dataset]
                 chosen = {e: v for e, v in fastest[dataset].items() if e in selected}

@@ -27,6 +27,7 @@ from prodigy_core.registry import (
     check_settings,
     contract,
     is_plugin,
+    packaged,
     settings_of,
     spec_hint,
 )
@@ -959,7 +960,7 @@ def _combine(rule: Rule, K: Tensor, D: Tensor, bad: Tensor) -> Combination | Non
     """rule.combine(K, D, bad), its result checked when the rule is not the package's own (a plug-in's
     mistake is named here, not met as a shape error inside torch or as a silently scaled output)."""
     c = rule.combine(K, D, bad)
-    if type(rule).__module__ == __name__:
+    if packaged(type(rule)):
         return c
     shape, why = tuple(K.shape[:-1]), ""
     if c is not None and not isinstance(c, Combination):

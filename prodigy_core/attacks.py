@@ -28,6 +28,7 @@ from prodigy_core.registry import (
     check_settings,
     contract,
     is_plugin,
+    packaged,
     settings_of,
     spec_hint,
 )
@@ -378,6 +379,11 @@ class MinSum(_MinMaxMinSum):
         return ((b + (b.pow(2) + h * p_sq * slack).sqrt()) / (h * p_sq)).item()
 
 
+def _parameters(candidate: Any) -> tuple | list:
+    """A search candidate's parameters: itself when a tuple or list (several), else (candidate,)."""
+    return candidate if isinstance(candidate, tuple | list) else (candidate,)
+
+
 def recorded_param(value: Any) -> float | list[float] | None:
     """An attack's ``last_param`` as a run's record and Flower's metrics keep it: a number, or a list of
     numbers for a search over several parameters (a plug-in's tuple; ALIE-spread keeps z here, rho in
@@ -401,7 +407,7 @@ class LineSearchAttack(Attack):
     affine combinations the rows are (`affine`), defined by the class that defines ``rows`` (a subclass's own
     rows need not lie on its parent's line), ``last_gram`` is the chosen candidate's Gram matrix, for the
     server's own aggregation. A plug-in's rows are checked against the points it declares at its first craft
-    (`_checked_span`). A candidate may be a tuple of parameters; ``last_param`` is then the chosen tuple
+    (`_check_rows`). A candidate may be a tuple of parameters; ``last_param`` is then the chosen tuple
     (a list per round in a run's record).
     """
 
@@ -576,23 +582,20 @@ class LineSearchAttack(Attack):
         span = self.affine(stats)
         if span is None:
             return None
-        points, moves = span
-        if self._owner("rows").__module__ != __name__:  # a plug-in's points: checked against its rows
-            points, moves = self._checked_span(points, moves, stats, f, [grid[0], grid[-1]])
+        plugin = not packaged(rows)  # a plug-in's points are checked against its rows
+        points, moves = self._checked_span(*span, f) if plugin else span
         reference = server.reference(honest)
-        if reference is not None:
-            points = torch.cat([points, reference[None]])
-        K = geometry(honest, extra=points, origin=reference is None).K
-        return _AffineGeometry(K, f, moves) if torch.isfinite(K).all() else None
+        extra = points if reference is None else torch.cat([points, reference[None]])
+        K = geometry(honest, extra=extra, origin=reference is None).K
+        if not torch.isfinite(K).all():
+            return None
+        grams = _AffineGeometry(K, f, moves)
+        if plugin and not getattr(self, "_rows_checked", False):
+            self._check_rows(grams, points, stats, [grid[0], grid[-1]])
+        return grams
 
-    def _checked_span(
-        self, points: Any, moves: Any, stats: dict[str, Tensor], f: int, params: list[Any]
-    ) -> tuple[Tensor, Tensor]:
-        """A plug-in's `affine` (or `line`) as tensors, checked: S's shape, rows of S summing to 0, and (at
-        the first craft) its rows at each of ``params`` (the grid's ends) equal to ``rows(param)``, else the
-        search would score other rows than those sent, and the server aggregate the sent ones with their
-        Gram matrix."""
-        where = "affine" if self._owner("affine") is not LineSearchAttack else "line"
+    def _checked_span(self, points: Any, moves: Any, f: int) -> tuple[Tensor, Tensor]:
+        """A plug-in's `affine` (or `line`) as tensors, checked: S's shape and rows of S summing to 0."""
         points = points if isinstance(points, Tensor) else torch.stack(list(points))
         given = moves.dtype if isinstance(moves, Tensor) and moves.is_floating_point() else torch.float64
         moves = torch.as_tensor(moves, dtype=torch.float64)
@@ -604,24 +607,28 @@ class LineSearchAttack(Attack):
         if float(moves.sum(dim=-1).abs().max()) > 64 * torch.finfo(given).eps * scale:  # S's own rounding
             raise ValueError(f"{self.name}.affine: each row of S must sum to 0 (the rows' weights on the "
                              "points then sum to 1: an affine combination)")  # fmt: skip
-        for param in [] if getattr(self, "_span_checked", False) else params:
-            t = torch.tensor(param if isinstance(param, tuple | list) else (param,), dtype=torch.float64)
-            if len(t) != len(moves):
-                raise ValueError(f"{self.name}.affine: S has {len(moves)} parameters' moves, but a candidate "
-                                 f"of its grid has {len(t)} ({param!r})")  # fmt: skip
-            weights = torch.einsum("l,lfk->fk", t, moves)
-            weights[:, 0] += 1
-            declared = weights.to(points.device, points.dtype) @ points
+        return points, moves
+
+    def _check_rows(
+        self, grams: _AffineGeometry, points: Tensor, stats: dict[str, Tensor], params: list[Any]
+    ) -> None:
+        """A plug-in's rows at each of ``params`` (the grid's ends) equal to the combination of its points
+        that the geometry reads from its S (`_AffineGeometry.placement`), else the search would score other
+        rows than those sent, and the server aggregate the sent ones with their Gram matrix. Once."""
+        where = "affine" if self._owner("affine") is not LineSearchAttack else "line"
+        for param in params:
+            if len(_parameters(param)) != grams.m:
+                raise ValueError(f"{self.name}.affine: S has {grams.m} parameters' moves, but a candidate of "
+                                 f"its grid has {len(_parameters(param))} ({param!r})")  # fmt: skip
+            declared = grams.placement(param).to(points.device, points.dtype) @ points
             size = max(float(torch.linalg.vector_norm(declared.double())), 1e-300)
             gap = float(torch.linalg.vector_norm((self.rows(param, stats) - declared).double())) / size
             if not gap <= max(1e-3, 8 * torch.finfo(points.dtype).eps):
-                break
-        else:  # every end matches (or matched at an earlier craft)
-            self._span_checked = True
-            return points, moves
-        raise ValueError(f"{type(self).__name__}: rows({param!r}) are not the combination of points that its "
-                         f"{where} declares (relative difference {gap:.3g}): fix {where}, or remove it (the "
-                         "search then runs the pipeline on each candidate)")  # fmt: skip
+                name = type(self).__name__
+                raise ValueError(f"{name}: rows({param!r}) are not the combination of points that its "
+                                 f"{where} declares (relative difference {gap:.3g}): fix {where}, or remove "
+                                 "it (the search then runs the pipeline on each candidate)")  # fmt: skip
+        self._rows_checked = True
 
     def _record(self, best: Any) -> None:
         self.last_param = best
@@ -642,7 +649,7 @@ class _AffineGeometry:
     def __init__(self, K: Tensor, f: int, moves: Tensor) -> None:
         m, k = moves.shape[0], moves.shape[-1]
         h = K.shape[0] - k - 1
-        self.K, self.f, self.n = K, f, f + h
+        self.K, self.f, self.n, self.m, self.h, self.k = K, f, f + h, m, h, k
         # C_0: the Byzantine clients at P[0], the honest clients and the reference point themselves; S_l: the
         # parameter l's moves of the Byzantine rows' weights on P
         eye, kept = torch.eye(h + k + 1, dtype=K.dtype, device=K.device), list(range(h)) + [h + k]
@@ -664,6 +671,11 @@ class _AffineGeometry:
         """The Gram matrix of one candidate t: its matrix of the last `grams` when t was one of them."""
         return self.batch[self.ts.index(t)] if t in self.ts else self._sandwich(self._coefficients([t]))[0]
 
+    def placement(self, t: Any) -> Tensor:
+        """The Byzantine rows' weights (f, k) on the attack's points P at candidate t: the rows are these
+        weights times P."""
+        return self._coefficients([t])[0, : self.f, self.h : self.h + self.k]
+
     def damages(self, weights: Tensor) -> Tensor:
         """norm(aggregate - honest mean) (C,) for the candidates of the last `grams`, whose aggregates are
         the weights (C, N+1) on their points (NaN where a row of weights is NaN)."""
@@ -673,7 +685,7 @@ class _AffineGeometry:
     def _coefficients(self, ts: list[Any]) -> Tensor:
         """C_t for each t of ``ts``, (len(ts), N+1, h+k+1) (on a line: 1 - t and t exactly where the Byzantine
         rows weigh p0 and p1, as t S_1 is exact)."""
-        columns = [t if isinstance(t, tuple | list) else (t,) for t in ts]  # (C, m), built here: no op
+        columns = [_parameters(t) for t in ts]  # (C, m), built here: no op
         t = torch.tensor(columns, dtype=self.K.dtype, device=self.K.device)
         return torch.addmm(self.C.flatten(), t, self.S).view(len(ts), *self.C.shape)
 

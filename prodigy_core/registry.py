@@ -36,6 +36,12 @@ RUN_KEYWORDS = ("self", "f", "variant", "generator")
 SCALARS = (bool, int, float, str, type(None))
 
 
+def packaged(cls: type) -> bool:
+    """Whether ``cls`` is the package's own (defined in prodigy_core), not a plug-in's or a notebook's: the
+    package's classes are pinned by its tests, so the checks for a plug-in author's mistakes skip them."""
+    return cls.__module__.split(".")[0] == "prodigy_core"
+
+
 def spec_hint(name: str) -> str:
     """For an unknown name that looks like a plug-in spec without its ':' (``rules/mine.py.Mine``), the form
     of one; else ""."""
@@ -125,7 +131,7 @@ class Registry:
         script), whose code no result key holds: a key names it only. None for the package's own classes
         and for plug-in specs (their code hash is keyed)."""
         entry = None if is_plugin(name) else self._entries.get(name)
-        if entry is None or entry.cls.__module__.split(".")[0] == "prodigy_core":
+        if entry is None or packaged(entry.cls):
             return None
         return entry.cls
 
@@ -591,6 +597,7 @@ __all__ = [
     "plugin_source",
     "records_are_data",
     "settings_of",
+    "packaged",
     "settings_text",
     "spec_hint",
     "split_label",
