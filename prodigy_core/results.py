@@ -30,7 +30,7 @@ from prodigy_core import paths
 from prodigy_core.config import ConfigError, RunConfig, as_row, field_names
 from prodigy_core.names import NO_ATTACK, VARIANTS
 from prodigy_core.registry import records_are_data
-from prodigy_core.safe_io import quarantine, write_json_atomic
+from prodigy_core.safe_io import create_json_exclusive, quarantine, write_json_atomic
 
 LOCK_HEARTBEAT_S = 30.0  # a claiming process refreshes its locks' mtime this often
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long is stale, whoever wrote it
@@ -271,11 +271,12 @@ def save_failure(
 class Claims:
     """Exclusive claims on the runs of one experiment folder, one lock file per key.
 
-    claim(key) creates `<key>.lock` with O_CREAT | O_EXCL: exactly one process succeeds. While it holds
-    locks, a daemon thread refreshes their mtime every LOCK_HEARTBEAT_S (the heartbeat). A lock is stale and
-    taken over when its process is dead (same host), when its heartbeat is older than LOCK_STALE_S (a
-    killed process on another host, a reused pid, a hand-made file), or when it is not a lock record and
-    more than a few seconds old. With skip_done, a key whose record appeared meanwhile is not claimed.
+    claim(key) creates `<key>.lock` whole or not at all (`safe_io.create_json_exclusive`): exactly one
+    process succeeds, and a process killed while claiming leaves no lock. While it holds locks, a daemon
+    thread refreshes their mtime every LOCK_HEARTBEAT_S (the heartbeat). A lock is stale and taken over
+    when its process is dead (same host), when its heartbeat is older than LOCK_STALE_S (a killed process
+    on another host, a reused pid, a hand-made file), or when it is not a lock record and more than a few
+    seconds old. With skip_done, a key whose record appeared meanwhile is not claimed.
     A finished run's stale lock is removed by `clear_finished` (the grid calls it for its done runs).
     """
 
@@ -301,19 +302,11 @@ class Claims:
     def claim(self, key: str) -> bool:
         path = self.lock_path(key)
         for _ in range(2):
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask decides
-            except FileExistsError:
+            mine = {"pid": os.getpid(), "host": self.host, "started": time.time()}
+            if not create_json_exclusive(path, mine):
                 if not self._take_over_if_stale(path):
                     return False
                 continue
-            mine = {"pid": os.getpid(), "host": self.host, "started": time.time()}
-            try:
-                with os.fdopen(fd, "w") as fh:
-                    json.dump(mine, fh)
-            except BaseException:  # e.g. a full disk: leave no empty lock behind
-                _remove(path)
-                raise
             if self.skip_done and stored_record(self.folder, key) is not None:  # finished by another process
                 path.unlink()
                 return False
@@ -338,8 +331,8 @@ class Claims:
             return True
         age = time.time() - _mtime(path)
         if not isinstance(owner, dict):
-            # Being written right now, or garbage (a crash between create and write, a hand-made file): a
-            # fresh lock is younger than a few seconds.
+            # Garbage (a hand-made file, a crash between create and write where the file system has no hard
+            # links), or such a lock being written right now: a fresh one is younger than a few seconds.
             return age > 10 and _remove(path)
         dead = owner.get("host") == self.host and not _pid_alive(owner.get("pid"))
         if not dead and age <= LOCK_STALE_S:

@@ -18,16 +18,22 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def _temporary_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file in `path`'s folder (so that a rename or link onto `path` stays on one file
+    system), with the mode a plain open() would give `path` (mkstemp makes it 0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with contextlib.suppress(AttributeError, NotImplementedError):  # no fchmod (Windows before 3.13)
+        os.fchmod(fd, 0o666 & ~umask())
+    return fd, tmp
+
+
 @contextlib.contextmanager
 def atomic_write(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
     """Open a temporary file beside `path` and rename it onto `path` once the block succeeds, so that
     `path` holds either its old content or the complete new one, never a mix (records and checkpoints)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _temporary_beside(path)
     try:
-        # mkstemp makes the file 0600; the complete file gets the mode a plain open() would give it
-        with contextlib.suppress(AttributeError, NotImplementedError):  # no fchmod (Windows before 3.13)
-            os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
@@ -37,6 +43,43 @@ def atomic_write(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def create_json_exclusive(path: Path, obj: Any) -> bool:
+    """Create `path` holding `obj` as JSON, or return False when it exists: of several processes, exactly
+    one succeeds, and `path` never exists empty or half-written (the results store's locks). The content
+    is written to a temporary file first and hard-linked onto `path`, which fails on an existing name; a
+    process killed meanwhile leaves only the temporary file. Where the file system has no hard links, the
+    file is created with O_EXCL and then written (a kill between the two leaves it empty)."""
+    fd, tmp = _temporary_beside(path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (e.g. FAT, some network shares)
+            return _create_then_write(path, obj)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _create_then_write(path: Path, obj: Any) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask decides
+    except FileExistsError:
+        return False
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh)
+    except BaseException:  # e.g. a full disk: leave no empty file behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    return True
 
 
 def umask() -> int:
@@ -70,4 +113,4 @@ def quarantine(path: Path, why: str) -> Path:
     return target
 
 
-__all__ = ["atomic_write", "quarantine", "umask", "write_json_atomic"]
+__all__ = ["atomic_write", "create_json_exclusive", "quarantine", "umask", "write_json_atomic"]

@@ -68,6 +68,59 @@ def test_a_stale_lock_is_taken_over_a_foreign_or_live_one_is_not(tmp_path):
     assert not claims.claim("live") and not claims.claim("far")
 
 
+def test_a_process_killed_while_writing_its_lock_leaves_no_lock(tmp_path):
+    # SIGKILL at the moment the lock's content is written: the old O_EXCL-then-write claim left an empty
+    # `k.lock` there, which the next claim took for a lock being written and left alone (a resumed grid then
+    # left that run undone)
+    victim = (
+        "import json, os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from prodigy_core import results\n"
+        "json.dump = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "results.Claims(Path(sys.argv[1])).claim('k')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", victim, str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert not (tmp_path / "k.lock").exists()
+    assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob("*.json"))  # a temp file at most
+    claims = results.Claims(tmp_path)
+    assert claims.claim("k")
+    assert json.loads((tmp_path / "k.lock").read_text())["pid"] == os.getpid()
+
+
+def test_of_many_claims_at_once_exactly_one_wins_and_its_lock_is_whole(tmp_path):
+    import threading
+
+    start, won = threading.Barrier(8), []
+
+    def claim(claims: results.Claims) -> None:
+        start.wait()
+        if claims.claim("k"):
+            won.append(claims)
+
+    threads = [threading.Thread(target=claim, args=(results.Claims(tmp_path),)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    assert json.loads((tmp_path / "k.lock").read_text()) == won[0]._written["k"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lock"]  # every temp file removed
+
+
+def test_a_claim_on_a_file_system_without_hard_links_creates_the_lock_directly(tmp_path, monkeypatch):
+    def no_links(src, dst, **kwargs):
+        raise PermissionError(1, "Operation not permitted")  # what a FAT or SMB mount says
+
+    monkeypatch.setattr(os, "link", no_links)
+    a, b = results.Claims(tmp_path), results.Claims(tmp_path)
+    assert a.claim("k") and not b.claim("k")
+    assert json.loads((tmp_path / "k.lock").read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lock"]
+    a.release("k")
+    assert b.claim("k")
+
+
 def test_a_finished_run_is_not_claimed(tmp_path):
     config = RunConfig()
     results.save_record(tmp_path, config.key(), record(config, 50.0), "e")
