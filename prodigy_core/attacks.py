@@ -566,12 +566,10 @@ class LineSearchAttack(Attack):
         self, honest: Tensor, f: int, stats: dict[str, Tensor], server: Server, grid: list[Any]
     ) -> _AffineGeometry | None:
         # the rows' own class must give their points: a subclass's rows need not lie on its parent's line
-        own, rows = self._owner("affine"), self._owner("rows")
-        declares = self._owner("line") if own is LineSearchAttack else own
+        (declares, where), rows = self._declared(), self._owner("rows")
         if rows is not declares:
             if issubclass(declares, rows) and declares not in _UNTRUSTED_SPANS:  # points newer than the rows
                 _UNTRUSTED_SPANS.add(declares)
-                where = "line" if own is LineSearchAttack else "affine"
                 name = declares.__name__
                 warnings.warn(f"{name}.{where} is not used: its rows are {rows.__name__}'s; define rows in "
                               f"{name} too (the search runs the pipeline on each candidate meanwhile)",
@@ -579,7 +577,7 @@ class LineSearchAttack(Attack):
             return None
         if not grid or not (isinstance(server, Pipeline) and server.takes_gram):
             return None
-        span = self.affine(stats)
+        span = self.affine(stats) if where == "affine" else LineSearchAttack.affine(self, stats)
         if span is None:
             return None
         plugin = not packaged(rows)  # a plug-in's points are checked against its rows
@@ -593,6 +591,14 @@ class LineSearchAttack(Attack):
         if plugin and not getattr(self, "_rows_checked", False):
             self._check_rows(grams, points, stats, [grid[0], grid[-1]])
         return grams
+
+    def _declared(self) -> tuple[type, str]:
+        """The class whose points the search reads and the method that declares them: the later of
+        ``affine`` and ``line`` in the MRO (a subclass's own line replaces an inherited affine)."""
+        affine, line = self._owner("affine"), self._owner("line")
+        if affine is LineSearchAttack or (line is not affine and issubclass(line, affine)):
+            return line, "line"
+        return affine, "affine"
 
     def _checked_span(self, points: Any, moves: Any, f: int) -> tuple[Tensor, Tensor]:
         """A plug-in's `affine` (or `line`) as tensors, checked: S's shape and rows of S summing to 0."""
@@ -615,7 +621,7 @@ class LineSearchAttack(Attack):
         """A plug-in's rows at each of ``params`` (the grid's ends) equal to the combination of its points
         that the geometry reads from its S (`_AffineGeometry.placement`), else the search would score other
         rows than those sent, and the server aggregate the sent ones with their Gram matrix. Once."""
-        where = "affine" if self._owner("affine") is not LineSearchAttack else "line"
+        where = self._declared()[1]
         for param in params:
             if len(_parameters(param)) != grams.m:
                 raise ValueError(f"{self.name}.affine: S has {grams.m} parameters' moves, but a candidate of "

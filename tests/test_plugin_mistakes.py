@@ -10,7 +10,7 @@ import torch
 
 from prodigy_core import aggregators as agg
 from prodigy_core.aggregators import make_aggregator
-from prodigy_core.attacks import LineSearchAttack, make_attack
+from prodigy_core.attacks import ALIESpread, LineSearchAttack, make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.training import run
 
@@ -240,6 +240,51 @@ def test_a_line_redefined_without_its_rows_is_said_to_be_unused_once():
         attack = Redeclared()
         attack.craft(G[F:], G[:F], server)  # once per class
     assert attack.last_gram is None
+
+
+class Narrowed(ALIESpread):
+    """ALIE-spread's constructor and statistics, searched over z alone on its own line (rho = 0)."""
+
+    def grid(self, n, f):
+        return [0.5, 1.0, 1.5]
+
+    def rows(self, t, stats):
+        return stats["mean"] - t * stats["sigma"]
+
+    def line(self, stats):
+        return stats["mean"], stats["mean"] - stats["sigma"]
+
+    def _record(self, best):
+        self.last_param = best
+
+
+class NarrowedWrongly(Narrowed):
+    def rows(self, t, stats):  # its own rows, so its own line is trusted: and checked
+        return super().rows(t, stats)
+
+    def line(self, stats):
+        return stats["mean"], stats["mean"] + stats["sigma"]
+
+
+def test_a_line_of_its_own_under_an_inherited_affine_is_the_one_scored_and_checked():
+    """A subclass of ALIE-spread with its own rows and line: the search took ALIE-spread's `affine` for
+    its points, found them not its rows' and ran the pipeline on each candidate, silently. Its line is
+    used now, and checked."""
+    G = updates()
+    server = make_aggregator("prodigy", F)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attack = Narrowed()
+        attack.craft(G[F:], G[:F], server)
+    assert attack.last_gram is not None  # scored from its line's Gram matrix
+    mean, sigma = G[F:].mean(0), G[F:].std(0, unbiased=False)
+    damages = [
+        torch.linalg.vector_norm(server.peek(torch.cat([(mean - t * sigma).expand(F, -1), G[F:]])) - mean)
+        for t in attack.grid(10, F)
+    ]
+    assert [x for _, x in attack.last_search] == pytest.approx([float(x) for x in damages], rel=1e-4)
+    with pytest.raises(ValueError, match=r"NarrowedWrongly: rows\(0.5\) are not .* that its line declares"):
+        NarrowedWrongly().craft(G[F:], G[:F], server)
 
 
 class Thirds(LineSearchAttack):
