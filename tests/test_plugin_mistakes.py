@@ -69,18 +69,23 @@ class Plane(LineSearchAttack):
         return points, torch.tensor(moves[::-1] if self.swapped else moves, dtype=torch.float32)
 
 
-def test_a_plugin_line_is_scored_from_one_gram_matrix_and_equals_the_pipeline_on_each_candidate():
-    G = updates()
-    server = make_aggregator("prodigy", F)
-    attack = Tilt()
-    attack.craft(G[F:], G[:F], server)
-    assert attack.last_gram is not None  # scored from the line's Gram matrix
+def assert_scored_as_alie_line(attack: LineSearchAttack, server, G: torch.Tensor) -> None:
+    """The search's damages equal the pipeline's on each candidate (mu - t sigma, F times; G's honest)."""
     mean, sigma = G[F:].mean(0), G[F:].std(0, unbiased=False)
     damages = [
         torch.linalg.vector_norm(server.peek(torch.cat([(mean - t * sigma).expand(F, -1), G[F:]])) - mean)
         for t in attack.grid(10, F)
     ]
     assert [x for _, x in attack.last_search] == pytest.approx([float(x) for x in damages], rel=1e-4)
+
+
+def test_a_plugin_line_is_scored_from_one_gram_matrix_and_equals_the_pipeline_on_each_candidate():
+    G = updates()
+    server = make_aggregator("prodigy", F)
+    attack = Tilt()
+    attack.craft(G[F:], G[:F], server)
+    assert attack.last_gram is not None  # scored from the line's Gram matrix
+    assert_scored_as_alie_line(attack, server, G)
 
 
 @pytest.mark.parametrize("attack", [DirectionNotEnd(), Plane()], ids=["line", "affine"])
@@ -277,12 +282,7 @@ def test_a_line_of_its_own_under_an_inherited_affine_is_the_one_scored_and_check
         attack = Narrowed()
         attack.craft(G[F:], G[:F], server)
     assert attack.last_gram is not None  # scored from its line's Gram matrix
-    mean, sigma = G[F:].mean(0), G[F:].std(0, unbiased=False)
-    damages = [
-        torch.linalg.vector_norm(server.peek(torch.cat([(mean - t * sigma).expand(F, -1), G[F:]])) - mean)
-        for t in attack.grid(10, F)
-    ]
-    assert [x for _, x in attack.last_search] == pytest.approx([float(x) for x in damages], rel=1e-4)
+    assert_scored_as_alie_line(attack, server, G)
     with pytest.raises(ValueError, match=r"NarrowedWrongly: rows\(0.5\) are not .* that its line declares"):
         NarrowedWrongly().craft(G[F:], G[:F], server)
 
