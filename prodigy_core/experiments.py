@@ -1140,6 +1140,12 @@ def _pool_outcomes(
                     future.cancel()
             broken += running.values()  # the pool's other work items die with it
         for keys, start in broken:
+            finished = _stored_before_dying(tasks, keys, claims)
+            for key, record in finished.items():
+                yield key, record, time.perf_counter() - start
+            keys = [k for k in keys if k not in finished]
+            if not keys:
+                continue
             if retried.isdisjoint(keys):
                 retried.update(keys)
                 again.append(keys)
@@ -1147,6 +1153,15 @@ def _pool_outcomes(
             died = RuntimeError("its worker process died twice (killed, or out of memory?)")
             for key in keys:
                 yield key, died, time.perf_counter() - start
+
+
+def _stored_before_dying(tasks: dict[str, Task], keys: list[str], claims: store.Claims) -> dict[str, Outcome]:
+    """The stored records of a dead worker's runs that it wrote before it died (a group writes them, then
+    its worker is killed): done, not trained again. None under --force, where a record predates the run."""
+    if not claims.skip_done:
+        return {}
+    stored = {k: store.stored_record(Path(tasks[k].folder), k) for k in keys}
+    return {k: record for k, record in stored.items() if record is not None}
 
 
 PARENT_POLL_S = 1.0  # how often a pool worker checks that its parent is alive
@@ -1225,22 +1240,36 @@ def _ray_outcomes(
                          "cluster that has it (--address)")  # fmt: skip
     if short:  # a cluster's autoscaler may add such a node: say so, then wait as Ray does
         warnings.warn(f"the Ray cluster has {short}: the runs wait for one", RuntimeWarning, stacklevel=2)
-    remote = ray.remote(max_retries=1, retry_exceptions=True)(_ray_work)
+    # The one retry is ours, not Ray's (max_retries): a run stored before its worker died is not redone.
+    remote = ray.remote(max_retries=0)(_ray_work)
     here = os.getcwd()  # a worker runs from the driver's folder, where a plug-in's relative path points
     refs: dict[Any, tuple[list[str], float]] = {}
+    retried: set[str] = set()
+
+    def submit(keys: list[str]) -> None:
+        ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(here, [tasks[k] for k in keys])
+        refs[ref] = (keys, time.perf_counter())
+
     try:
         for batch in batches:
             claimed = [key for key in batch if claims.claim(key)]
             if claimed:
-                work = [tasks[k] for k in claimed]
-                ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(here, work)
-                refs[ref] = (claimed, time.perf_counter())
+                submit(claimed)
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1)
             keys, start = refs.pop(done[0])
             try:
                 pairs: list[tuple[str, Outcome]] = ray.get(done[0])
-            except Exception as e:  # failed twice (one retry): record it, keep going
+            except Exception as e:
+                finished = _stored_before_dying(tasks, keys, claims)
+                for key, record in finished.items():
+                    yield key, record, time.perf_counter() - start
+                keys = [k for k in keys if k not in finished]
+                if keys and retried.isdisjoint(keys):  # once more (it resumes from its checkpoints)
+                    retried.update(keys)
+                    submit(keys)
+                    continue
+                # failed twice: record it, keep going
                 cause = getattr(e, "cause", None) or e
                 # Ray's text holds the worker's traceback (its colour codes taken out)
                 cause.traceback_text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ import stat
 import tempfile
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterable
 from importlib.resources import files
@@ -191,6 +192,7 @@ def short_repr(value: Any, limit: int = 80) -> str:
 
 
 NOT_REGULAR = "not a regular file"
+UNREADABLE = "unreadable"
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
@@ -319,37 +321,40 @@ class Claims:
         return False
 
     def _take_over_if_stale(self, path: Path) -> bool:
+        """Remove the lock at `path` when it is stale (the class's rules); True when it is gone."""
         try:
+            seen = _identity(path)
             owner, why = _read_json(path)
         except FileNotFoundError:
             return True  # released meanwhile: try again
-        except OSError:
-            owner, why = None, None
+        except OSError as e:  # another user's private lock, a passing NFS error: judged by its heartbeat
+            owner, why = None, f"{UNREADABLE}: {e.strerror or e}"
         if why is not None and why.startswith(NOT_REGULAR):  # never a lock of ours (a FIFO, a folder, a link)
             moved = quarantine(path, "invalid")
             warnings.warn(f"{path}: {why}, not a lock; moved to {moved.name}", RuntimeWarning, stacklevel=3)
             return True
-        age = time.time() - _mtime(path)
-        if not isinstance(owner, dict):
+        age = time.time() - seen[2] / 1e9
+        if isinstance(owner, dict):
+            dead = owner.get("host") == self.host and not _pid_alive(owner.get("pid"))
+            stale = dead or age > LOCK_STALE_S
+        elif why is not None and why.startswith(UNREADABLE):
+            stale = age > LOCK_STALE_S
+        else:
             # Garbage (a hand-made file, a crash between create and write where the file system has no hard
             # links), or such a lock being written right now: a fresh one is younger than a few seconds.
-            return age > 10 and _remove(path)
-        dead = owner.get("host") == self.host and not _pid_alive(owner.get("pid"))
-        if not dead and age <= LOCK_STALE_S:
+            stale = age > 10
+        if not stale:
             return False
         # Rename first: of several processes that found the same stale lock, only one wins the rename.
-        grave = path.with_name(f"{path.name}.stale.{os.getpid()}")
+        grave = path.with_name(f"{path.name}.stale.{self.host}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
             os.rename(path, grave)
         except FileNotFoundError:
             return True
-        try:
-            moved, _ = _read_json(grave)
-        except OSError:
-            moved = None
-        if moved != owner:
-            # Another process took the stale lock over between our read and our rename: this is its fresh
-            # lock. Put it back unless a third has claimed meanwhile (link fails on an existing name).
+        if _identity(grave) != seen:
+            # Another process took the stale lock over between our look and our rename (or its owner's
+            # heartbeat came): this is a live lock. Put it back unless a third has claimed meanwhile (link
+            # fails on an existing name).
             with contextlib.suppress(OSError):
                 os.link(grave, path)
             grave.unlink()
@@ -358,12 +363,24 @@ class Claims:
         return True
 
     def clear_finished(self, keys: Iterable[str]) -> None:
-        """Remove the stale locks (`_take_over_if_stale`) of these finished runs: a process killed between
-        a record's write and its lock's release leaves one, and no later claim comes to take it over."""
+        """Remove what killed processes left for these finished runs: a stale lock (`_take_over_if_stale`),
+        a failure record and a checkpoint (a process killed inside `save_record`), which no later claim
+        comes to take over; and the folder's temporary files untouched for LOCK_STALE_S (a writer killed
+        inside `safe_io.atomic_write`). A run claimed meanwhile (a --force rerun) keeps its files."""
         for key in keys:
             path = self.lock_path(key)
-            if os.path.lexists(path) and key not in self.held:
-                self._take_over_if_stale(path)
+            if key in self.held or (os.path.lexists(path) and not self._take_over_if_stale(path)):
+                continue
+            leftovers = [failure_path(self.folder, key), checkpoint_dir(self.folder) / f"{key}.pt"]
+            mine = {"pid": os.getpid(), "host": self.host, "started": time.time(), "clearing": True}
+            if any(p.exists() for p in leftovers) and create_json_exclusive(path, mine):
+                for leftover in leftovers:
+                    _remove(leftover)
+                _remove(path)
+        for folder in (self.folder, checkpoint_dir(self.folder)):
+            for temporary in folder.glob(".*.tmp"):
+                if time.time() - _mtime(temporary) > LOCK_STALE_S:
+                    _remove(temporary)
 
     def release(self, key: str) -> None:
         """Drop the claim on `key`, and its lock when the lock is still ours: a process whose heartbeat
@@ -396,9 +413,11 @@ def lock_state(path: Path) -> str:
     except FileNotFoundError:
         return f"its lock {path} is gone (its claimant stopped): rerun to do it"
     except OSError as e:
-        owner, why = None, str(e)
+        age = time.time() - _mtime(path)
+        return (f"its lock {path} is {UNREADABLE} ({e.strerror or e}), last heartbeat {age:.0f} s ago (taken "
+                f"over after {LOCK_STALE_S:.0f} s without one); rerun when it is done")  # fmt: skip
     if not isinstance(owner, dict):
-        return f"its lock {path} is not a lock record ({why or 'unreadable'}): the next run takes it over"
+        return f"its lock {path} is not a lock record ({why}): the next run takes it over"
     pid, host = owner.get("pid"), owner.get("host")
     if host == socket.gethostname():
         if not _pid_alive(pid):
@@ -428,6 +447,12 @@ def _pid_alive(pid: Any) -> bool:
         return True
 
 
+def _identity(path: Path) -> tuple[int, int, int]:
+    """(device, inode, mtime in ns) of `path` itself: another file, or this one after a heartbeat, differs."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
@@ -449,8 +474,9 @@ def read_records(folder: Path, include_failed: bool = False) -> list[dict[str, A
     records = []
     for path in sorted(folder.glob("*.json")):
         failed = path.name.endswith(".failed.json")
-        if failed and not include_failed:
-            continue
+        finished = failed and record_path(folder, path.name.removesuffix(".failed.json")).exists()
+        if failed and (not include_failed or finished):  # a finished run's failure is history (left by a
+            continue  # process killed inside save_record)
         try:
             record, why = _read_json(path)
         except FileNotFoundError:  # moved aside by another process meanwhile

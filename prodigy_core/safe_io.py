@@ -57,10 +57,12 @@ def create_json_exclusive(path: Path, obj: Any) -> bool:
             json.dump(obj, fh)
         try:
             os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links here (e.g. FAT, some network shares)
-            return _create_then_write(path, obj)
+        except OSError as e:
+            if os.stat(tmp).st_nlink == 2:  # NFS: a retried link says EEXIST for the link it made (open(2))
+                return True
+            if isinstance(e, FileExistsError):
+                return False
+            return _create_then_write(path, obj)  # no hard links here (e.g. FAT, some network shares)
         return True
     finally:
         with contextlib.suppress(FileNotFoundError):

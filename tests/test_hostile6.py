@@ -251,16 +251,16 @@ def test_two_processes_taking_over_one_stale_lock_never_both_hold_it(tmp_path, m
     lock = tmp_path / "k.lock"
     lock.write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(), "started": 0}))  # dead
     a, b = results.Claims(tmp_path, skip_done=False), results.Claims(tmp_path, skip_done=False)
-    paused, go, mtime = threading.Event(), threading.Event(), results._mtime
+    paused, go, alive = threading.Event(), threading.Event(), results._pid_alive
 
-    def slow_mtime(path):  # B stops between reading the lock and renaming it
-        value = mtime(path)
+    def slow_pid_alive(pid):  # B stops between reading the lock and renaming it
+        value = alive(pid)
         if threading.current_thread().name == "B":
             paused.set()
             go.wait(10)
         return value
 
-    monkeypatch.setattr(results, "_mtime", slow_mtime)
+    monkeypatch.setattr(results, "_pid_alive", slow_pid_alive)
     got: dict[str, bool] = {}
     thread = threading.Thread(target=lambda: got.__setitem__("B", b.claim("k")), name="B")
     thread.start()
