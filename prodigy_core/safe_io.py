@@ -23,7 +23,8 @@ def _temporary_beside(path: Path) -> tuple[int, str]:
     system), with the mode a plain open() would give `path` (mkstemp makes it 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with contextlib.suppress(AttributeError, NotImplementedError):  # no fchmod (Windows before 3.13)
+    # no fchmod (Windows before 3.13), or a file system that refuses modes (some FUSE mounts): as it is
+    with contextlib.suppress(AttributeError, NotImplementedError, OSError):
         os.fchmod(fd, 0o666 & ~umask())
     return fd, tmp
 

@@ -174,3 +174,15 @@ def test_a_pool_worker_that_dies_after_storing_its_records_is_not_trained_again(
     assert sorted(trained) == sorted(keys)  # each trained once
     assert {k: o["final_accuracy"] for k, o in outcomes.items()} == {k: 50.0 for k in keys}
     claims.release_all()
+
+
+def test_a_file_system_that_refuses_modes_still_takes_records_and_locks(tmp_path, monkeypatch):
+    """A FUSE mount whose chmod fails: every record, checkpoint and lock write raised from the mode."""
+
+    def refused(fd, mode):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refused)
+    write_json_atomic(tmp_path / "r.json", {"a": 1})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1}
+    assert results.Claims(tmp_path).claim("k") and (tmp_path / "k.lock").exists()
