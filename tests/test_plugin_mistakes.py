@@ -248,16 +248,9 @@ def test_a_line_redefined_without_its_rows_is_said_to_be_unused_once():
 
 
 class Narrowed(ALIESpread):
-    """ALIE-spread's constructor and statistics, searched over z alone on its own line (rho = 0)."""
+    """ALIE-spread's constructor and statistics, searched over z alone on its own line (rho = 0): Tilt's."""
 
-    def grid(self, n, f):
-        return [0.5, 1.0, 1.5]
-
-    def rows(self, t, stats):
-        return stats["mean"] - t * stats["sigma"]
-
-    def line(self, stats):
-        return stats["mean"], stats["mean"] - stats["sigma"]
+    grid, rows, line = Tilt.grid, Tilt.rows, Tilt.line  # defined here: this class's own rows and line
 
     def _record(self, best):
         self.last_param = best
