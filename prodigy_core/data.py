@@ -139,19 +139,25 @@ def cifar10_source(root: Path) -> str | None:
         return CIFAR10_BINARY
     path = root / CIFAR10_JPEG_FILE
     if path.is_file():
-        stat = path.stat()
-        return decoded_source(str(path), stat.st_mtime_ns, stat.st_size)
+        return decoded_source(str(path), _file_stamp(path))
     return None
 
 
+def _file_stamp(path: Path) -> tuple[int, int, int, int]:
+    """(mtime, ctime, inode, size) of `path`: the caches' key of a file's version. The ctime moves with any
+    change to the file, even one whose mtime is then set back (`cp -p`, `tar x`, `touch -d`)."""
+    st = path.stat()
+    return st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size
+
+
 @functools.lru_cache(maxsize=16)
-def decoded_source(path: str, mtime_ns: int, size: int) -> str:
+def decoded_source(path: str, stamp: tuple[int, ...]) -> str:
     """The source of a decoded JPEG copy (`decode_cifar10_jpeg`): `cifar10-jpeg` when it holds CIFAR-10's
     5,000 train and 1,000 test images of every class, `cifar10-jpeg-first-<train>-<test>` when it holds
     fewer (decoded with per_class): a part never shares a key with the whole. Reads its labels only (memory
     mapped, milliseconds), cached per file version; a file that cannot be read counts as the whole copy, and
     loading it gives the error."""
-    del mtime_ns, size  # part of the cache key only
+    del stamp  # part of the cache key only
     try:
         arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         counts = [torch.bincount(arrays[f"{split}_labels"]).tolist() for split in CIFAR10_PER_CLASS]
@@ -231,21 +237,20 @@ def leaf_writer_counts(leaf_dir: Path) -> dict[str, tuple[int, int]]:
     return {w: (train[w], test[w]) for w in sorted(train)}
 
 
-def _leaf_file_versions(directory: Path) -> list[tuple[str, int, int]]:
-    """(path, mtime_ns, size) of every LEAF JSON file in `directory`, sorted: the caches' key of its files."""
+def _leaf_file_versions(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(path, `_file_stamp`) of every LEAF JSON file in `directory`, sorted: the caches' key of its files."""
     versions = []
     for path in sorted(directory.glob("*.json")):
         _check_regular(path)
-        stat = path.stat()
-        versions.append((str(path), stat.st_mtime_ns, stat.st_size))
+        versions.append((str(path), _file_stamp(path)))
     return versions
 
 
 @functools.lru_cache(maxsize=256)
-def _leaf_file_counts(path: str, mtime_ns: int, size: int) -> dict[str, int]:
+def _leaf_file_counts(path: str, stamp: tuple[int, ...]) -> dict[str, int]:
     """{writer: num_samples} of one LEAF JSON file. LEAF writes `users` and `num_samples` before
     `user_data`: that head is parsed alone (0.1 s instead of 4 s for 8,000 samples); else the whole file."""
-    del mtime_ns, size  # part of the cache key only
+    del stamp  # part of the cache key only
     text = _read_leaf_text(Path(path))
     head = text[: max(text.find('"user_data"'), 0)].rstrip().rstrip(",")
     try:
@@ -301,10 +306,10 @@ def femnist_source(leaf_dir: Path, counts: dict[str, tuple[int, int]], writers: 
 
 
 @functools.lru_cache(maxsize=256)
-def _leaf_file_digest(path: str, mtime_ns: int, size: int) -> str:
+def _leaf_file_digest(path: str, stamp: tuple[int, ...]) -> str:
     """SHA-256 of one LEAF file's bytes, cached per file version (read only for files that hold a run's
     writers: a second or so per GB)."""
-    del mtime_ns, size  # part of the cache key only (`_leaf_file_versions` checked it is a regular file)
+    del stamp  # part of the cache key only (`_leaf_file_versions` checked it is a regular file)
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 24), b""):
@@ -1034,7 +1039,7 @@ def _read_femnist(
 
 @functools.lru_cache(maxsize=1)
 def _read_femnist_writers(
-    leaf_dir: Path, writers: tuple[str, ...], versions: tuple[tuple[str, int, int], ...]
+    leaf_dir: Path, writers: tuple[str, ...], versions: tuple[tuple[str, tuple[int, ...]], ...]
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, str]:
     """`_read_femnist`'s tensors of these writers, kept for the folder's file versions (`versions`, the
     cache key only): the runs of a grid on one FEMNIST setting parse its JSON once per process, not once a

@@ -342,6 +342,12 @@ def start_run(
     aside (`safe_io.quarantine`) and the run restarts from round 0."""
     resolved = config.resolved()
     n, f = resolved.n_clients, resolved.n_byzantine
+    if torch.is_autocast_enabled(device.type):  # it would reach every round, the server side included
+        raise ConfigError(
+            f"this run is inside torch.autocast on {device.type}: a run sets its own arithmetic from its "
+            f"precision={resolved.precision} (part of its key); start it outside the autocast block, and set "
+            "precision=bf16 for bfloat16"
+        )
     keep_freed_memory()
     fed = loaded = run_federation(resolved, device) if fed is None else fed
     stream = make_batch_stream(resolved, fed)  # before anything else: a too small authors client stops here
