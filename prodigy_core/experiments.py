@@ -20,7 +20,7 @@ import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1140,10 +1140,7 @@ def _pool_outcomes(
                     future.cancel()
             broken += running.values()  # the pool's other work items die with it
         for keys, start in broken:
-            finished = _stored_before_dying(tasks, keys, claims)
-            for key, record in finished.items():
-                yield key, record, time.perf_counter() - start
-            keys = [k for k in keys if k not in finished]
+            keys = yield from _stored_before_dying(tasks, keys, claims, start)
             if not keys:
                 continue
             if retried.isdisjoint(keys):
@@ -1155,13 +1152,20 @@ def _pool_outcomes(
                 yield key, died, time.perf_counter() - start
 
 
-def _stored_before_dying(tasks: dict[str, Task], keys: list[str], claims: store.Claims) -> dict[str, Outcome]:
-    """The stored records of a dead worker's runs that it wrote before it died (a group writes them, then
-    its worker is killed): done, not trained again. None under --force, where a record predates the run."""
-    if not claims.skip_done:
-        return {}
-    stored = {k: store.stored_record(Path(tasks[k].folder), k) for k in keys}
-    return {k: record for k, record in stored.items() if record is not None}
+def _stored_before_dying(
+    tasks: dict[str, Task], keys: list[str], claims: store.Claims, start: float
+) -> Generator[tuple[str, Outcome, float], None, list[str]]:
+    """Yields, as done, the runs of a dead worker that stored their records before it died (a group writes
+    them, then its worker is killed), so that they are not trained again; returns the others' keys. Not
+    under --force, where a record predates the run."""
+    left = []
+    for key in keys:
+        record = store.stored_record(Path(tasks[key].folder), key) if claims.skip_done else None
+        if record is None:
+            left.append(key)
+        else:
+            yield key, record, time.perf_counter() - start
+    return left
 
 
 PARENT_POLL_S = 1.0  # how often a pool worker checks that its parent is alive
@@ -1246,9 +1250,9 @@ def _ray_outcomes(
     refs: dict[Any, tuple[list[str], float]] = {}
     retried: set[str] = set()
 
-    def submit(keys: list[str]) -> None:
+    def submit(keys: list[str], start: float | None = None) -> None:
         ref = remote.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(here, [tasks[k] for k in keys])
-        refs[ref] = (keys, time.perf_counter())
+        refs[ref] = (keys, time.perf_counter() if start is None else start)
 
     try:
         for batch in batches:
@@ -1261,13 +1265,10 @@ def _ray_outcomes(
             try:
                 pairs: list[tuple[str, Outcome]] = ray.get(done[0])
             except Exception as e:
-                finished = _stored_before_dying(tasks, keys, claims)
-                for key, record in finished.items():
-                    yield key, record, time.perf_counter() - start
-                keys = [k for k in keys if k not in finished]
+                keys = yield from _stored_before_dying(tasks, keys, claims, start)
                 if keys and retried.isdisjoint(keys):  # once more (it resumes from its checkpoints)
                     retried.update(keys)
-                    submit(keys)
+                    submit(keys, start)  # its time counts both tries
                     continue
                 # failed twice: record it, keep going
                 cause = getattr(e, "cause", None) or e

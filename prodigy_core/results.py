@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -192,7 +193,8 @@ def short_repr(value: Any, limit: int = 80) -> str:
 
 
 NOT_REGULAR = "not a regular file"
-UNREADABLE = "unreadable"
+# `safe_io`'s temporary files of a record, a failure, a lock or a checkpoint: .<name>.<random>.tmp
+TEMPORARY = re.compile(r"\..+\.(json|lock|pt)\.[a-z0-9_]+\.tmp")
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
@@ -304,7 +306,7 @@ class Claims:
     def claim(self, key: str) -> bool:
         path = self.lock_path(key)
         for _ in range(2):
-            mine = {"pid": os.getpid(), "host": self.host, "started": time.time()}
+            mine = self._lock_record()
             if not create_json_exclusive(path, mine):
                 if not self._take_over_if_stale(path):
                     return False
@@ -320,24 +322,33 @@ class Claims:
             return True
         return False
 
+    def _lock_record(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "host": self.host, "started": time.time()}
+
     def _take_over_if_stale(self, path: Path) -> bool:
         """Remove the lock at `path` when it is stale (the class's rules); True when it is gone."""
         try:
             seen = _identity(path)
-            owner, why = _read_json(path)
         except FileNotFoundError:
             return True  # released meanwhile: try again
-        except OSError as e:  # another user's private lock, a passing NFS error: judged by its heartbeat
-            owner, why = None, f"{UNREADABLE}: {e.strerror or e}"
+        except OSError:  # a passing NFS error: busy for now
+            return False
+        unreadable = False
+        try:
+            owner, why = _read_json(path)
+        except FileNotFoundError:
+            return True
+        except OSError:  # another user's private lock, a passing NFS error: judged by its heartbeat
+            owner, why, unreadable = None, None, True
         if why is not None and why.startswith(NOT_REGULAR):  # never a lock of ours (a FIFO, a folder, a link)
             moved = quarantine(path, "invalid")
             warnings.warn(f"{path}: {why}, not a lock; moved to {moved.name}", RuntimeWarning, stacklevel=3)
             return True
-        age = time.time() - seen[2] / 1e9
+        age = time.time() - seen[0] / 1e9
         if isinstance(owner, dict):
             dead = owner.get("host") == self.host and not _pid_alive(owner.get("pid"))
             stale = dead or age > LOCK_STALE_S
-        elif why is not None and why.startswith(UNREADABLE):
+        elif unreadable:
             stale = age > LOCK_STALE_S
         else:
             # Garbage (a hand-made file, a crash between create and write where the file system has no hard
@@ -351,7 +362,11 @@ class Claims:
             os.rename(path, grave)
         except FileNotFoundError:
             return True
-        if _identity(grave) != seen:
+        try:
+            moved, _ = _read_json(grave)
+        except OSError:
+            moved = None
+        if _identity(grave) != seen or (not unreadable and moved != owner):
             # Another process took the stale lock over between our look and our rename (or its owner's
             # heartbeat came): this is a live lock. Put it back unless a third has claimed meanwhile (link
             # fails on an existing name).
@@ -364,22 +379,24 @@ class Claims:
 
     def clear_finished(self, keys: Iterable[str]) -> None:
         """Remove what killed processes left for these finished runs: a stale lock (`_take_over_if_stale`),
-        a failure record and a checkpoint (a process killed inside `save_record`), which no later claim
-        comes to take over; and the folder's temporary files untouched for LOCK_STALE_S (a writer killed
-        inside `safe_io.atomic_write`). A run claimed meanwhile (a --force rerun) keeps its files."""
+        a checkpoint and a failure record older than the record (a process killed inside `save_record`),
+        which no later claim comes to take over; and the store's temporary files untouched for LOCK_STALE_S
+        (a writer killed inside `safe_io.atomic_write`). A run claimed meanwhile (a --force rerun) keeps its
+        files, and so does the failure of a --force rerun (newer than the record)."""
         for key in keys:
             path = self.lock_path(key)
             if key in self.held or (os.path.lexists(path) and not self._take_over_if_stale(path)):
                 continue
-            leftovers = [failure_path(self.folder, key), checkpoint_dir(self.folder) / f"{key}.pt"]
-            mine = {"pid": os.getpid(), "host": self.host, "started": time.time(), "clearing": True}
-            if any(p.exists() for p in leftovers) and create_json_exclusive(path, mine):
+            leftovers = [checkpoint_dir(self.folder) / f"{key}.pt"]
+            if _failure_outdated(self.folder, key):
+                leftovers.append(failure_path(self.folder, key))
+            if any(p.exists() for p in leftovers) and create_json_exclusive(path, self._lock_record()):
                 for leftover in leftovers:
                     _remove(leftover)
                 _remove(path)
         for folder in (self.folder, checkpoint_dir(self.folder)):
             for temporary in folder.glob(".*.tmp"):
-                if time.time() - _mtime(temporary) > LOCK_STALE_S:
+                if TEMPORARY.fullmatch(temporary.name) and time.time() - _mtime(temporary) > LOCK_STALE_S:
                     _remove(temporary)
 
     def release(self, key: str) -> None:
@@ -414,7 +431,7 @@ def lock_state(path: Path) -> str:
         return f"its lock {path} is gone (its claimant stopped): rerun to do it"
     except OSError as e:
         age = time.time() - _mtime(path)
-        return (f"its lock {path} is {UNREADABLE} ({e.strerror or e}), last heartbeat {age:.0f} s ago (taken "
+        return (f"its lock {path} is unreadable ({e.strerror or e}), last heartbeat {age:.0f} s ago (taken "
                 f"over after {LOCK_STALE_S:.0f} s without one); rerun when it is done")  # fmt: skip
     if not isinstance(owner, dict):
         return f"its lock {path} is not a lock record ({why}): the next run takes it over"
@@ -447,10 +464,18 @@ def _pid_alive(pid: Any) -> bool:
         return True
 
 
-def _identity(path: Path) -> tuple[int, int, int]:
-    """(device, inode, mtime in ns) of `path` itself: another file, or this one after a heartbeat, differs."""
+def _failure_outdated(folder: Path, key: str) -> bool:
+    """Whether `key`'s failure record is older than its finished record: history, left by a process killed
+    inside `save_record` (a --force rerun that failed after the record was made writes a newer one)."""
+    failed, done = _mtime(failure_path(folder, key)), _mtime(record_path(folder, key))
+    return 0 < failed <= done
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """(mtime in ns, size) of `path` itself: this lock after a heartbeat differs, and so does another one,
+    with its content (the inode is not used: some network mounts renumber a file that is renamed)."""
     st = os.lstat(path)
-    return st.st_dev, st.st_ino, st.st_mtime_ns
+    return st.st_mtime_ns, st.st_size
 
 
 def _mtime(path: Path) -> float:
@@ -474,15 +499,15 @@ def read_records(folder: Path, include_failed: bool = False) -> list[dict[str, A
     records = []
     for path in sorted(folder.glob("*.json")):
         failed = path.name.endswith(".failed.json")
-        finished = failed and record_path(folder, path.name.removesuffix(".failed.json")).exists()
-        if failed and (not include_failed or finished):  # a finished run's failure is history (left by a
-            continue  # process killed inside save_record)
+        key = path.name.removesuffix(".failed.json" if failed else ".json")
+        if failed and (not include_failed or _failure_outdated(folder, key)):
+            continue  # a finished run's older failure: history
         try:
             record, why = _read_json(path)
         except FileNotFoundError:  # moved aside by another process meanwhile
             continue
         if failed:
-            ok = isinstance(record, dict) and record.get("key") == path.name.removesuffix(".failed.json")
+            ok = isinstance(record, dict) and record.get("key") == key
             why = why or (None if ok else "not a failure record of its key")
         else:
             why = why or check_record(record, path)

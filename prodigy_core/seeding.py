@@ -39,21 +39,31 @@ def set_deterministic(enabled: bool = True) -> None:
 
 def precision_flags(device: torch.device | None = None) -> dict[str, bool | str]:
     """The settings in force that change a run's rounding or its kernels' choice, as recorded in every
-    record's `environment`: bfloat16 autocast (``autocast``: "bfloat16" or "off"), the process's float32
-    matmul precision and whether oneDNN (mkldnn) kernels are on (both settable by the caller: "medium" lets
-    a CPU's matmuls run in bfloat16, and oneDNN off changes the convolutions' kernels) and, on CUDA (or with
-    no device given), TF32 for matmuls and convolutions, cuDNN's autotuner, deterministic algorithms."""
+    record's `environment`: bfloat16 autocast (``autocast``: "bfloat16" or "off"), whether oneDNN (mkldnn)
+    kernels are on and their float32 matmul precision (both settable by the caller: oneDNN off changes the
+    convolutions' kernels, `torch.set_float32_matmul_precision("medium")` runs a CPU's matmuls in bfloat16)
+    and, on CUDA (or with no device given), TF32 for matmuls and convolutions, cuDNN's autotuner,
+    deterministic algorithms."""
     device_type = "cuda" if device is None else device.type
     autocast = torch.is_autocast_enabled(device_type)
     flags: dict[str, bool | str] = {"autocast": str(torch.get_autocast_dtype(device_type)).removeprefix(
-        "torch.") if autocast else "off", "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "mkldnn": torch.backends.mkldnn.enabled}  # fmt: skip
+        "torch.") if autocast else "off", "mkldnn": torch.backends.mkldnn.enabled,
+        "mkldnn_matmul": _mkldnn_matmul_precision()}  # fmt: skip
     if device_type == "cuda":
         flags.update({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
                       "tf32_cudnn": torch.backends.cudnn.allow_tf32,
                       "cudnn_benchmark": torch.backends.cudnn.benchmark,
                       "deterministic": torch.are_deterministic_algorithms_enabled()})  # fmt: skip
     return flags
+
+
+def _mkldnn_matmul_precision() -> str:
+    """oneDNN's float32 matmul precision ("ieee", "bf16" or "tf32"), read from its own backend: torch's global
+    reading raises once the CUDA flags were set the legacy way (`precision_mode`) after the new way."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    if matmul is None or not hasattr(matmul, "fp32_precision"):  # a torch before the per-backend settings
+        return {"highest": "ieee", "high": "tf32", "medium": "bf16"}[torch.get_float32_matmul_precision()]
+    return "ieee" if matmul.fp32_precision == "none" else str(matmul.fp32_precision)  # none: not set
 
 
 @contextlib.contextmanager

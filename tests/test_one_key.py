@@ -9,6 +9,7 @@ import torch
 
 from prodigy_core import data, groups, training
 from prodigy_core.config import ConfigError, RunConfig
+from prodigy_core.seeding import precision_flags, precision_mode
 
 TINY = dict(dataset="digits", n_clients=7, n_byzantine=2, defense="prodigy", attack="alie", rounds=2,
             local_steps=1, batch_size=16, eval_every=2, device="cpu", engine="batched")  # fmt: skip
@@ -63,7 +64,7 @@ def test_the_callers_kernel_settings_are_in_the_record():
     a CPU's matmuls run in bfloat16. Settable by any caller, so each record says how they were."""
     config = RunConfig(**{**TINY, "rounds": 1})
     default = training.run(config).environment
-    assert (default["mkldnn"], default["float32_matmul_precision"]) == (True, "highest")
+    assert (default["mkldnn"], default["mkldnn_matmul"]) == (True, "ieee")
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("medium")
@@ -71,4 +72,21 @@ def test_the_callers_kernel_settings_are_in_the_record():
             changed = training.run(config).environment
     finally:
         torch.set_float32_matmul_precision(previous)
-    assert (changed["mkldnn"], changed["float32_matmul_precision"]) == (False, "medium")
+    assert (changed["mkldnn"], changed["mkldnn_matmul"]) == (False, "bf16")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # no CUDA, no Intel GPU: torch says so, and goes on
+@pytest.mark.parametrize("setting", ["high", "medium"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_the_flags_are_read_after_a_caller_set_the_matmul_precision(setting, precision):
+    """torch.get_float32_matmul_precision() raises once `precision_mode` set the CUDA flags the legacy way
+    after the caller set them the new way: reading it failed every CUDA run (settable without a GPU)."""
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(setting)
+        with precision_mode(precision, torch.device("cuda")):
+            flags = precision_flags(torch.device("cuda"))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert flags["mkldnn_matmul"] == {"high": "tf32", "medium": "bf16"}[setting]
+    assert flags["tf32_matmul"] is (precision == "tf32")

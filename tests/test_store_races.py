@@ -47,8 +47,26 @@ def test_a_live_lock_that_cannot_be_read_is_judged_by_its_heartbeat(tmp_path, mo
     assert other.claim("k")
     monkeypatch.undo()
     assert json.loads(lock.read_text()) == other._written["k"]
+    holder.release_all()  # the lock is other's now: left in place
+    assert json.loads(lock.read_text()) == other._written["k"]
     other.release_all()
-    holder.held.clear()
+
+
+def test_a_lock_that_cannot_even_be_looked_at_is_busy(tmp_path, monkeypatch):
+    """An ESTALE from lstat on NFS: the take-over raised UnboundLocalError instead of backing off."""
+    holder = results.Claims(tmp_path)
+    assert holder.claim("k")
+    real_lstat = os.lstat
+
+    def stale_handle(path, *args, **kwargs):
+        if str(path).endswith("k.lock"):
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", stale_handle)
+    assert not results.Claims(tmp_path).claim("k")
+    monkeypatch.undo()
+    holder.release_all()
 
 
 def test_two_processes_taking_over_one_garbage_lock_never_both_hold_it(tmp_path, monkeypatch):
@@ -127,18 +145,34 @@ def test_a_finished_run_claimed_again_keeps_its_files(tmp_path):
     rerun.release_all()
 
 
+def test_a_force_reruns_failure_after_the_record_is_shown_and_kept(tmp_path):
+    """The record is older than the failure here: a --force rerun failed, which a load with failures shows
+    and a later grid keeps (only a failure older than the record is a kill's leftover)."""
+    config = RunConfig()
+    key = config.key()
+    results.save_record(tmp_path, key, record(config), "e")
+    age(results.record_path(tmp_path, key), 60)
+    results.save_failure(tmp_path, key, config.to_dict(), RuntimeError("CUDA out of memory"), "e")
+    rows = results.read_records(tmp_path, include_failed=True)
+    assert sorted(r["status"] for r in rows) == ["done", "failed"]
+    results.Claims(tmp_path).clear_finished([key])
+    assert results.failure_path(tmp_path, key).exists()
+
+
 def test_a_killed_writers_temporary_files_are_cleared_once_old(tmp_path):
     """A kill inside atomic_write or a lock's creation leaves its temporary file: checkpoints are a model's
     size each, and nothing removed them."""
     (tmp_path / "checkpoints").mkdir()
     old = [tmp_path / n for n in (".k.json.ab12.tmp", ".k.lock.cd34.tmp", "checkpoints/.k.pt.ef56.tmp")]
     fresh = tmp_path / "checkpoints/.j.pt.0123.tmp"  # being written now
-    for path in [*old, fresh]:
+    others = [tmp_path / ".notes.tmp", tmp_path / ".my.csv.ab12.tmp"]  # not the store's: never touched
+    for path in [*old, fresh, *others]:
         path.write_bytes(b"x")
-    for path in old:
+    for path in [*old, *others]:
         age(path, results.LOCK_STALE_S + 1)
     results.Claims(tmp_path).clear_finished([])
-    assert [p.exists() for p in old] == [False, False, False] and fresh.exists()
+    assert [p.exists() for p in old] == [False, False, False]
+    assert fresh.exists() and all(p.exists() for p in others)
 
 
 def test_a_pool_worker_that_dies_after_storing_its_records_is_not_trained_again(tmp_path, monkeypatch):
@@ -186,3 +220,41 @@ def test_a_file_system_that_refuses_modes_still_takes_records_and_locks(tmp_path
     write_json_atomic(tmp_path / "r.json", {"a": 1})
     assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1}
     assert results.Claims(tmp_path).claim("k") and (tmp_path / "k.lock").exists()
+
+
+def test_a_ray_task_that_dies_after_storing_its_records_is_not_trained_again(tmp_path, monkeypatch):
+    """Ray retried a task whose worker died (max_retries=1) without looking at the store; the retry is now
+    the driver's: the stored runs are done, the others are submitted once more, then recorded as failed."""
+    import sys
+    import types
+
+    configs = [RunConfig(seed=s) for s in (1, 2, 3)]
+    keys = [c.key() for c in configs]
+    tasks = {k: experiments.Task(c.to_dict(), str(tmp_path / "checkpoints"), None, str(tmp_path), "e", key=k)
+             for k, c in zip(keys, configs, strict=True)}  # fmt: skip
+    submitted: list[list[str]] = []
+
+    class Remote:  # each task stores its first run's record, then its worker dies
+        def options(self, **kwargs):
+            return self
+
+        def remote(self, here, work):
+            submitted.append([t.key for t in work])
+            results.save_record(tmp_path, work[0].key, record(RunConfig.from_dict(work[0].config)), "e")
+            return len(submitted) - 1
+
+    def get(ref):
+        raise RuntimeError("the worker died")
+
+    ray = types.SimpleNamespace(
+        is_initialized=lambda: True, nodes=lambda: [{"Alive": True, "Resources": {"CPU": 4}}],
+        remote=lambda **kw: lambda fn: Remote(), wait=lambda refs, num_returns: (refs[:1], refs[1:]), get=get,
+        cancel=lambda *a, **k: None,
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    claims = results.Claims(tmp_path)
+    outcomes = {k: o for k, o, _ in experiments._ray_outcomes(tasks, [keys], claims, 1, None, 1, 0)}
+    claims.release_all()
+    assert submitted == [keys, keys[1:]]  # the stored run not again; the rest once more
+    assert outcomes[keys[0]]["final_accuracy"] == 50.0 and outcomes[keys[1]]["final_accuracy"] == 50.0
+    assert isinstance(outcomes[keys[2]], RuntimeError)  # died twice: recorded as failed
