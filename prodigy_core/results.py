@@ -293,12 +293,39 @@ class Claims:
         folder.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._mutex = threading.Lock()  # between the heartbeat and `release`
+        self._replaced: set[str] = set()  # held keys whose lock another process holds now (warned once)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(LOCK_HEARTBEAT_S):
             for key in list(self.held):
+                self._beat_once(key)
+
+    def _beat_once(self, key: str) -> None:
+        """Refresh a held lock's mtime. A lock gone from under a live claim (a take-over killed between its
+        rename and its putting back, a hand) is written again; a lock that is another process's now (it
+        took this one over as stale, or claimed in the gap) is named in a warning, once: both may be
+        training the run."""
+        with self._mutex:  # never puts back a lock that `release` is removing
+            if key not in self.held:
+                return
+            path, mine = self.lock_path(key), self._written[key]
+            try:
+                owner, _ = _read_json(path)
+            except FileNotFoundError:
                 with contextlib.suppress(OSError):
-                    os.utime(self.lock_path(key))
+                    if create_json_exclusive(path, mine):
+                        return
+                owner = None
+            except OSError:  # a passing error: the next beat tries again
+                return
+            if owner == mine:
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+            elif key not in self._replaced:
+                self._replaced.add(key)
+                warnings.warn(f"{path}: the lock of a run this process trains is another process's now; both "
+                              "may train it", RuntimeWarning, stacklevel=2)  # fmt: skip
 
     def lock_path(self, key: str) -> Path:
         return self.folder / f"{key}.lock"
@@ -314,8 +341,8 @@ class Claims:
             if self.skip_done and stored_record(self.folder, key) is not None:  # finished by another process
                 path.unlink()
                 return False
+            self._written[key] = mine  # before held: the heartbeat reads it for every held key
             self.held.add(key)
-            self._written[key] = mine
             if self._beat is None:
                 self._beat = threading.Thread(target=self._heartbeat, name="lock-heartbeat", daemon=True)
                 self._beat.start()
@@ -402,16 +429,17 @@ class Claims:
     def release(self, key: str) -> None:
         """Drop the claim on `key`, and its lock when the lock is still ours: a process whose heartbeat
         stopped past LOCK_STALE_S (suspended) may find another's lock there, which it must not remove."""
-        if key not in self.held:
-            return
-        self.held.discard(key)
-        mine, path = self._written.pop(key, None), self.lock_path(key)
-        try:
-            owner, _ = _read_json(path)
-        except OSError:  # gone already
-            return
-        if mine is None or not isinstance(owner, dict) or owner == mine:
-            _remove(path)
+        with self._mutex:
+            if key not in self.held:
+                return
+            self.held.discard(key)
+            mine, path = self._written.pop(key, None), self.lock_path(key)
+            try:
+                owner, _ = _read_json(path)
+            except OSError:  # gone already
+                return
+            if mine is None or not isinstance(owner, dict) or owner == mine:
+                _remove(path)
 
     def release_all(self) -> None:
         for key in list(self.held):

@@ -9,6 +9,8 @@ import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
+import pytest
+
 from prodigy_core import experiments, results
 from prodigy_core.config import RunConfig
 from prodigy_core.safe_io import write_json_atomic
@@ -258,3 +260,32 @@ def test_a_ray_task_that_dies_after_storing_its_records_is_not_trained_again(tmp
     assert submitted == [keys, keys[1:]]  # the stored run not again; the rest once more
     assert outcomes[keys[0]]["final_accuracy"] == 50.0 and outcomes[keys[1]]["final_accuracy"] == 50.0
     assert isinstance(outcomes[keys[2]], RuntimeError)  # died twice: recorded as failed
+
+
+def test_a_held_lock_moved_away_under_its_claim_is_written_again_by_the_heartbeat(tmp_path):
+    """A take-over killed between renaming a live lock aside and putting it back left the run unlocked while
+    it trained, for good: a third process could claim and train it too. The heartbeat puts it back."""
+    claims = results.Claims(tmp_path)
+    assert claims.claim("k")
+    lock = tmp_path / "k.lock"
+    lock.rename(tmp_path / "k.lock.stale.otherhost.4072.ab12cd34")  # the killed take-over's grave
+    claims._beat_once("k")
+    assert json.loads(lock.read_text()) == claims._written["k"]
+    claims.release_all()
+    assert not lock.exists()
+    claims._beat_once("k")  # a released claim is not put back
+    assert not lock.exists()
+
+
+def test_a_held_lock_that_another_process_claimed_meanwhile_is_named(tmp_path):
+    """The lock went from under a live claim and another process claimed the run in the gap."""
+    mine, other = results.Claims(tmp_path, skip_done=False), results.Claims(tmp_path, skip_done=False)
+    assert mine.claim("k")
+    (tmp_path / "k.lock").unlink()
+    assert other.claim("k")
+    with pytest.warns(RuntimeWarning, match="is another process's now; both may train it"):
+        mine._beat_once("k")
+    assert json.loads((tmp_path / "k.lock").read_text()) == other._written["k"]  # left as it is
+    mine.release_all()  # and not removed: it is other's
+    assert json.loads((tmp_path / "k.lock").read_text()) == other._written["k"]
+    other.release_all()
