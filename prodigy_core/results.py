@@ -280,7 +280,8 @@ class Claims:
     thread refreshes their mtime every LOCK_HEARTBEAT_S (the heartbeat). A lock is stale and taken over
     when its process is dead (same host), when its heartbeat is older than LOCK_STALE_S (a killed process
     on another host, a reused pid, a hand-made file), or when it is not a lock record and more than a few
-    seconds old. With skip_done, a key whose record appeared meanwhile is not claimed.
+    seconds old. The heartbeat also writes a held lock again when it is gone, and warns once when another
+    process holds it now. With skip_done, a key whose record appeared meanwhile is not claimed.
     A finished run's stale lock is removed by `clear_finished` (the grid calls it for its done runs).
     """
 

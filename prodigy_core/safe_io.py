@@ -2,8 +2,8 @@
 file moved aside rather than deleted.
 
 A ground-floor module (it imports no other `prodigy_core` module), shared by everything that writes: the
-results store's records (`results`), the training loop's checkpoints (`training`) and the decoded datasets
-(`data`).
+results store's records and locks (`results`), the training loop's checkpoints (`training`) and the decoded
+datasets (`data`).
 """
 
 from __future__ import annotations
