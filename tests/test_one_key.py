@@ -59,6 +59,7 @@ def test_a_leaf_file_changed_with_its_size_and_mtime_kept_moves_the_key_in_the_s
     assert config.key() == after  # what a cold process computes
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN:UserWarning")  # no Intel GPU
 def test_the_callers_kernel_settings_are_in_the_record():
     """oneDNN off moved a test sample and the distances by 5e-4 (the audit); "medium" matmul precision lets
     a CPU's matmuls run in bfloat16. Settable by any caller, so each record says how they were."""
