@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
+from test_results import record
 
 from prodigy_core import experiments, results
 from prodigy_core.config import RunConfig
@@ -19,12 +20,6 @@ from prodigy_core.safe_io import write_json_atomic
 def age(path, seconds: float) -> None:
     then = time.time() - seconds
     os.utime(path, (then, then))
-
-
-def record(config: RunConfig) -> dict:
-    return {"config": config.to_dict(), "final_accuracy": 50.0, "final_loss": 0.5,
-            "accuracy_curve": [[1, 50.0]], "environment": {"device": "cpu", "torch": "x"},
-            "stand_in": None}  # fmt: skip
 
 
 def test_a_live_lock_that_cannot_be_read_is_judged_by_its_heartbeat(tmp_path, monkeypatch):
@@ -124,7 +119,7 @@ def test_what_a_kill_inside_save_record_leaves_is_not_read_and_is_cleared(tmp_pa
     checkpoint.parent.mkdir()
     checkpoint.write_bytes(b"weights")
     write_json_atomic(results.record_path(tmp_path, key), {"key": key, "experiment": "e", "status": "done",
-                                                           **record(config)})  # fmt: skip
+                                                           **record(config, 50.0)})  # fmt: skip
     rows = results.read_records(tmp_path, include_failed=True)
     assert [(r["key"], r["status"]) for r in rows] == [(key, "done")]
     results.Claims(tmp_path).clear_finished([key])
@@ -136,7 +131,7 @@ def test_a_finished_run_claimed_again_keeps_its_files(tmp_path):
     """A --force rerun holds the run's lock: its checkpoint is its own, not a leftover to clear."""
     config = RunConfig()
     key = config.key()
-    results.save_record(tmp_path, key, record(config), "e")
+    results.save_record(tmp_path, key, record(config, 50.0), "e")
     rerun = results.Claims(tmp_path, skip_done=False)
     assert rerun.claim(key)
     checkpoint = results.checkpoint_dir(tmp_path) / f"{key}.pt"
@@ -152,7 +147,7 @@ def test_a_force_reruns_failure_after_the_record_is_shown_and_kept(tmp_path):
     and a later grid keeps (only a failure older than the record is a kill's leftover)."""
     config = RunConfig()
     key = config.key()
-    results.save_record(tmp_path, key, record(config), "e")
+    results.save_record(tmp_path, key, record(config, 50.0), "e")
     age(results.record_path(tmp_path, key), 60)
     results.save_failure(tmp_path, key, config.to_dict(), RuntimeError("CUDA out of memory"), "e")
     rows = results.read_records(tmp_path, include_failed=True)
@@ -197,7 +192,7 @@ def test_a_pool_worker_that_dies_after_storing_its_records_is_not_trained_again(
             future = Future()
             for task in work:
                 trained.append(task.key)
-                results.save_record(tmp_path, task.key, record(RunConfig.from_dict(task.config)), "e")
+                results.save_record(tmp_path, task.key, record(RunConfig.from_dict(task.config), 50.0), "e")
             if len(trained) == len(work):
                 future.set_exception(BrokenProcessPool("killed after writing its records"))
             else:
@@ -242,7 +237,7 @@ def test_a_ray_task_that_dies_after_storing_its_records_is_not_trained_again(tmp
 
         def remote(self, here, work):
             submitted.append([t.key for t in work])
-            results.save_record(tmp_path, work[0].key, record(RunConfig.from_dict(work[0].config)), "e")
+            results.save_record(tmp_path, work[0].key, record(RunConfig.from_dict(work[0].config), 50.0), "e")
             return len(submitted) - 1
 
     def get(ref):
