@@ -455,10 +455,12 @@ class Driver:
                      f"{cheapest})")  # fmt: skip
             return False
         if dataset == "cifar10" and not self.args.simulate:
-            from prodigy_core.data import decode_cifar10_jpeg
+            from prodigy_core.data import decode_cifar10_jpeg, jpeg_copy_source
 
             decode_cifar10_jpeg(self.args.data / CIFAR10_ARCHIVE, self.work / "data", progress=False)
-            self.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s")
+            # the reference decode's pixels keep the committed records' keys; other pixels get their own
+            self.log(f"CIFAR-10 (JPEG copy) decoded in {time.monotonic() - tic:.0f} s: data_source "
+                     f"{jpeg_copy_source(self.work / 'data')}")  # fmt: skip
         cross_device_check(self, dataset)
         self.probe(dataset, config)
         if not first:  # what the decode, check and probe left must still cover the autotune and a run

@@ -532,9 +532,14 @@ def cmd_data(args: argparse.Namespace) -> int:
         _check_data_folder(Path(root), "the path given" if args.path else "env PRODIGY_DATA_DIR or data/")
         if args.source is not None:
             path = data.decode_cifar10_jpeg(args.source, root)
-            first = data.cifar10_source(root)
-            note = "" if first == data.CIFAR10_JPEG else " (torchvision's binary batches there come first)"
+            note = " (torchvision's binary batches there come first)" if data.cifar10_source(Path(root)) == (
+                data.CIFAR10_BINARY) else ""  # fmt: skip
             print(f"CIFAR-10 (JPEG copy): 50,000 train and 10,000 test images decoded into {path}{note}")
+            decoded = data.jpeg_copy_source(Path(root))
+            if decoded != data.CIFAR10_JPEG:
+                print(f"note: not the reference decode's pixels (another archive, or a Pillow whose JPEG "
+                      f"decoder rounds otherwise): its runs are keyed data_source={decoded}, never sharing "
+                      "results with cifar10-jpeg")  # fmt: skip
             return 0
         try:
             data.load_federation("cifar10", n_clients=1, distribution="iid", data_dir=root, download=True,

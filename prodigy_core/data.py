@@ -59,7 +59,12 @@ SOURCE_LABELS = {
     CIFAR10_JPEG: "CIFAR-10 (JPEG copy)",
     DIGITS_SOURCE: "scikit-learn digits",
 }
-CIFAR10_JPEG_PART = "cifar10-jpeg-first-"  # + "<train>-<test>": a copy decoded in part (per_class)
+CIFAR10_JPEG_PART = "cifar10-jpeg-first-"  # + "<train>-<test>-<digest>": a copy decoded in part (per_class)
+# SHA-256 of the arrays (`decoded_digest`) that shared/data/cifar10-jpeg's archive decodes to with Pillow
+# 13.0.0 (libjpeg-turbo 3.2.0): the decode named `cifar10-jpeg`. Other pixels (another archive with the same
+# counts, a Pillow whose decoder rounds otherwise) are named `cifar10-jpeg-<digest[:12]>`: never its keys.
+CIFAR10_JPEG_DIGEST = "eec90e10bd2f5438e70e4e8599dc5b7672ffbabf978fde50cd6de1e7ed6d6bf0"
+DIGEST_CHARS = 12  # of a decode's digest in its source name
 CIFAR10_BATCH_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_PER_CLASS = {"train": 5000, "test": 1000}
@@ -96,8 +101,10 @@ def source_label(source: str | None) -> str | None:
     if source.startswith(FEMNIST_SOURCE_PREFIX):
         return f"FEMNIST (LEAF writers {source.removeprefix(FEMNIST_SOURCE_PREFIX)})"
     if source.startswith(CIFAR10_JPEG_PART):
-        train, test = source.removeprefix(CIFAR10_JPEG_PART).split("-")
-        return f"CIFAR-10 (JPEG copy, its first {train} train / {test} test images per class)"
+        train, test, digest = source.removeprefix(CIFAR10_JPEG_PART).split("-")
+        return f"CIFAR-10 (JPEG copy, its first {train} train / {test} test images per class, {digest})"
+    if source.startswith(CIFAR10_JPEG + "-"):
+        return f"CIFAR-10 (JPEG copy, decoded to other pixels: {source.removeprefix(CIFAR10_JPEG + '-')})"
     return source
 
 
@@ -113,9 +120,10 @@ def resolve_data_source(
     The source (`RunConfig.data_source`) is part of every result key and named in every table. CIFAR-10's
     sources: torchvision's binary batches (`cifar10-binary`, `prodigy-fl data cifar10` with internet) and
     the decoded JPEG copy (`cifar10-jpeg`, `prodigy-fl data cifar10 --from cifar10-jpeg.tar.gz`: lossy
-    re-encoded images, labelled "CIFAR-10 (JPEG copy)"). FEMNIST's, `femnist-leaf-<hash>`, hashes the
-    writers a run uses (ids, train/test counts and the bytes of the files holding them: `femnist_source`), so
-    that runs on different writers, or on other samples of the same writers, never share a key.
+    re-encoded images, labelled "CIFAR-10 (JPEG copy)"; another decode is named by its pixels' digest:
+    `decoded_source`). FEMNIST's, `femnist-leaf-<hash>`, hashes the writers a run uses (ids, train/test
+    counts and the bytes of the files holding them: `femnist_source`), so that runs on different writers, or
+    on other samples of the same writers, never share a key.
     Eligible writers have at least `min_writer_samples` samples over train + test (LEAF's `-k`, counted
     before LEAF's train/test split).
     """
@@ -137,10 +145,13 @@ def cifar10_source(root: Path) -> str | None:
     else the decoded JPEG copy's source when it is in root/cifar10-jpeg (`decoded_source`), else None."""
     if all((root / "cifar-10-batches-py" / name).is_file() for name in CIFAR10_BATCH_FILES):
         return CIFAR10_BINARY
+    return jpeg_copy_source(root)
+
+
+def jpeg_copy_source(root: Path) -> str | None:
+    """The source of the JPEG copy decoded in root/cifar10-jpeg (`decoded_source`), else None."""
     path = root / CIFAR10_JPEG_FILE
-    if path.is_file():
-        return decoded_source(str(path), _file_stamp(path))
-    return None
+    return decoded_source(str(path), _file_stamp(path)) if path.is_file() else None
 
 
 def _file_stamp(path: Path) -> tuple[int, int, int, int]:
@@ -152,22 +163,40 @@ def _file_stamp(path: Path) -> tuple[int, int, int, int]:
 
 @functools.lru_cache(maxsize=16)
 def decoded_source(path: str, stamp: tuple[int, ...]) -> str:
-    """The source of a decoded JPEG copy (`decode_cifar10_jpeg`): `cifar10-jpeg` when it holds CIFAR-10's
-    5,000 train and 1,000 test images of every class, `cifar10-jpeg-first-<train>-<test>` when it holds
-    fewer (decoded with per_class): a part never shares a key with the whole. Reads its labels only (memory
-    mapped, milliseconds), cached per file version; a file that cannot be read counts as the whole copy, and
-    loading it gives the error."""
+    """The source of a decoded JPEG copy (`decode_cifar10_jpeg`), from its arrays (`_decoded_copy_source`).
+    Cached per file version (0.1 s to hash 185 MB of memory-mapped pixels); a file that cannot be read counts
+    as the reference copy, and loading it gives the error."""
     del stamp  # part of the cache key only
     try:
         arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        counts = [torch.bincount(arrays[f"{split}_labels"]).tolist() for split in CIFAR10_PER_CLASS]
+        return _decoded_copy_source(arrays)
     except Exception:  # noqa: BLE001 - whatever a damaged file raises: `_check_decoded` names it on loading
         return CIFAR10_JPEG
-    return _jpeg_source(counts)
+
+
+def _decoded_copy_source(arrays: dict[str, Tensor]) -> str:
+    """`cifar10-jpeg` for the reference decode (CIFAR-10's 5,000 train and 1,000 test images of every class,
+    `decoded_digest` == CIFAR10_JPEG_DIGEST); `cifar10-jpeg-<digest>` for other pixels with those counts;
+    `cifar10-jpeg-first-<train>-<test>-<digest>` for fewer (decoded with per_class). A source names the
+    pixels and labels, so that two copies share a key only when they are the same data."""
+    counts = [torch.bincount(arrays[f"{split}_labels"]).tolist() for split in CIFAR10_PER_CLASS]
+    name, digest = _jpeg_source(counts), decoded_digest(arrays)
+    if (name, digest) == (CIFAR10_JPEG, CIFAR10_JPEG_DIGEST):
+        return CIFAR10_JPEG
+    return f"{name}-{digest[:DIGEST_CHARS]}"
+
+
+def decoded_digest(arrays: dict[str, Tensor]) -> str:
+    """SHA-256 of a decoded copy's train images, train labels, test images and test labels (stored order)."""
+    sha = hashlib.sha256()
+    for split in CIFAR10_PER_CLASS:
+        for kind in ("images", "labels"):
+            sha.update(memoryview(arrays[f"{split}_{kind}"].contiguous().numpy()).cast("B"))
+    return sha.hexdigest()
 
 
 def _jpeg_source(counts: list[list[int]]) -> str:
-    """The decoded copy's source from its images per class, train then test (`decoded_source`)."""
+    """The decoded copy's name from its images per class, train then test (`_decoded_copy_source`)."""
     per_class = [c[0] if c and len(set(c)) == 1 else 0 for c in counts]
     if per_class == list(CIFAR10_PER_CLASS.values()) or 0 in per_class:  # unequal classes: loading says so
         return CIFAR10_JPEG
@@ -690,8 +719,7 @@ def load_federation(
             root = Path(data_dir) if data_dir else data_root()
             source = source or cifar10_source(root) or (CIFAR10_BINARY if download else None)
             if source is not None and source.startswith(CIFAR10_JPEG):
-                train_x, train_y, test_x, test_y = _read_cifar10_jpeg(root)
-                decoded = _jpeg_source([torch.bincount(y).tolist() for y in (train_y, test_y)])
+                train_x, train_y, test_x, test_y, decoded = _read_cifar10_jpeg(root)
                 if decoded != source:
                     raise DataError(
                         f"{root / CIFAR10_JPEG_FILE} holds {source_label(decoded)}, not the run's "
@@ -778,9 +806,10 @@ def _read_cifar10(root: Path, download: bool) -> tuple[Tensor, Tensor, Tensor, T
     return *as_tensors(train), *as_tensors(test)
 
 
-def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor, str]:
     """The decoded JPEG copy (`decode_cifar10_jpeg`): uint8 (M, 3, 32, 32) images and int64 labels, the test
-    set in the fixed interleaved order of `CIFAR10_JPEG_TEST_ORDER_SEED`."""
+    set in the fixed interleaved order of `CIFAR10_JPEG_TEST_ORDER_SEED`, and the source these arrays are
+    (`_decoded_copy_source`: read from them, not from the file again)."""
     path = root / CIFAR10_JPEG_FILE
     if not path.is_file():
         raise DataError(
@@ -792,7 +821,8 @@ def _read_cifar10_jpeg(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     order = torch.randperm(
         len(test_labels), generator=torch.Generator().manual_seed(CIFAR10_JPEG_TEST_ORDER_SEED)
     )
-    return arrays["train_images"], arrays["train_labels"], arrays["test_images"][order], test_labels[order]
+    train = arrays["train_images"], arrays["train_labels"]
+    return *train, arrays["test_images"][order], test_labels[order], _decoded_copy_source(arrays)
 
 
 def _check_decoded(path: Path, root: Path) -> dict[str, Tensor]:
@@ -845,7 +875,8 @@ def decode_cifar10_jpeg(
     Labels are the class folders in alphabetical order (CIFAR-10's ids 0..9); images sorted by file name
     within a class. The counts must be CIFAR-10's: 5,000 train and 1,000 test images per class (50,000 /
     10,000). per_class (tests): decode only the first per_class files of every class and split; such a copy's
-    data source is `cifar10-jpeg-first-<per_class>-<per_class>`, never the whole copy's (`decoded_source`).
+    data source is `cifar10-jpeg-first-<per_class>-<per_class>-<digest>`, never the whole copy's
+    (`decoded_source`).
     """
     from PIL import Image
     from tqdm.auto import tqdm
@@ -1080,6 +1111,7 @@ __all__ = [
     "resolve_data_source",
     "source_label",
     "decode_cifar10_jpeg",
+    "jpeg_copy_source",
     "data_root",
     "LEAF_COMMAND",
     "CIFAR10_MEAN",

@@ -154,13 +154,25 @@ def pillow_decode(content: bytes) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
 
 
+def full_digest(path: Path) -> str:
+    """SHA-256 over a decoded file's train images, train labels, test images and test labels, written out
+    here from the stored arrays' bytes (what a decoded copy's data source names)."""
+    arrays = torch.load(path, weights_only=True)
+    splits = [arrays[f"{split}_{kind}"] for split in ("train", "test") for kind in ("images", "labels")]
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in splits)).hexdigest()
+
+
+def digest12(path: Path) -> str:
+    return full_digest(path)[:12]
+
+
 def test_cifar10_jpeg_folder_decodes_with_labels_in_class_order(tmp_path, jpeg_folder):
     source = jpeg_folder(tmp_path / "jpeg", per_class=2)
     path = decode_cifar10_jpeg(source, tmp_path / "data", per_class=2, progress=False)
     assert path == tmp_path / "data" / "cifar10-jpeg" / "cifar10-jpeg-uint8.pt"
     assert not [p for p in path.parent.iterdir() if p != path]  # atomic write: no temporary file left
     fed = load_federation("cifar10", 2, "iid", data_dir=tmp_path / "data")
-    assert fed.source == "cifar10-jpeg-first-2-2" and fed.train_images.dtype == torch.uint8
+    assert fed.source == f"cifar10-jpeg-first-2-2-{digest12(path)}" and fed.train_images.dtype == torch.uint8
     assert fed.train_labels.tolist() == [c for c in range(10) for _ in range(2)]
     # the test set is read in the stated fixed order: torch.randperm(n) under seed 0, classes interleaved
     test_order = torch.randperm(20, generator=torch.Generator().manual_seed(0)).tolist()
@@ -239,37 +251,39 @@ def test_cifar10_jpeg_wrong_counts_classes_or_sizes_are_clear_errors(tmp_path, j
 
 def test_cifar10_binary_batches_come_before_the_jpeg_copy(cifar_root, jpeg_folder):
     root, batches = cifar_root
-    decode_cifar10_jpeg(jpeg_folder(root / "jpeg", per_class=1), root, per_class=1, progress=False)
+    path = decode_cifar10_jpeg(jpeg_folder(root / "jpeg", per_class=1), root, per_class=1, progress=False)
     fed = load_federation("cifar10", 2, "iid", data_dir=root)
     assert fed.source == "cifar10-binary" and len(fed.train_labels) == 5 * CIFAR_PER_BATCH
-    fed = load_federation("cifar10", 2, "iid", data_dir=root, source="cifar10-jpeg-first-1-1")
-    assert fed.source == "cifar10-jpeg-first-1-1" and len(fed.train_labels) == 10
+    part = f"cifar10-jpeg-first-1-1-{digest12(path)}"
+    fed = load_federation("cifar10", 2, "iid", data_dir=root, source=part)
+    assert fed.source == part and len(fed.train_labels) == 10
     from prodigy_core.config import RunConfig
 
     binary = RunConfig(dataset="cifar10", data_dir=str(root))
-    jpeg = binary.replace(data_source="cifar10-jpeg-first-1-1")
+    jpeg = binary.replace(data_source=part)
     assert binary.resolved().data_source == "cifar10-binary"
     assert binary.key() == binary.replace(data_source="cifar10-binary").key() != jpeg.key()
 
 
 def test_a_jpeg_copy_decoded_in_part_never_shares_the_whole_copys_key(tmp_path, jpeg_folder):
     """decode_cifar10_jpeg(per_class=k) (tests, or a quick look) where the whole copy is read: its runs are
-    keyed `cifar10-jpeg-first-k-k`, and a run keyed on the whole copy refuses it in one line instead of
-    training on 20 images under the whole copy's key."""
+    keyed `cifar10-jpeg-first-k-k-<digest>`, and a run keyed on the whole copy refuses it in one line instead
+    of training on 20 images under the whole copy's key."""
     from prodigy_core.config import ConfigError, RunConfig
 
     root = tmp_path / "data"
-    decode_cifar10_jpeg(jpeg_folder(tmp_path / "jpeg", per_class=2), root, per_class=2, progress=False)
+    path = decode_cifar10_jpeg(jpeg_folder(tmp_path / "jpeg", per_class=2), root, per_class=2, progress=False)
     config = RunConfig(
         dataset="cifar10", n_clients=2, n_byzantine=0, defense="none", distribution="iid", data_dir=str(root)
     )
-    assert config.resolved().data_source == "cifar10-jpeg-first-2-2"
+    digest = digest12(path)
+    assert config.resolved().data_source == f"cifar10-jpeg-first-2-2-{digest}"
     assert config.key() != config.replace(data_source="cifar10-jpeg").key()
     assert (
-        data.source_label("cifar10-jpeg-first-2-2")
-        == "CIFAR-10 (JPEG copy, its first 2 train / 2 test images per class)"
+        data.source_label(f"cifar10-jpeg-first-2-2-{digest}")
+        == f"CIFAR-10 (JPEG copy, its first 2 train / 2 test images per class, {digest})"
     )
-    part = r"CIFAR-10 \(JPEG copy, its first 2 train / 2 test images per class\)"
+    part = rf"CIFAR-10 \(JPEG copy, its first 2 train / 2 test images per class, {digest}\)"
     with pytest.raises(DataError, match=rf"holds {part}, not the run's data_source=cifar10-jpeg;"):
         load_federation("cifar10", 2, "iid", data_dir=root, source="cifar10-jpeg")
     # the whole copy's counts (faked by repeating the part's labels) make the whole copy's source
@@ -278,10 +292,54 @@ def test_a_jpeg_copy_decoded_in_part_never_shares_the_whole_copys_key(tmp_path, 
         "2-2"
     )
     assert data._jpeg_source([[2] * 9 + [3], [2] * 10]) == "cifar10-jpeg"  # unequal: loading says so
-    for valid in ("cifar10-jpeg-first-2-2", "cifar10-jpeg"):
+    for valid in (f"cifar10-jpeg-first-2-2-{digest}", "cifar10-jpeg", f"cifar10-jpeg-{digest}"):
         RunConfig(dataset="cifar10", data_source=valid).validate()
-    with pytest.raises(ConfigError, match="cifar10-jpeg-first-<train>-<test>"):
-        RunConfig(dataset="cifar10", data_source="cifar10-jpeg-first-0-2").validate()
+    short = f"cifar10-jpeg-{digest[:6]}"
+    for invalid in (f"cifar10-jpeg-first-0-2-{digest}", "cifar10-jpeg-first-2-2", short):
+        with pytest.raises(ConfigError, match="cifar10-jpeg-first-<train>-<test>-<digest>"):
+            RunConfig(dataset="cifar10", data_source=invalid).validate()
+
+
+def test_other_jpeg_pixels_never_share_the_reference_key(tmp_path, jpeg_folder, monkeypatch, capsys):
+    """Two whole copies with the same counts share the name `cifar10-jpeg` only when their decoded pixels
+    and labels are the reference's (CIFAR10_JPEG_DIGEST): one changed JPEG file (another archive, or a
+    Pillow that rounds otherwise) names the copy by its own digest, and a run keyed on the reference refuses
+    it. "Whole" is 2 images per class here, and the reference is copy A's digest, computed by hand."""
+    from PIL import Image
+
+    from prodigy_core.config import RunConfig
+
+    monkeypatch.setattr(data, "CIFAR10_PER_CLASS", {"train": 2, "test": 2})
+    source_a = jpeg_folder(tmp_path / "a", per_class=2)
+    source_b = jpeg_folder(tmp_path / "b", per_class=2)
+    other = np.full((32, 32, 3), 128, dtype=np.uint8)
+    Image.fromarray(other).save(source_b / "test" / "frog" / "0001.jpg", quality=75)  # one image differs
+    root_a, root_b = tmp_path / "data_a", tmp_path / "data_b"
+    path_a = decode_cifar10_jpeg(source_a, root_a, progress=False)
+    path_b = decode_cifar10_jpeg(source_b, root_b, progress=False)
+    assert digest12(path_a) != digest12(path_b)
+    monkeypatch.setattr(data, "CIFAR10_JPEG_DIGEST", full_digest(path_a))
+    assert data.jpeg_copy_source(root_a) == "cifar10-jpeg"
+    assert data.jpeg_copy_source(root_b) == f"cifar10-jpeg-{digest12(path_b)}"
+    assert data.source_label(f"cifar10-jpeg-{digest12(path_b)}") == (
+        f"CIFAR-10 (JPEG copy, decoded to other pixels: {digest12(path_b)})"
+    )
+    a = RunConfig(dataset="cifar10", n_clients=2, n_byzantine=0, defense="none", distribution="iid",
+                  data_dir=str(root_a))  # fmt: skip
+    b = a.replace(data_dir=str(root_b))
+    assert a.resolved().data_source == "cifar10-jpeg" and a.key() != b.key()
+    assert load_federation("cifar10", 2, "iid", data_dir=root_b).source == f"cifar10-jpeg-{digest12(path_b)}"
+    other_label = rf"CIFAR-10 \(JPEG copy, decoded to other pixels: {digest12(path_b)}\)"
+    with pytest.raises(DataError, match=rf"holds {other_label}, not the run's data_source=cifar10-jpeg;"):
+        load_federation("cifar10", 2, "iid", data_dir=root_b, source="cifar10-jpeg")
+    # `prodigy-fl data cifar10 --from` says so when it decodes other pixels, and only then
+    from prodigy_core.cli import main
+
+    for source, note in ((source_a, None), (source_b, f"keyed data_source=cifar10-jpeg-{digest12(path_b)}")):
+        assert main(["data", "cifar10", str(tmp_path / f"cli_{source.name}"), "--from", str(source)]) == 0
+        out = capsys.readouterr().out
+        assert ("note: not the reference decode's pixels" in out) == (note is not None)
+        assert (note or "") in out
 
 
 @pytest.mark.slow  # reads the whole 60,000-file archive
@@ -307,7 +365,10 @@ def test_cifar10_jpeg_archive_decodes_whole_through_the_cli(cifar10_jpeg_archive
     from prodigy_core.cli import main
 
     assert main(["data", "cifar10", str(tmp_path), "--from", str(cifar10_jpeg_archive)]) == 0
-    assert "50,000 train and 10,000 test images" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "50,000 train and 10,000 test images" in out and "note:" not in out
+    # this Pillow decodes the shared archive to the reference pixels, the ones `cifar10-jpeg` names
+    assert full_digest(tmp_path / "cifar10-jpeg" / "cifar10-jpeg-uint8.pt") == data.CIFAR10_JPEG_DIGEST
     fed = load_federation("cifar10", 10, "dirichlet", data_dir=tmp_path)
     assert fed.source == "cifar10-jpeg"
     assert fed.train_images.shape == (50000, 3, 32, 32) and fed.test_images.shape == (10000, 3, 32, 32)
