@@ -36,7 +36,7 @@ from prodigy_core.config import (
     field_names,
     parse_value,
 )
-from prodigy_core.registry import records_are_data
+from prodigy_core.registry import label, records_are_data
 
 EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this machine (see --jobs, default); ray: a Ray cluster")  # fmt: skip
     p.add_argument("--jobs", type=jobs_arg, default=1,
-                   help="local: worker processes (auto: one per CPU core, one thread each); ray: CPUs of a "
-                   "local runtime")  # fmt: skip
+                   help="local: worker processes (default 1; auto: one per CPU core, one thread each); "
+                   "ray: CPUs of a local runtime")  # fmt: skip
     p.add_argument("--force", action="store_true",
                    help="rerun runs that have a record, from round 0 (checkpoints ignored)")  # fmt: skip
     p.add_argument("--address", help="ray: join this cluster (e.g. auto, ray://head:10001)")
@@ -294,8 +294,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         record = json.loads(path.read_text())
     # this run's label, not the stored record's: a digits run and a CIFAR-10 one on digits share a key
-    label = experiment.stand_in_for(config)
-    stand_in = f" [stand-in: {label}]" if label else ""
+    stand_in_name = experiment.stand_in_for(config)
+    stand_in = f" [stand-in: {stand_in_name}]" if stand_in_name else ""
     accuracy = record["final_accuracy"]
     row = as_row(config.to_dict())  # "nnm+cclip(tau=5)": the name with its settings
     print(
@@ -376,6 +376,13 @@ DRY_RUN_FIELDS = ("dataset", "distribution", "n_clients", "n_byzantine", "local_
                   "rounds", "defense", "attack", "variant", "seed")  # fmt: skip
 
 
+def _with_settings(config: Any, field: str) -> Any:
+    """A dry-run line's field: the defense and the attack with their settings (``nnm+cclip(tau=5.0)``), so
+    that runs differing in settings alone are told apart."""
+    settings = getattr(config, f"{field}_params", None)
+    return label(getattr(config, field), settings) if settings else getattr(config, field)
+
+
 def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
     """One line per run of the grid (key fields, run key, stored or not), then the count. Writes nothing."""
     from prodigy_core import results
@@ -387,11 +394,12 @@ def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
         record, why = results.judge_record(folder, config.key())  # as the grid and the report judge it
         stored += record is not None
         todo += [config] if record is None else []
-        what = " ".join(f"{n}={getattr(config, n)}" for n in DRY_RUN_FIELDS)
+        what = " ".join(f"{n}={_with_settings(config, n)}" for n in DRY_RUN_FIELDS)
         flag = " [stored]" if record is not None else f" [invalid record, redone: {why}]" if why else ""
         lines.append(f"{config.key()} {what}{flag}")
     total = len(experiment.configs)
-    lines.append(f"{total} runs ({stored} stored, {total - stored} to run) -> {folder}")
+    runs = "1 run" if total == 1 else f"{total} runs"
+    lines.append(f"{runs} ({stored} stored, {total - stored} to run) -> {folder}")
     problem = device_problem(todo)
     if problem:
         lines.append(f"but {problem} (`prodigy-fl grid` refuses them with --executor local)")
@@ -532,8 +540,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         _check_data_folder(Path(root), "the path given" if args.path else "env PRODIGY_DATA_DIR or data/")
         if args.source is not None:
             path = data.decode_cifar10_jpeg(args.source, root)
-            note = " (torchvision's binary batches there come first)" if data.cifar10_source(Path(root)) == (
-                data.CIFAR10_BINARY) else ""  # fmt: skip
+            binary_first = data.cifar10_source(Path(root)) == data.CIFAR10_BINARY
+            note = " (torchvision's binary batches there come first)" if binary_first else ""
             print(f"CIFAR-10 (JPEG copy): 50,000 train and 10,000 test images decoded into {path}{note}")
             decoded = data.jpeg_copy_source(Path(root))
             if decoded != data.CIFAR10_JPEG:

@@ -25,6 +25,7 @@ from prodigy_core.names import (
     ENGINES,
     NO_ATTACK,
     PRECISIONS,
+    SOURCE_DIGEST_CHARS,
     TYPE_WORDS,
     VARIANTS,
     did_you_mean,
@@ -35,12 +36,13 @@ from prodigy_core.names import (
 SPLIT_FIELDS = ("dataset", "distribution", "dirichlet_alpha", "n_clients", "data_seed",
                 "femnist_min_writer_samples", "data_dir", "data_source")  # fmt: skip
 # RunConfig.data_source per dataset (prodigy_core.data names and finds them); femnist's hashes its files.
-# cifar10-jpeg-<digest>: a JPEG decode whose pixels are not the reference's (<digest>: 12 hex digits of them);
-# cifar10-jpeg-first-<train>-<test>-<digest>: one decoded in part (`data.decode_cifar10_jpeg`'s per_class).
+# cifar10-jpeg-<digest>: a JPEG decode whose pixels are not the reference's; cifar10-jpeg-first-<train>-
+# <test>-<digest>: one decoded in part (`data.decode_cifar10_jpeg`'s per_class). <digest>: SOURCE_DIGEST_CHARS
+# hex digits.
 DATA_SOURCES = {"digits": ("digits",),
                 "cifar10": ("cifar10-binary", "cifar10-jpeg", "cifar10-jpeg-<digest>",
                             "cifar10-jpeg-first-<train>-<test>-<digest>"),
-                "femnist": ("femnist-leaf-<12 hex digits>",)}  # fmt: skip
+                "femnist": ("femnist-leaf-<digest>",)}  # fmt: skip
 # Part of every ``authors`` result key: bumped whenever the authors variant's numbers change, so that a record
 # made before is never read as current. 2: fidelity round 2 (test batches of 64 in an interleaved order,
 # stop at a NaN test loss, numpy's split, the authors' ALIE z grid). 3: the authors' batch stream (epoch
@@ -442,10 +444,13 @@ def idle_moves_numbers(fields: dict[str, Any]) -> bool:
     return is_plugin(attack) or idle_byzantine(attack, f, "paper", fields.get("attack_params")) > 0
 
 
+_DIGEST = f"[0-9a-f]{{{SOURCE_DIGEST_CHARS}}}"
+
+
 def _valid_source(dataset: str, source: str) -> bool:
     if dataset == "femnist":
-        return re.fullmatch(r"femnist-leaf-[0-9a-f]{12}", source) is not None
-    if dataset == "cifar10" and re.fullmatch(r"cifar10-jpeg-(first-[1-9]\d*-[1-9]\d*-)?[0-9a-f]{12}", source):
+        return re.fullmatch(f"femnist-leaf-{_DIGEST}", source) is not None
+    if dataset == "cifar10" and re.fullmatch(rf"cifar10-jpeg-(first-[1-9]\d*-[1-9]\d*-)?{_DIGEST}", source):
         return True
     return source in DATA_SOURCES[dataset]
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from prodigy_core import paths
-from prodigy_core.names import DATASETS, DISTRIBUTIONS, check_variant
+from prodigy_core.names import DATASETS, DISTRIBUTIONS, SOURCE_DIGEST_CHARS, check_variant
 from prodigy_core.safe_io import atomic_write
 from prodigy_core.seeding import resolve_device
 from prodigy_core.streams import ClientStreams
@@ -62,9 +62,9 @@ SOURCE_LABELS = {
 CIFAR10_JPEG_PART = "cifar10-jpeg-first-"  # + "<train>-<test>-<digest>": a copy decoded in part (per_class)
 # SHA-256 of the arrays (`decoded_digest`) that shared/data/cifar10-jpeg's archive decodes to with Pillow
 # 13.0.0 (libjpeg-turbo 3.2.0): the decode named `cifar10-jpeg`. Other pixels (another archive with the same
-# counts, a Pillow whose decoder rounds otherwise) are named `cifar10-jpeg-<digest[:12]>`: never its keys.
+# counts, a Pillow whose decoder rounds otherwise) are named `cifar10-jpeg-<digest>` (its first
+# SOURCE_DIGEST_CHARS hex digits): never its keys.
 CIFAR10_JPEG_DIGEST = "eec90e10bd2f5438e70e4e8599dc5b7672ffbabf978fde50cd6de1e7ed6d6bf0"
-DIGEST_CHARS = 12  # of a decode's digest in its source name
 CIFAR10_BATCH_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR10_PER_CLASS = {"train": 5000, "test": 1000}
@@ -183,7 +183,7 @@ def _decoded_copy_source(arrays: dict[str, Tensor]) -> str:
     name, digest = _jpeg_source(counts), decoded_digest(arrays)
     if (name, digest) == (CIFAR10_JPEG, CIFAR10_JPEG_DIGEST):
         return CIFAR10_JPEG
-    return f"{name}-{digest[:DIGEST_CHARS]}"
+    return f"{name}-{digest[:SOURCE_DIGEST_CHARS]}"
 
 
 def decoded_digest(arrays: dict[str, Tensor]) -> str:
@@ -319,7 +319,7 @@ def eligible_writers(counts: dict[str, tuple[int, int]], min_writer_samples: int
 
 
 def femnist_source(leaf_dir: Path, counts: dict[str, tuple[int, int]], writers: Sequence[str]) -> str:
-    """`femnist-leaf-<12 hex>`: a hash of the writers (in client order), their train/test counts and the
+    """`femnist-leaf-<digest>`: a hash of the writers (in client order), their train/test counts and the
     SHA-256 of every LEAF file of `leaf_dir` that holds one of them (train files, then test files, each
     sorted by digest: the files' names and the folder's path do not count). The same writers split again by
     LEAF with another seed (the same counts, other samples) get another source; so does a file that holds
@@ -331,7 +331,7 @@ def femnist_source(leaf_dir: Path, counts: dict[str, tuple[int, int]], writers: 
         for split in ("train", "test")
     ]  # fmt: skip
     blob = json.dumps([[[w, *counts[w]] for w in writers], digests], separators=(",", ":"))
-    return FEMNIST_SOURCE_PREFIX + hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return FEMNIST_SOURCE_PREFIX + hashlib.sha256(blob.encode()).hexdigest()[:SOURCE_DIGEST_CHARS]
 
 
 @functools.lru_cache(maxsize=256)

@@ -41,6 +41,9 @@ TYPE_WORDS = {
     str: "a string",
     type(None): "null",
 }
+# Hex digits of a digest in a data source's name (`femnist-leaf-<digest>`, `cifar10-jpeg-<digest>`; the
+# digests are `data.femnist_source`'s and `data.decoded_digest`'s, the names checked by `config`).
+SOURCE_DIGEST_CHARS = 12
 # What a params file's `report.figures` list may name (`report.write_report` draws them; checked at load).
 FIGURES = ("heatmap", "curves", "distances")
 
@@ -61,6 +64,7 @@ __all__ = [
     "FIGURES",
     "NO_ATTACK",
     "PRECISIONS",
+    "SOURCE_DIGEST_CHARS",
     "TYPE_WORDS",
     "VARIANTS",
     "check_variant",

@@ -4,6 +4,7 @@ a grid killed and resumed, two processes on one grid, the Ray executor, quicksta
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -312,6 +313,18 @@ def test_dry_run_marks_stored_runs(tmp_path, grid_file, capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out if line.endswith("[stored]")] == [first.key()]
     assert out[-1].startswith("4 runs (1 stored, 3 to run)")
+
+
+def test_dry_run_tells_runs_apart_that_differ_in_settings_alone(tmp_path, capsys):
+    grid = tmp_path / "settings.yaml"
+    grid.write_text("title: settings\n"
+                    "base: {dataset: digits, defense: nnm+cclip, attack: foe, attack_params: {eps: 1}}\n"
+                    "grid: {defense_params: [{}, {tau: 5}, {tau: 50, L: 2}]}\n")  # fmt: skip
+    assert main(["grid", str(grid), "--dry-run", "--results-dir", str(tmp_path / "r")]) == 0
+    runs = capsys.readouterr().out.splitlines()[1:-1]
+    defenses = [re.search(r" defense=(.*) attack=", line).group(1) for line in runs]
+    assert defenses == ["nnm+cclip", "nnm+cclip(tau=5.0)", "nnm+cclip(L=2, tau=50.0)"]
+    assert all(" attack=foe(eps=1) variant=" in line for line in runs)
 
 
 def test_grid_only_keeps_the_chosen_rows_and_columns(tmp_path, capsys):

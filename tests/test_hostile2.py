@@ -334,7 +334,7 @@ def test_only_values_are_normalised_as_set_values(tmp_path, capsys):
     lower = capsys.readouterr().out
     only = ["--only", "defense= ProDiGy", "--only", "attack=ALIE,Alie", "--only", "local_momentum=0"]
     assert cli.main(["grid", str(params), *only, *where]) == 0
-    assert capsys.readouterr().out == lower and "1 runs" in lower
+    assert capsys.readouterr().out == lower and "1 run (" in lower
 
 
 # ------------------------------------------------------------------- 16: one judgement of "stored"
