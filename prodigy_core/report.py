@@ -935,7 +935,7 @@ def is_smoke(experiment: Any, df: pd.DataFrame | None = None) -> bool:
 
 def output_dir(smoke: bool, out_dir: str | Path | None = None, mini: bool = False) -> Path:
     """Folder for an experiment's figures: ``out_dir`` (default ``paths.figures_dir()``: env
-    PRODIGY_FIGURES_DIR, else <project folder>/figures), or its smoke/ or mini/ subfolder."""
+    PRODIGY_FIGURES_DIR, else <project folder>/outputs), or its smoke/ or mini/ subfolder."""
     from prodigy_core import paths
 
     base = Path(out_dir) if out_dir is not None else paths.figures_dir()
@@ -1371,7 +1371,7 @@ def write_report(
     results_dir: str | os.PathLike | None = None,
 ) -> list[Path]:
     """Write an experiment's table (``<name>.md``, ``.tex``), heatmap (``.pdf``, ``.png``), accuracy curves
-    (``<name>_curves.pdf``/``.png``) and, at paper scale for a paper table, ``<name>_vs_paper.md``.
+    (``<name>_curves.pdf``/``.png``) and, for a paper table at mini or paper scale, ``<name>_vs_paper.md``.
 
     ``<name>_vs_paper.md`` compares each variant of ``df`` and, when ``experiment`` can (an `Experiment`),
     the stored runs of the same grid under the other variant (from ``results_dir``): with both, paper |
