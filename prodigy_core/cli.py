@@ -36,7 +36,7 @@ from prodigy_core.config import (
     field_names,
     parse_value,
 )
-from prodigy_core.registry import label, records_are_data
+from prodigy_core.registry import records_are_data
 
 EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
@@ -376,13 +376,6 @@ DRY_RUN_FIELDS = ("dataset", "distribution", "n_clients", "n_byzantine", "local_
                   "rounds", "defense", "attack", "variant", "seed")  # fmt: skip
 
 
-def _with_settings(config: Any, field: str) -> Any:
-    """A dry-run line's field: the defense and the attack with their settings (``nnm+cclip(tau=5.0)``), so
-    that runs differing in settings alone are told apart."""
-    settings = getattr(config, f"{field}_params", None)
-    return label(getattr(config, field), settings) if settings else getattr(config, field)
-
-
 def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
     """One line per run of the grid (key fields, run key, stored or not), then the count. Writes nothing."""
     from prodigy_core import results
@@ -394,7 +387,8 @@ def dry_run(experiment: Any, results_dir: Path | None = None) -> list[str]:
         record, why = results.judge_record(folder, config.key())  # as the grid and the report judge it
         stored += record is not None
         todo += [config] if record is None else []
-        what = " ".join(f"{n}={_with_settings(config, n)}" for n in DRY_RUN_FIELDS)
+        row = as_row(config.to_dict())  # defense and attack with their settings: "nnm+cclip(tau=5.0)"
+        what = " ".join(f"{n}={row[n]}" for n in DRY_RUN_FIELDS)
         flag = " [stored]" if record is not None else f" [invalid record, redone: {why}]" if why else ""
         lines.append(f"{config.key()} {what}{flag}")
     total = len(experiment.configs)
