@@ -39,7 +39,7 @@ RULES = Registry("defense", needs={"f": "a rule takes f first, the number of Byz
 
 # Recentre on a central client when the centre (first the origin) lies this many times further from it
 # (squared) than its median distance to the others: float32 cancellation costs about RATIO * eps relative
-# on the distances (up to 3e-5 with one chunk of 1.69M columns at RATIO 10, 1e-6 in 4 MB chunks).
+# on the distances (measured: docs/semantics.md, "Geometry").
 _RECENTRE_RATIO = 10.0
 # Rows x columns of one chunk of the Gram matrix: 4 MB in float32 stays in a CPU's cache; a GPU wants few,
 # large products, as kernel launches dominate small ones (float64 accumulation across chunks either way;
@@ -231,8 +231,8 @@ def geometry(G: Tensor, extra: Tensor | None = None, origin: bool = False) -> Ge
     median distances from the origin, the vectors share a component large enough for float32 cancellation
     to matter, and a second pass centres every chunk on that client.
 
-    K, D and bad are on the CPU whatever G's device (see the module's docstring): moving K there is the one
-    wait for the device (two when recentring)."""
+    K, D and bad are on the CPU whatever G's device, since the rules' N x N algebra runs on the host: moving K
+    there is the one wait for the device (two when recentring)."""
     N = G.shape[0]
     K = _ranged_gram(G, extra, origin)
     bad = ~torch.isfinite(K.diagonal()[:N])
@@ -430,8 +430,9 @@ class Rule:
         """Told the current model parameters theta_t (d,) before a round's aggregation and attack search (the
         training loop calls it; only CClip under the ``authors`` variant uses them)."""
 
-    def check_n(self, n: int) -> None:
-        """Raise a ValueError when the rule cannot run on n vectors."""
+    def check_n(self, n: int) -> int | None:
+        """Raise a ValueError when the rule cannot run on n vectors; a pre-aggregator (NNM, Bucketing) returns
+        how many vectors it outputs."""
 
     def need(self, ok: bool, n: int, limit: str) -> None:
         if not ok:
@@ -483,7 +484,10 @@ class Median(Rule):
 
     NaN counts as +inf, so the output is finite while fewer than N/2 vectors are bad in each coordinate;
     hence f < N/2 (checked: after Bucketing, N is the number of buckets, each of which one bad vector
-    spoils)."""
+    spoils).
+
+    Reference: Yin et al., "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates",
+    ICML 2018."""
 
     name = "median"
     display = "Median"
@@ -505,13 +509,16 @@ class TrimmedMean(Rule):
     N-2f others (``variant="paper"``, the paper's text).
 
     From one sort per coordinate: the sum of the sorted values f+1 .. N-f over N-2f, so the dropped values
-    never enter a sum whatever their magnitude; 4 kernels on a GPU.
+    never enter a sum whatever their magnitude.
     NaN counts as +inf; a coordinate whose kept range reaches an infinity (more than f infinite values on one
     side) gives that infinity, or NaN when it reaches both (f = 0: the plain mean, where a NaN stays NaN).
     Per coordinate, so no test of the whole input (no wait for a GPU).
 
     ``variant="authors"`` (the authors' code): per coordinate, the mean of the N-2f values closest to the
-    coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step."""
+    coordinate-wise median (the mean of the two middle values for even N), as in Bulyan's last step.
+
+    Reference: Yin et al., "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates",
+    ICML 2018."""
 
     name = "trimmed_mean"
     display = "Trimmed mean"
@@ -540,7 +547,10 @@ class GeoMed(Rule):
     z_{r+1} = sum_i b_i g_i / sum_i b_i, b_i = 1 / max(nu, ||z_r - g_i||), R iterations from z_0 = 0
     (as in the authors' code). Runs on the Gram matrix of [G; 0]; bad vectors get b_i = 0. Needs f < N/2
     (its breakdown point; after Bucketing, N is the number of buckets). nu is an absolute length, so the
-    rule is not scale-equivariant below it."""
+    rule is not scale-equivariant below it.
+
+    Reference: Pillutla, Kakade and Harchaoui, "Robust Aggregation for Federated Learning", IEEE Transactions
+    on Signal Processing, 2022."""
 
     name = "geomed"
     display = "GeoMed"
@@ -584,7 +594,10 @@ class Krum(Rule):
     others. Ties go to the lowest index. Needs N > 2f+2.
 
     Computed as the weights e_k on the inputs (``by_weights``), so the attack search's Gram matrix serves
-    the aggregation too, as for Multi-Krum (the weighted sum of a one-hot weight vector is g_k itself)."""
+    the aggregation too, as for Multi-Krum (the weighted sum of a one-hot weight vector is g_k itself).
+
+    Reference: Blanchard et al., "Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent",
+    NeurIPS 2017."""
 
     name = "krum"
     display = "Krum"
@@ -605,7 +618,10 @@ class Krum(Rule):
 @RULES.register
 class MultiKrum(Rule):
     """Multi-Krum (Blanchard et al., 2017): the mean of the m vectors with the lowest Krum scores
-    (default m = N - f; ties go to the lower index). Needs N > 2f+2 and 1 <= m <= N - f."""
+    (default m = N - f; ties go to the lower index). Needs N > 2f+2 and 1 <= m <= N - f.
+
+    Reference: Blanchard et al., "Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent",
+    NeurIPS 2017."""
 
     name = "multikrum"
     display = "Multi-Krum"
@@ -639,7 +655,10 @@ class Bulyan(Rule):
     """Bulyan (El Mhamdi et al., 2018), Algorithm 1: select theta = N-2f vectors by applying Krum
     repeatedly to the remaining ones (scores over the max(n_R-f-2, 1) nearest remaining others, so that
     the last picks among 2f+1 vectors stay meaningful), then per coordinate average the beta = N-4f
-    selected values closest to the coordinate-wise median of the selection. Needs N >= 4f+3."""
+    selected values closest to the coordinate-wise median of the selection. Needs N >= 4f+3.
+
+    Reference: El Mhamdi, Guerraoui and Rouault, "The Hidden Vulnerability of Distributed Learning in
+    Byzantium", ICML 2018."""
 
     name = "bulyan"
     display = "Bulyan"
@@ -677,7 +696,10 @@ class CClip(Rule):
       attack search; calling the rule before any ``new_round`` is an error).
 
     A bad vector contributes 0 (it is infinitely far: its clipped direction is undefined). Runs on the Gram
-    matrix of [G; v_0]: every iterate is an affine combination of these points."""
+    matrix of [G; v_0]: every iterate is an affine combination of these points.
+
+    Reference: Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust Optimization",
+    ICML 2021."""
 
     name = "cclip"
     display = "CClip"
@@ -860,7 +882,11 @@ def _floor(values: Tensor, bad: Tensor | None) -> Tensor:
 class NNM(Rule):
     """Nearest-neighbour mixing (Allouah et al., 2023): g_k -> mean of N_{N-f}(k), k and its N-f-1 nearest
     others, as an (N, N) averaging matrix times G. A bad vector's own output is NaN (so that the next rule
-    still sees it as bad); a good vector's neighbourhood never holds a bad one. Needs f < N/2."""
+    still sees it as bad); while at most f are bad, a good vector's neighbourhood never holds a bad one.
+    Needs f < N/2.
+
+    Reference: Allouah et al., "Fixing by Mixing: A Recipe for Optimal Byzantine ML under Heterogeneity",
+    AISTATS 2023."""
 
     name = "nnm"
     display = "NNM"
@@ -899,7 +925,10 @@ class NNM(Rule):
 class Bucketing(Rule):
     """Bucketing (Karimireddy et al., 2022): shuffle the N vectors, split them into ceil(N/s) buckets of s
     (the last may be smaller) and return the bucket means (M, d). ``peek`` restores the generator, so it
-    returns the same buckets as the next ``__call__``. generator=None uses torch's default CPU generator."""
+    returns the same buckets as the next ``__call__``. generator=None uses torch's default CPU generator.
+
+    Reference: Karimireddy, He and Jaggi, "Byzantine-Robust Learning on Heterogeneous Datasets via
+    Bucketing", ICLR 2022."""
 
     name = "bucketing"
     display = "Bucketing"
@@ -1066,9 +1095,9 @@ class Pipeline:
         return self.rule(G)
 
     def peek(self, G: Tensor, gram: Tensor | None = None) -> Tensor:
-        """The aggregate without changing any state. ``gram``: the Gram matrix of [G; 0] about any centre
-        when the caller already has it (every vector finite); a leading NNM then takes its distances from
-        it."""
+        """The aggregate without changing any state. ``gram``: the Gram matrix of [G; reference] about any
+        centre, as `__call__` takes it, when the caller already has it (every vector finite); a leading NNM
+        then takes its distances from its first N points."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
         out = self._aggregate_by_weights(G)[0] if gram is None else None

@@ -805,6 +805,9 @@ class ALIESpread(LineSearchAttack):
     mu_H - z sigma_H + rho * (xi_j * sigma_H) with xi_j ~ N(0, I) independent per client (drawn once per
     craft, shared by all candidates), (z, rho) chosen by the same damage-maximising search over
     `alie_grid` x ``rhos``. ``last_param`` is z*, ``last_rho`` rho*; ``last_search`` holds ((z, rho), damage).
+
+    References: the ALIE it extends, Baruch, Baruch and Goldberg, "A Little Is Enough: Circumventing Defenses
+    For Distributed Learning", NeurIPS 2019; the score it targets, the ProDiGy paper (arXiv:2509.09534).
     """
 
     name = "alie_spread"
@@ -954,8 +957,8 @@ def _check_honest(name: str, honest: Tensor, known_finite: bool = False) -> None
 
 
 def _mean_std(honest: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-coordinate honest mean and population std (spelled out: torch.std along dim 0 is ~3x slower on
-    a CPU)."""
+    """Per-coordinate honest mean and population std (spelled out: faster than torch.std along dim 0 on a
+    CPU)."""
     mean = honest.mean(0)
     return mean, (honest - mean).square_().mean(0).sqrt_()
 

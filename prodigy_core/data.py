@@ -164,8 +164,8 @@ def _file_stamp(path: Path) -> tuple[int, int, int, int]:
 @functools.lru_cache(maxsize=16)
 def decoded_source(path: str, stamp: tuple[int, ...]) -> str:
     """The source of a decoded JPEG copy (`decode_cifar10_jpeg`), from its arrays (`_decoded_copy_source`).
-    Cached per file version (0.1 s to hash 185 MB of memory-mapped pixels); a file that cannot be read counts
-    as the reference copy, and loading it gives the error."""
+    Cached per file version, so the memory-mapped pixels are hashed once per version; a file that cannot be
+    read counts as the reference copy, and loading it gives the error."""
     del stamp  # part of the cache key only
     try:
         arrays = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

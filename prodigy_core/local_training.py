@@ -256,7 +256,11 @@ def per_client_grad(model: nn.Module, compiled: bool = False, engine: str | None
 
 
 def draw_group(
-    feds: list, batch_size: int, rngs: list, streams: list, net
+    feds: list[Federation],
+    batch_size: int,
+    rngs: list[ClientStreams],
+    streams: list[AuthorsBatchStream | None],
+    net: FunctionalNet,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """One local step's images (R N, B, C, H, W), labels (R N, B) and dropout masks of R runs, the values
     `_draw_batch` and `_train_masks` give run by run, drawn for all runs at once where
@@ -482,8 +486,8 @@ def local_steps_sequential(
     """Reference: the same E local steps on the same batches and dropout masks, one client after another on
     one model copy. ``idle``: clients 0..idle-1 do not train (`RunState.idle`): they keep the server's model.
 
-    The copy runs in channels-last memory format (1.2-1.5x faster convolutions on a CPU, native for cuDNN);
-    flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
+    The copy runs in channels-last memory format (faster convolutions on a CPU, benchmarks/README.md; native
+    for cuDNN); flattening by reshape keeps the logical (N, C, H, W) order of every update vector."""
     batches = [_draw_batch(fed, resolved.batch_size, rng, stream) for _ in range(steps)]
     server_state = copy.deepcopy(model.state_dict())
     net = FunctionalNet(model)  # its template, masks set before every forward pass, is the client

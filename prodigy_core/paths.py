@@ -1,19 +1,10 @@
-"""Where things live: the project folder that receives every output, and the package's own params files and
-notebooks.
-
-The project folder is the nearest ancestor of the working directory (itself included) that holds a
-`params/` folder (a clone of this repository, or a folder made by `prodigy-fl init`), else the working
-directory. Its `results/`, `outputs/` (tables and figures) and `data/` receive the outputs, all three
-git-ignored, so that no command dirties a clone; the environment variables PRODIGY_RESULTS_DIR,
-PRODIGY_FIGURES_DIR and PRODIGY_DATA_DIR (and `--results-dir`, `--out-dir` on the command line) win. A
-clone's committed `figures/` is the reference that `python scripts/regenerate.py` alone rewrites
-(`COMMITTED_FIGURES`). Outputs never go into the installed package's own folder: a working directory inside
-it is an error.
-
-The params files and notebooks ship with the package: in a source checkout they are the repository's
-`params/` and `notebooks/`; in a wheel, copies of them under `prodigy_core/_bundled/` (made by setup.py's
-build step, so the repository keeps one copy). Every lookup is made when called, not at import, so a
-notebook or a test that changes directory or environment sees the change.
+"""Where things live: the project folder that receives every output (`project_dir`; `results_dir`,
+`figures_dir`, `data_dir` under it unless PRODIGY_RESULTS_DIR, PRODIGY_FIGURES_DIR, PRODIGY_DATA_DIR say
+otherwise), and the package's own params files and notebooks (`params_dirs`, `package_folder`: the
+repository's in a source checkout, `prodigy_core/_bundled/` in a wheel). A clone's committed `figures/` is the
+reference that `python scripts/regenerate.py` alone rewrites (`COMMITTED_FIGURES`). Every lookup is made when
+called, not at import, so a notebook or a test that changes directory or environment sees the change. Rules:
+docs/usage.md ("Installed without a clone; where outputs go").
 """
 
 from __future__ import annotations

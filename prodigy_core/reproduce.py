@@ -1,18 +1,10 @@
 """Re-execute the paper's notebooks with papermill (``prodigy-fl reproduce --scale smoke|mini|paper``).
 
-Each notebook in notebooks/ has one cell tagged ``parameters``: a table's or figure's defaults to the smoke
-scale (``scale = "smoke"``); the quickstart, the explorer and your-own-defense to ``notebook_scale()`` (env
-PRODIGY_SCALE, else the interactive scale: a few runs of the paper-scale grid, when opened in JupyterLab). At
-mini and paper scale the top-level keys of its params file (params/*.yaml) are injected as parameters too.
-The notebooks are the project's (`prodigy-fl init`, or a clone), else the package's; they run with the project
-folder as working directory. Executed copies go to its git-ignored build/ folder; the tables and figures are
-files that the notebooks write through ``prodigy_core.report`` into outputs/ (outputs/smoke/, outputs/mini/ at
-those scales; git-ignored).
-
-Progress streams while a notebook runs: a ``[k/n] notebook NAME`` line, then what its cells print (the grid's
-text progress bar and one line per finished run, see ``experiments.PROGRESS_ENV``), then ``ok in ... s``.
-The kernels' own start-up log (e.g. ipykernel's "running over TCP without encryption" warning, once per
-kernel) is kept to errors.
+Entry points: `reproduce`, `notebook_parameters` (what papermill injects into a notebook's cell tagged
+``parameters``: the scale and run controls, and at mini and paper scale the top-level keys of its params
+file). The notebooks (the project's, else the package's) run with the project folder as working directory;
+executed copies go to its git-ignored build/ folder, the tables and figures to outputs/ through
+`prodigy_core.report`. Scales (the interactive one included), outputs and progress lines: docs/usage.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Engine variants of the batched local step: other kernels for the E local SGD steps of R x N clients of
-`local_training.local_steps_stacked`, for the GPU window's autotune to time and gate
-(`benchmarks/autotune.py`).
+`local_training.local_steps_stacked`, the same computation as `batched` (tests/test_step_variants.py: float64,
+dropout on), for the GPU window's autotune to time and gate (`benchmarks/autotune.py`).
 
 Entry points: `make_grad` (a variant's gradient function; `names.ENGINE_VARIANTS` lists them), `sgd_update`
 (the SGD step every stacked engine takes), `StaticSteps` (a step in static buffers, captured in a CUDA graph).
-
-Every variant is the `batched` engine's computation: the same batches, augmentation and dropout masks (the
-clients' streams, `prodigy_core.streams`), loss and SGD step; only the kernels differ, so a variant agrees
-with `batched` to float rounding (tests/test_step_variants.py: float64, dropout on). A variant is an engine
-(`RunConfig.engine`), out of the result key like every engine and named in the record's environment
-(docs/semantics.md). `auto` never picks one. The client-folded variants (`FOLDED`, `FoldedGrad`) keep a
-leading client axis on the activations, (R N, B, C, H, W) then (R N, B, F), and replace each layer by its
-client-folded form: a client's gradient is that of the sum of the clients' losses, the clients being
-independent. The captured ones (`GRAPHED`) replay a step whose host, launching its kernels, is slower than its
-GPU; they run on CUDA only. Timings: benchmarks/README.md and docs/results.md.
-
-This module sits below `local_training` and never imports it: the run's pieces come in as arguments.
+The client-folded variants (`FOLDED`, `FoldedGrad`) replace each layer by its client-folded form; the
+captured ones (`GRAPHED`) run on CUDA only. Semantics: docs/semantics.md ("Engines"); timings:
+benchmarks/README.md. This module never imports `local_training`: the run's pieces come in as arguments.
 """
 
 from __future__ import annotations
@@ -238,9 +229,10 @@ class FoldedGrad:
     """`local_training.ClientGrad`'s function, (params, buffers, x, y, masks) stacked over clients -> every
     client's gradient of its mean cross-entropy (BatchNorm buffers updated in place), computed by the
     client-folded layers above instead of vmap: `conv` "grouped" (optionally `channels_last`) or "bmm".
-    `net`: the run's `local_training.FunctionalNet`; the masks are its `masks`, as the batched engine's.
-    Layers other than Conv2d, BatchNorm2d, MaxPool2d, Flatten, Linear, ReLU and dropout are refused in one
-    line."""
+    The activations keep a leading client axis, (R N, B, C, H, W) then (R N, B, F); a client's gradient is
+    that of the sum of the clients' losses, the clients being independent. `net`: the run's
+    `local_training.FunctionalNet`; the masks are its `masks`, as the batched engine's. Layers other than
+    Conv2d, BatchNorm2d, MaxPool2d, Flatten, Linear, ReLU and dropout are refused in one line."""
 
     def __init__(self, net: Any, conv: str = "grouped", channels_last: bool = False) -> None:
         self.net = net  # local_training.FunctionalNet: the template and its dropout layers, "<name>.mask"
@@ -306,7 +298,8 @@ class StaticSteps:
     """The E local steps of R runs with every per-step input in static buffers: the clients' weights and
     BatchNorm buffers (R N, ...) written once a round from the server models, each step's images, labels
     and dropout masks (`draw_group`) copied into the same tensors, and the step (gradient, weight decay,
-    SGD update in place) reading and writing only those. ``capture`` (CUDA): the step is run eagerly once
+    SGD update in place) reading and writing only those; for a step whose host, launching its kernels, is
+    slower than its GPU. ``capture`` (CUDA): the step is run eagerly once
     (on a side stream, its warm-up), captured in a CUDA graph at its next use and replayed from then on, one
     graph per input shape and step sizes (a decayed lr is a second graph). Without capture (a CPU: the
     tests) the same step runs eagerly: the static-buffer path, the `batched` engine's numbers bit for bit.

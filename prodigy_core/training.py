@@ -547,7 +547,7 @@ def local_momentum(momentum: Tensor, pseudo_grads: Tensor, beta: float) -> Tenso
     return pseudo_grads if beta == 0 else beta * momentum + (1 - beta) * pseudo_grads
 
 
-def server_input(momentum: Tensor, f: int, attack: Any, pipeline: Any) -> Tensor:
+def server_input(momentum: Tensor, f: int, attack: Attack | None, pipeline: Pipeline) -> Tensor:
     """The (N, d) vectors the server receives: the attack's rows for clients 0..f-1 (crafted from the honest
     clients' momentum[f:] and their own momentum[:f]), then the honest clients' momentum; ``momentum`` when
     there is no attack. An attack with ``sent_is_momentum`` (SF under ``authors``) writes what it sent into

@@ -1,10 +1,13 @@
 """Shared fixtures."""
 
 import contextlib
+import importlib
 import os
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -14,14 +17,38 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from prodigy_core.data import CIFAR10_CLASSES, CIFAR10_JPEG_ARCHIVE, SHARED_DATA_DIR
 
 
+def missing(reason: str) -> NoReturn:
+    """Skip for `reason`; under CI=true, which installs and provides everything the tests need, fail."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason + ", but CI=true requires it")
+    pytest.skip(reason)
+
+
 def shared_data(path: Path | None, what: str) -> Path:
     """`path` when it exists; otherwise skip with a reason, except under CI=true, where it must be there."""
     if path is not None and path.exists():
         return path
-    reason = f"{what} not found"
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason + " but CI=true requires it")
-    pytest.skip(reason)
+    missing(f"{what} not found")
+
+
+@pytest.fixture
+def optional_import() -> Callable[[str, str], ModuleType]:
+    """``optional_import(module, extra)``: an optional dependency, imported; `missing` when it is not
+    installed (CI installs every extra whose tests it runs)."""
+
+    def load(module: str, extra: str) -> ModuleType:
+        try:
+            return importlib.import_module(module)
+        except ImportError as e:
+            missing(f"needs {module}, from the {extra} extra (pip install -e '.[{extra}]'): {e}")
+
+    return load
+
+
+@pytest.fixture
+def flower_extra(optional_import) -> ModuleType:
+    """flwr, for the Flower tests (`missing` without the flower extra)."""
+    return optional_import("flwr", "flower")
 
 
 @pytest.fixture

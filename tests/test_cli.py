@@ -235,7 +235,6 @@ def test_ray_executor_runs_a_smoke_grid_and_records_a_failing_task(tmp_path):
 
 
 def test_quickstart_smoke_on_a_process_pool_runs_the_grid_and_writes_the_report(tmp_path, capsys):
-    pytest.importorskip("prodigy_core.report").write_report  # noqa: B018
     results_dir = tmp_path / "r"
     code = main(["quickstart", "--smoke", "--jobs", "2", "--results-dir", str(results_dir),
                  "--out-dir", str(tmp_path / "f")])  # fmt: skip

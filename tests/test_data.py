@@ -721,7 +721,7 @@ def test_load_federation_splits_by_variant(cifar_root):
     assert [p.tolist() for p in iid.client_indices] == [
         p.tolist() for p in iid_split_numpy(len(train_y), 4, 2)
     ]
-    with pytest.raises(ValueError, match="variant"):
+    with pytest.raises(ValueError, match="variant='author' is unknown; valid: paper, authors"):
         load_federation("digits", 4, "iid", variant="author")
 
 

@@ -14,7 +14,6 @@ from prodigy_core.config import RunConfig
 
 @pytest.fixture(scope="module")
 def alie_round():
-    pytest.importorskip("prodigy_core.aggregators")
     return explorer.explore(n_clients=6, n_byzantine=2, rounds=1, attack="alie", defense="prodigy")
 
 

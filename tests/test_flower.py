@@ -1,7 +1,6 @@
 """The Flower strategy (`prodigy_core.flower`) against make_aggregator and against our own engine, under
 Flower's own simulation engine (Ray). Skipped only where the ``flower`` extra is not installed."""
 
-import importlib.util
 import pkgutil
 import random
 import re
@@ -17,10 +16,7 @@ from prodigy_core.aggregators import ProDiGy, make_aggregator
 from prodigy_core.config import RunConfig
 from prodigy_core.training import run
 
-needs_flower = pytest.mark.skipif(
-    importlib.util.find_spec("flwr") is None,
-    reason="needs the flower extra (pip install -e '.[flower]'); CI installs it",
-)
+needs_flower = pytest.mark.usefixtures("flower_extra")  # skips without the flower extra; fails under CI
 
 # The quickstart's setting (params/quickstart_digits.yaml) trained for ROUNDS rounds (lr decay after 2/3).
 QUICKSTART = dict(

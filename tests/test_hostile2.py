@@ -557,8 +557,8 @@ def test_an_oversized_archive_member_is_refused_before_it_is_read(tmp_path, jpeg
 
 
 @pytest.mark.parametrize("attack, defense", [("ALIE", "ProDiGy"), (" alie ", "PRODIGY ")])
-def test_the_explorer_normalises_names_as_the_cli_does(attack, defense):
-    pytest.importorskip("ipywidgets")
+def test_the_explorer_normalises_names_as_the_cli_does(attack, defense, optional_import):
+    optional_import("ipywidgets", "dev")
     from prodigy_core import explorer
 
     c = explorer.explorer(n_clients=6, n_byzantine=2, rounds=1, attack=attack, defense=defense).controls
@@ -576,8 +576,10 @@ def test_the_explorer_normalises_names_as_the_cli_does(attack, defense):
         (dict(attack="nonesuch"), ["attack='nonesuch'"]),
     ],
 )
-def test_the_explorer_rejects_out_of_range_values_and_unknown_names_in_its_words(setting, words):
-    pytest.importorskip("ipywidgets")
+def test_the_explorer_rejects_out_of_range_values_and_unknown_names_in_its_words(
+    setting, words, optional_import
+):
+    optional_import("ipywidgets", "dev")
     from prodigy_core import explorer
 
     with pytest.raises(ConfigError) as e:

@@ -272,8 +272,8 @@ def test_3_foe_eps_written_close_stays_two_columns():
 
 
 @pytest.mark.parametrize("settings", [{"tau": 1.23456}, {"tau": 123.456789, "L": 2}, {"tau": 5.0}])
-def test_5_the_explorer_settings_box_runs_the_values_it_was_given(settings):
-    pytest.importorskip("ipywidgets")
+def test_5_the_explorer_settings_box_runs_the_values_it_was_given(settings, optional_import):
+    optional_import("ipywidgets", "dev")
     from prodigy_core.explorer import explorer
 
     box = explorer(defense="cclip", defense_params=settings).controls["defense_params"]
@@ -509,10 +509,9 @@ def test_16_git_setup_fills_a_null_contents_manager(tmp_path):
 # -------------------------------------------------- 22: Ray that cannot start
 
 
-def ray_that_fails(work: Path, monkeypatch, message: str) -> tuple[list[str], list[dict]]:
-    """A one-run grid in `work` with Ray whose start raises `message`: (the grid's command line, the keyword
-    arguments of every `ray.init` call)."""
-    ray = pytest.importorskip("ray")
+def ray_that_fails(ray, work: Path, monkeypatch, message: str) -> tuple[list[str], list[dict]]:
+    """A one-run grid in `work` with Ray (the module) whose start raises `message`: (the grid's command line,
+    the keyword arguments of every `ray.init` call)."""
     calls: list[dict] = []
 
     def init(*args, **kwargs):
@@ -528,9 +527,11 @@ def ray_that_fails(work: Path, monkeypatch, message: str) -> tuple[list[str], li
     return ["grid", "p.yaml", "--executor", "ray", "--results-dir", str(work / "results")], calls
 
 
-def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_it(work, monkeypatch, capsys):
+def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_it(
+    work, monkeypatch, capsys, optional_import
+):
     message = "The current node timed out during startup.\nThis could happen because ..."
-    grid, _ = ray_that_fails(work, monkeypatch, message)
+    grid, _ = ray_that_fails(optional_import("ray", "ray"), work, monkeypatch, message)
     assert main(grid) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "prodigy-fl: error:" in line]
@@ -539,12 +540,14 @@ def test_22_grid_with_ray_that_cannot_start_is_one_line_naming_the_way_without_i
     assert "--executor local" in lines[0]
 
 
-def test_22_ray_joins_the_cluster_of_ray_address_and_names_a_running_one(work, monkeypatch, capsys):
+def test_22_ray_joins_the_cluster_of_ray_address_and_names_a_running_one(
+    work, monkeypatch, capsys, optional_import
+):
     """`ray job submit` sets RAY_ADDRESS: the grid joins that cluster (Ray refuses num_cpus there); without
     it, a cluster started by `ray start` on this machine makes Ray refuse the local start, and the line says
     how to join it."""
     message = "When connecting to an existing cluster, num_cpus and num_gpus must not be provided."
-    grid, calls = ray_that_fails(work, monkeypatch, message)
+    grid, calls = ray_that_fails(optional_import("ray", "ray"), work, monkeypatch, message)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert main(grid) == 2
     assert calls[-1] == {"address": "10.0.0.1:6379", "log_to_driver": False}
@@ -557,12 +560,12 @@ def test_22_ray_joins_the_cluster_of_ray_address_and_names_a_running_one(work, m
 
 
 def test_ray_on_this_machine_without_the_gpus_a_run_asks_for_is_one_line_not_a_wait(
-    work, monkeypatch, capsys
+    work, monkeypatch, capsys, optional_import
 ):
     """--num-gpus 1 where Ray's local node has no GPU: Ray would queue every task forever (a local cluster
     never grows); the grid stops at once in one line naming the nodes, and trains nothing."""
-    grid, calls = ray_that_fails(work, monkeypatch, "")
-    ray = pytest.importorskip("ray")
+    ray = optional_import("ray", "ray")
+    grid, calls = ray_that_fails(ray, work, monkeypatch, "")
     stopped = []
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 1e9}}])
@@ -586,7 +589,9 @@ def test_a_run_fits_a_ray_node_only_whole():
     assert _ray_shortfall([gpu_node, gpu_node], 1, 2) == (
         "no node with 1 CPU(s) and 2 GPU(s) for a run (its nodes: 8 CPU / 1 GPU, 8 CPU / 1 GPU)"
     )
-    assert _ray_shortfall([cpu_node, gpu_node], 16, 1) is not None  # enough of each, never on one node
+    assert _ray_shortfall([cpu_node, gpu_node], 16, 1) == (  # enough of each, never on one node
+        "no node with 16 CPU(s) and 1 GPU(s) for a run (its nodes: 64 CPU / 0 GPU, 8 CPU / 1 GPU)"
+    )
     assert _ray_shortfall([], 1, 0) == "no node with 1 CPU(s) and 0 GPU(s) for a run (its nodes: none)"
 
 
@@ -681,8 +686,8 @@ def test_21_a_plugin_whose_display_is_a_builtins_gets_a_row_of_its_own(work):
         (dict(defense="payload.py:X", attack="none"), "defense", "payload.py:X"),
     ],
 )
-def test_15_the_explorer_opens_on_a_setting_outside_its_menus(work, setting, field, shown):
-    pytest.importorskip("ipywidgets")
+def test_15_the_explorer_opens_on_a_setting_outside_its_menus(work, setting, field, shown, optional_import):
+    optional_import("ipywidgets", "dev")
     from prodigy_core.explorer import explorer
 
     payload(work)

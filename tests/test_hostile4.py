@@ -1,7 +1,6 @@
 """Hostile round 4 (issue 42): the Flower strategy under hostile replies, config validation, groups and the
 CLI. Each test is named after the finding it pins (report, GPU driver: test_hostile4_report.py)."""
 
-import importlib.util
 import math
 
 import pytest
@@ -10,10 +9,7 @@ import torch
 from prodigy_core import local_training
 from prodigy_core.aggregators import make_aggregator
 
-needs_flower = pytest.mark.skipif(
-    importlib.util.find_spec("flwr") is None,
-    reason="needs the flower extra (pip install -e '.[flower]'); CI installs it",
-)
+needs_flower = pytest.mark.usefixtures("flower_extra")  # skips without the flower extra; fails under CI
 
 # ------------------------------------------------------------------------ the Flower strategy's aggregation
 N, F, GAMMA = 10, 3, 0.05
@@ -24,9 +20,8 @@ D = 8
 
 
 @pytest.fixture
-def flower(monkeypatch):
+def flower(monkeypatch, flower_extra):
     """Flower's records and message classes, with the identity a ServerApp sets before it makes messages."""
-    pytest.importorskip("flwr")
     from flwr.supercore.task_identity import TaskIdentity
 
     for name in ("_run_id", "_node_id", "_task_id"):

@@ -112,7 +112,8 @@ def test_batchnorm_datasets_are_those_whose_model_has_batchnorm():
 
 
 def test_every_dataset_has_a_model_and_unknown_names_are_rejected():
-    assert all(make_model(name) is not None for name in DATASETS)
+    expected = {"cifar10": Cifar10CNN, "femnist": FemnistCNN, "digits": DigitsCNN}
+    assert {name: type(make_model(name)) for name in DATASETS} == expected
     with pytest.raises(ValueError, match="valid: cifar10, femnist, digits"):
         make_model("mnist")
 

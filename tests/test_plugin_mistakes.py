@@ -307,9 +307,17 @@ def test_a_float32_s_lists_of_points_and_list_candidates_are_taken():
     """S's rows sum to 0 to float32's rounding (refused by a float64 tolerance before the review), the
     points may be a list, and a candidate a list like a tuple."""
     G = updates()
-    attack = Thirds()
-    attack.craft(G[F:], G[:F], make_aggregator("prodigy", F))
-    assert attack.last_gram is not None and attack.last_param in ([0.5], [1.0])
+    attack, server = Thirds(), make_aggregator("prodigy", F)
+    attack.craft(G[F:], G[:F], server)
+    assert attack.last_gram is not None  # scored from the points' Gram matrix
+    stats = attack.statistics(G[F:], F)
+    damages = [  # the pipeline run on each candidate's rows, the damage as the search defines it
+        float(torch.linalg.vector_norm(server.peek(torch.cat([attack.rows(t, stats).expand(F, -1), G[F:]]))
+                                       - stats["mean"]))
+        for t in attack.grid(10, F)
+    ]  # fmt: skip
+    assert [x for _, x in attack.last_search] == pytest.approx(damages, rel=1e-4)
+    assert attack.last_param == attack.grid(10, F)[damages.index(max(damages))]
 
 
 def test_the_points_are_checked_at_both_ends_of_the_grid():

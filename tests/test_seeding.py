@@ -36,7 +36,7 @@ def test_returned_generator_is_seeded():
 def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match="not a torch device"):
+    with pytest.raises(ValueError, match="not a torch device .*; use 'auto', 'cpu' or 'cuda'"):
         resolve_device("gpu0")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
