@@ -695,7 +695,7 @@ def load_federation(
         raise ValueError(f"dataset={name!r} is unknown; valid: {', '.join(DATASETS)}")
     if distribution not in DISTRIBUTIONS[name]:
         raise ValueError(
-            f"distribution={distribution!r} is not valid for {name}; valid: {DISTRIBUTIONS[name]}"
+            f"distribution={distribution!r} is not valid for {name}; valid: {', '.join(DISTRIBUTIONS[name])}"
         )
     if distribution == "dirichlet" and not dirichlet_alpha > 0:
         raise ValueError(f"dirichlet_alpha={dirichlet_alpha} must be > 0 (0.1 is the paper's)")

@@ -31,7 +31,7 @@ def shared_data(path: Path | None, what: str) -> Path:
     missing(f"{what} not found")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def optional_import() -> Callable[[str, str], ModuleType]:
     """``optional_import(module, extra)``: an optional dependency, imported; `missing` when it is not
     installed (CI installs every extra whose tests it runs)."""
@@ -45,9 +45,10 @@ def optional_import() -> Callable[[str, str], ModuleType]:
     return load
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def flower_extra(optional_import) -> ModuleType:
-    """flwr, for the Flower tests (`missing` without the flower extra)."""
+    """flwr, for the Flower tests (`missing` without the flower extra); module-scoped, so that a module
+    fixture that imports `prodigy_core.flower` can ask for it first."""
     return optional_import("flwr", "flower")
 
 

@@ -48,7 +48,9 @@ def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scal
     assert set(verdicts) == set(autotune.GATE_DEFENSES)
     for gate in verdicts.values():
         assert gate["precision"] == "bf16" and gate["measures"]["param_rel"] > 0  # not bitwise fp32
-        assert gate["bounds"] == autotune.bounds(tolerances, tune["floor"][gate["defense"]])
+        floor = tune["floor"][gate["defense"]]  # max(tolerance, FLOOR_FACTOR x floor), by hand
+        by_hand = {k: max(v, autotune.FLOOR_FACTOR * floor.get(k, 0.0)) for k, v in tolerances.items()}
+        assert gate["bounds"] == by_hand
         within = all(gate["measures"][k] <= v for k, v in gate["bounds"].items())
         assert gate["accepted"] is within
     assert tune["chosen"] == {"precision": "bf16" if scale else "fp32", "engine": "batched"}
@@ -57,6 +59,12 @@ def test_the_fastest_candidate_is_chosen_only_if_it_passes_the_gate(digits, scal
     # probe size, which no other size beats (the fake rates are equal)
     assert {row["size"] for row in tune["timings"] if row["precision"] == "bf16"} == {1, 2}
     assert {gate["size"] for gate in verdicts.values()} == {2}
+
+
+def test_a_bound_is_the_larger_of_the_tolerance_and_twice_the_floor():
+    assert autotune.FLOOR_FACTOR == 2  # issue 41 item 4: "twice the same measure between the two references"
+    got = autotune.bounds({"a": 0.1, "b": 0.1, "c": 0.3}, {"a": 0.02, "b": 0.2})  # c: no floor measured
+    assert got == {"a": 0.1, "b": 0.4, "c": 0.3}
 
 
 @pytest.mark.parametrize(("times_floor", "accepted"), [(1.5, True), (3.0, False)])
@@ -273,18 +281,21 @@ def test_the_gate_stops_gating_candidates_once_the_budget_is_spent(digits, monke
     import time
 
     config, fed = digits
-    real = autotune.trajectory
+    real, started = autotune.trajectory, []
 
-    def slow_reference(*args, **kwargs):
+    def slow_reference(config, fed, precision, *args, **kwargs):
+        started.append(precision)
         time.sleep(0.6)
-        return real(*args, **kwargs)
+        return real(config, fed, precision, *args, **kwargs)
 
     monkeypatch.setattr(autotune, "trajectory", slow_reference)
     report = autotune.autotune({"digits": config}, {"digits": fed}, budget_s=1.0, timer=fake_timer,
                                log=lambda line: None)  # fmt: skip
     tune = report["datasets"]["digits"]
+    assert started and set(started) == {"fp32"}  # the references ran; no candidate's trajectory started
     assert tune["gate"] and all(
-        not g["accepted"] and "budget" in g["measures"]["error"] for g in tune["gate"]
+        not g["accepted"] and g["measures"]["error"] == "not gated: the autotune's budget was spent"
+        for g in tune["gate"]
     )
     assert tune["chosen"]["precision"] == "fp32" and set(tune["floor"]) == set(autotune.GATE_DEFENSES)
 

@@ -777,9 +777,9 @@ def test_sample_batch_draws_distinct_own_indices():
 def test_load_federation_rejects_bad_names():
     with pytest.raises(ValueError, match="valid: digits, femnist, cifar10"):
         load_federation("mnist", 10)
-    with pytest.raises(ValueError, match="'iid', 'dirichlet'"):
+    with pytest.raises(ValueError, match="'natural' is not valid for digits; valid: iid, dirichlet$"):
         load_federation("digits", 10, "natural")
-    with pytest.raises(ValueError, match="natural"):
+    with pytest.raises(ValueError, match="distribution='iid' is not valid for femnist; valid: natural$"):
         load_federation("femnist", 10, "iid")
     with pytest.raises(ValueError, match="must be > 0"):
         load_federation("digits", 10, "dirichlet", dirichlet_alpha=-1)

@@ -95,7 +95,6 @@ def test_strategy_aggregates_bit_for_bit_as_make_aggregator(monkeypatch, defense
 def _one_round(monkeypatch, reply, n: int = 10, connected: int | None = None, **options):
     """A RobustStrategy (nnm+trimmed_mean, f=3) through configure_train and aggregate_train on one reply a
     client, ``reply(k, theta)`` giving a client's RecordDict content; returns (strategy, arrays, metrics)."""
-    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
     from prodigy_core.flower import RobustStrategy
@@ -105,12 +104,19 @@ def _one_round(monkeypatch, reply, n: int = 10, connected: int | None = None, **
     gen = torch.Generator().manual_seed(3)
     theta = {"w": torch.randn(2, 3, generator=gen), "bn.running_mean": torch.randn(4, generator=gen)}
     strategy = RobustStrategy("nnm+trimmed_mean", 3, n, lambda t: 0.05, **options)
+    return (strategy, theta, *_next_round(strategy, 1, theta, reply, n, connected))
+
+
+def _next_round(strategy, server_round: int, theta: dict, reply, n: int = 10, connected: int | None = None):
+    """One round of `strategy` from the model ``theta`` on n replies: (arrays, metrics) of aggregate_train."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
     grid = types.SimpleNamespace(get_node_ids=lambda: list(range(100, 100 + (connected or n))))
-    list(strategy.configure_train(1, ArrayRecord(theta), ConfigRecord(), grid))
+    list(strategy.configure_train(server_round, ArrayRecord(theta), ConfigRecord(), grid))
     replies = [
         Message(RecordDict(reply(k, theta)), dst_node_id=0, message_type=MessageType.TRAIN) for k in range(n)
     ]
-    return (strategy, theta, *strategy.aggregate_train(1, replies))
+    return strategy.aggregate_train(server_round, replies)
 
 
 def _reply(k, theta, update=None, key="arrays", buffers=True):
@@ -130,10 +136,13 @@ def test_strategy_warns_once_when_clients_send_weights_not_updates(monkeypatch, 
     gamma * Agg then shrank the model towards 0 with no word. One warning a run now says so; updates (the
     bit-for-bit test's) give none."""
     noise = torch.Generator().manual_seed(0)
-    _, theta, arrays, _ = _one_round(
-        monkeypatch, lambda k, theta: _reply(k, theta, theta["w"] + 0.01 * torch.randn(2, 3, generator=noise))
-    )
+
+    def weights(k, theta):
+        return _reply(k, theta, theta["w"] + 0.01 * torch.randn(2, 3, generator=noise))
+
+    strategy, theta, arrays, _ = _one_round(monkeypatch, weights)
     assert torch.allclose(arrays.to_torch_state_dict()["w"], 0.95 * theta["w"], atol=2e-3)  # the shrink
+    _next_round(strategy, 2, arrays.to_torch_state_dict(), weights)  # weights again: no second warning
     warned = [r.getMessage() for r in caplog.records if "look like model weights" in r.getMessage()]
     assert len(warned) == 1 and "record 'arrays' must hold each client's update" in warned[0]
     caplog.clear()
@@ -178,7 +187,7 @@ def _config(**changes) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def flower_runs():
+def flower_runs(flower_extra):
     """ProDiGy without an attack and under ALIE, in one Flower simulation (one Ray start)."""
     from prodigy_core.flower import simulate
 
@@ -251,4 +260,5 @@ def test_a_search_over_two_parameters_reports_both_in_the_round_metrics(tmp_path
     metrics = MetricRecord({})
     G = torch.randn(10, 20, generator=torch.Generator().manual_seed(0))
     strategy.server_input(G, list(range(10)), metrics)
-    assert metrics["attack-param"] in ([0.5, 0.0], [1.0, 2.0])
+    assert metrics["attack-param"] == list(strategy.attack.last_param)  # what the search chose, both values
+    assert list(strategy.attack.last_param) in ([0.5, 0.0], [1.0, 2.0])

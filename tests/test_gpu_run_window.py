@@ -48,13 +48,13 @@ def test_the_deadline_counts_from_the_process_start(gpu_run, tmp_path, monkeypat
         return ["--simulate", "--data", str(tmp_path / "none"), "--out", str(tmp_path / name), "--work",
                 str(tmp_path / f"{name}-work"), "--deadline", "35", "--no-profile"]  # fmt: skip
 
-    gpu_run.main(argv("out"), started=-20.0)
+    assert gpu_run.main(argv("out"), started=-20.0) == 0
     used = sum(seconds for _, seconds in trained)
     assert trained and used <= 35 - 20
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert float(summary.split("elapsed: ")[1].split(" s")[0]) >= 20 + used
     trained.clear()
-    gpu_run.main(argv("out2"))
+    assert gpu_run.main(argv("out2")) == 0
     assert sum(seconds for _, seconds in trained) > 35 - 20  # the driver's own clock: the 20 s not counted
 
 

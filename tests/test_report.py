@@ -108,7 +108,8 @@ def test_latex_rows_have_one_cell_per_column_and_spans_cover_the_blocks():
 
 def test_missing_column_is_a_clear_error():
     df = fabricated().drop(columns="local_momentum")
-    with pytest.raises(ValueError, match="local_momentum"):
+    message = r"results frame lacks columns \['local_momentum'\] needed by the layout .*; available: "
+    with pytest.raises(ValueError, match=message):
         report.accuracy_table(df, LAYOUT)
 
 

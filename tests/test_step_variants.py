@@ -423,9 +423,12 @@ def test_throughput_smoke_prints_every_variants_rate_and_share_of_the_peak(capsy
     assert out[0].startswith("device: CPU") and "TFLOP/s (float32 128^3 matrix product)" in out[0]
     rows = {line.split(" | ")[2]: line.split(" | ") for line in out if line.startswith("digits | fp32")}
     assert set(rows) == {"batched", *step_variants.ENGINE_VARIANTS}
+    peak = float(out[0].split("peak ")[1].split(" TFLOP/s")[0])
     for engine in ("batched", "channels_last", "bmm_conv"):
         images, tflops, share, first = rows[engine][4:]
-        assert float(images.replace(",", "")) > 0 and float(tflops) > 0 and share.endswith("%")
+        assert float(images.replace(",", "")) > 0 and float(tflops) > 0
+        # the share is the row's TFLOP/s over the peak of the first line, to the printed digits
+        assert float(share.removesuffix("%")) == pytest.approx(100 * float(tflops) / peak, rel=0.06)
         assert float(first) >= -0.5  # wall clock less the timed steps: noise can make it a little negative
     for engine in step_variants.CUDA_ONLY:
         assert rows[engine][4].startswith(f"refused: ConfigError: engine='{engine}'")

@@ -257,7 +257,7 @@ def test_result_round_trips_through_json_with_distance_matrices():
 def test_misspelled_field_is_an_error_with_a_hint():
     with pytest.raises(ConfigError, match="did you mean 'local_steps'"):
         RunConfig.from_dict({**TINY, "local_step": 2})
-    with pytest.raises(ConfigError, match="rounds"):
+    with pytest.raises(ConfigError, match="rounds='ten' must be an integer, not str"):
         RunConfig.from_dict({**TINY, "rounds": "ten"})
 
 
