@@ -105,14 +105,25 @@ def pairwise_loop(G: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor
     return D
 
 
+def sizes_arg(text: str) -> list[tuple[int, int]]:
+    """--sizes: comma-separated NxD, N >= 2 clients and D >= 1 coordinates each."""
+    try:
+        sizes = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(s) != 2 or s[0] < 2 or s[1] < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated NxD, N >= 2 and D >= 1, e.g. 20x1690046")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--sizes", default=",".join(f"{n}x{d}" for n, d in SIZES))
+    parser.add_argument("--sizes", type=sizes_arg, default=",".join(f"{n}x{d}" for n, d in SIZES))
     parser.add_argument("--pipelines", nargs="*", default=PIPELINES, help="default: all")
     args = parser.parse_args()
     device = resolve_device(args.device)
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    sizes = args.sizes
     name = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"

@@ -25,6 +25,7 @@ import torch
 
 from prodigy_core.aggregators import Pipeline, make_aggregator
 from prodigy_core.attacks import LineSearchAttack, make_attack
+from prodigy_core.cli import count_arg
 from prodigy_core.seeding import resolve_device
 
 
@@ -60,15 +61,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--n", type=int, default=100, help="clients N (Byzantine included)")
-    parser.add_argument("--f", type=int, default=30, help="Byzantine clients f")
-    parser.add_argument("--d", type=int, default=1_690_046, help="update dimension (FEMNIST CNN: 1,690,046)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
+    parser.add_argument("--n", type=count_arg, default=100, help="clients N (Byzantine included)")
+    parser.add_argument("--f", type=count_arg, default=30, help="Byzantine clients f")
+    parser.add_argument("--d", type=count_arg, default=1_690_046, help="update size (FEMNIST CNN: 1,690,046)")
+    parser.add_argument("--repeats", type=count_arg, default=3, help="timed repeats per measurement (median)")
     parser.add_argument("--device", default="auto")
     defenses = ["nnm+trimmed_mean", "nnm+krum", "nnm+cclip", "prodigy"]  # one per route of the search
     parser.add_argument("--defenses", nargs="+", default=defenses)
     parser.add_argument("--attacks", nargs="+", default=["alie", "foe_100"])
     args = parser.parse_args()
+    if 2 * args.f >= args.n:
+        parser.error(f"--f {args.f} with --n {args.n}: the Byzantine clients must be under half, f < N/2")
+    for name in args.defenses:  # before the (N, d) updates are made, not after
+        try:
+            make_aggregator(name, args.f, n_clients=args.n)
+        except ValueError as e:
+            parser.error(f"--defenses {name}: {e}")
+    for name in args.attacks:
+        try:
+            make_attack(name)
+        except ValueError as e:
+            parser.error(f"--attacks {name}: {e}")
 
     device = resolve_device(args.device)
     g = torch.Generator(device=device).manual_seed(0)

@@ -21,6 +21,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import transforms
 
+from prodigy_core.cli import count_arg
 from prodigy_core.data import CIFAR10_MEAN, CIFAR10_STD, Federation, iid_split
 from prodigy_core.seeding import resolve_device
 
@@ -58,13 +59,17 @@ def time_rounds(methods: dict, rounds: int, device: torch.device) -> dict[str, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--samples", type=int, default=50_000)
-    parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--samples", type=count_arg, default=50_000)
+    parser.add_argument("--clients", type=count_arg, default=10)
+    parser.add_argument("--steps", type=count_arg, default=10)
+    parser.add_argument("--batch", type=count_arg, default=64)
+    parser.add_argument("--rounds", type=count_arg, default=5)
+    parser.add_argument("--threads", type=count_arg, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
+    if args.samples // args.clients < args.steps * args.batch:  # a round's batches without repeats
+        parser.error(f"--samples {args.samples} over --clients {args.clients} gives each client "
+                     f"{args.samples // args.clients} images, fewer than --steps x --batch = "
+                     f"{args.steps * args.batch}: give more samples or fewer steps")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

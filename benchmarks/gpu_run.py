@@ -1258,6 +1258,10 @@ def import_results(tarball: Path, results_root: Path, figures_root: Path) -> lis
                 why = " ".join(str(e).split())
                 print(f"gpu_run import: no report of {folder} at {fields}: {type(e).__name__}: {why}",
                       file=sys.stderr)  # fmt: skip
+    if not records:  # a tarball of logs alone (or the wrong file): its rows would replace PROVENANCE.md's
+        print(f"gpu_run import: {tarball} holds no run record (results/<folder>/<key>.json): "
+              f"{figures_dir / 'PROVENANCE.md'} left as it is", file=sys.stderr)  # fmt: skip
+        return written
     imported = {target for target, _ in files}
     earlier = [p for p in results_dir.rglob("*.json") if p not in imported and ".failed" not in p.name]
     written.append(write_provenance(records, figures_dir, len(earlier)))

@@ -29,6 +29,7 @@ import time
 import torch
 
 from prodigy_core import groups, training
+from prodigy_core.cli import count_arg
 from prodigy_core.experiments import PARAMS_DIR, load_experiment, run_grid
 
 
@@ -102,11 +103,11 @@ def gpu_table1_fedavg(rounds: int, runs: int | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=None, help="CPU: rounds per run (default: the grid's)")
-    parser.add_argument("--runs", type=int, default=None, help="CPU: the first RUNS runs only")
-    parser.add_argument("--batch-runs", type=int, default=8, help="CPU: group size (default 8)")
-    parser.add_argument("--gpu-rounds", type=int, default=3, help="GPU: timed rounds (after one warm-up)")
-    parser.add_argument("--gpu-runs", type=int, default=None, help="GPU: group size (default: memory cap)")
+    parser.add_argument("--rounds", type=count_arg, help="CPU: rounds per run (default: the grid's)")
+    parser.add_argument("--runs", type=count_arg, help="CPU: the first RUNS runs only")
+    parser.add_argument("--batch-runs", type=count_arg, default=8, help="CPU: group size (default 8)")
+    parser.add_argument("--gpu-rounds", type=count_arg, default=3, help="GPU: timed rounds (after a warm-up)")
+    parser.add_argument("--gpu-runs", type=count_arg, help="GPU: group size (default: memory cap)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU section")
     args = parser.parse_args()
     if not args.no_cpu:

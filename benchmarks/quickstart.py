@@ -183,11 +183,13 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--seeds", type=cli.seeds_arg, default=1)
     parser.add_argument("--flops-only", action="store_true")
     parser.add_argument("--floor-only", action="store_true", help="the floor, ratios and ops; no quickstart")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds of each timed run (floor ratio)")
+    parser.add_argument("--rounds", type=cli.rounds_arg, default=6, help="rounds of each timed run")
     args = parser.parse_args(argv)
+    if args.rounds < 2:  # the ratio is the median of rounds 2..R (the first is a cold start)
+        parser.error(f"--rounds {args.rounds}: at least 2 (the median of rounds 2..R is timed), e.g. 6")
     before, after = training_flops_per_image(first_digits_model()), training_flops_per_image(DigitsCNN())
     print(
         f"FLOPs per training image: first model {before:,.0f}, DigitsCNN {after:,.0f} ({before / after:.1f}x)"

@@ -54,7 +54,9 @@ from benchmarks.gpu_run import (  # noqa: E402
     profile_tables,
     read_data_from,
 )
+from prodigy_core.cli import check_out, count_arg  # noqa: E402
 from prodigy_core.config import RunConfig  # noqa: E402
+from prodigy_core.names import PRECISIONS  # noqa: E402
 from prodigy_core.step_variants import GRAPHED  # noqa: E402
 
 SETTINGS = {  # the paper's client side (digits: the quickstart's)
@@ -101,13 +103,15 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--datasets", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument(
-        "--sizes", nargs="+", type=int, help="group sizes (default: the autotune's for the device)"
+        "--sizes", nargs="+", type=count_arg, help="group sizes (default: the autotune's for the device)"
     )
-    p.add_argument("--precisions", nargs="+", help="default: those of the device (no tf32 on a CPU)")
-    p.add_argument("--engines", nargs="+", help="default: batched, its variants (and compiled on CUDA)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    p.add_argument("--precisions", nargs="+", choices=PRECISIONS,
+                   help="default: those of the device (no tf32 on a CPU)")  # fmt: skip
+    p.add_argument("--engines", nargs="+", choices=engine_candidates("cuda"),
+                   help="default: batched, its variants (and compiled on CUDA)")  # fmt: skip
+    p.add_argument("--steps", type=count_arg, default=3, help="timed steps per configuration")
     p.add_argument(
-        "--peak-size", type=int, help="the peak's matrix size (default 8192 on CUDA, 2048 on a CPU)"
+        "--peak-size", type=count_arg, help="the peak's matrix size (default 8192 on CUDA, 2048 on a CPU)"
     )
     p.add_argument("--smoke", action="store_true", help="digits, group size 1, fp32, 1 step, a small product")
     p.add_argument("--data", type=Path, help="the GPU driver's data folder (cifar10-jpeg/, femnist-leaf-24/)")
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="profile each dataset and engine at its fastest")
     p.add_argument("--budget", type=float, help="seconds; what would start after them is not timed")
     args = p.parse_args(argv)
+    if args.out is not None:  # before any timing, not after it
+        check_out(p, args.out, "--out /tmp/throughput", folder=True)
     if args.smoke:
         args.datasets, args.sizes, args.steps = ["digits"], args.sizes or [1], 1
         args.precisions, args.peak_size = args.precisions or ["fp32"], args.peak_size or 128

@@ -33,6 +33,7 @@ import torchvision.transforms as T
 from PIL import Image
 
 from prodigy_core import local_training, training
+from prodigy_core.cli import count_arg
 from prodigy_core.config import RunConfig
 from prodigy_core.data import CIFAR10_MEAN, CIFAR10_STD, FEMNIST_MEAN, FEMNIST_STD, Federation
 from prodigy_core.models import make_model
@@ -130,10 +131,10 @@ def authors_style_rounds(fed: Federation, dataset: str, steps: int, batch_size: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 5 on GPU, 2 on CPU)")
-    parser.add_argument("--cpu-steps", type=int, default=2, help="E for the FEMNIST/CIFAR-10 CNNs on a CPU")
-    parser.add_argument("--only", nargs="*", default=None, help="datasets to run (default: all)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--rounds", type=count_arg, help="timed rounds (default: 5 on GPU, 2 on CPU)")
+    parser.add_argument("--cpu-steps", type=count_arg, default=2, help="E of the two paper CNNs on a CPU")
+    parser.add_argument("--only", nargs="+", choices=[w[0] for w in WORKLOADS], help="datasets (default all)")
+    parser.add_argument("--threads", type=count_arg, help="torch CPU threads (default: torch's)")
     parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
                         help="also time engine='compiled' (default: on a GPU only)")  # fmt: skip
     args = parser.parse_args()

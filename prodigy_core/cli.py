@@ -487,11 +487,35 @@ def seeds_arg(text: str) -> int:
     return int(text)
 
 
+def count_arg(text: str) -> int:
+    """A count argument of the scripts and benchmarks (group size, steps, clients, repeats): a whole number
+    >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 1")
+    return int(text)
+
+
 def rounds_arg(text: str) -> int:
     """--rounds of the scripts' smoke checks: a whole number of rounds >= 1."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a number of rounds >= 1, e.g. --rounds 5")
     return int(text)
+
+
+def check_results_dir(parser: argparse.ArgumentParser, folder: str | Path | None) -> None:
+    """A script's --results-dir (None: the default, checked where the runs start), refused in one usage line
+    before any training: a file, or a folder nothing can be written to."""
+    from prodigy_core.results import check_writable
+
+    if folder is None:
+        return
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        parser.error(f"--results-dir {folder}: a file; give the folder for the runs' records, e.g. results")
+    try:
+        check_writable(folder)
+    except OSError as e:
+        parser.error(f"--results-dir {folder}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
 
 
 def check_out(parser: argparse.ArgumentParser, out: Path, example: str, folder: bool = False) -> None:
@@ -501,6 +525,8 @@ def check_out(parser: argparse.ArgumentParser, out: Path, example: str, folder: 
 
     if not folder and out.is_dir():
         parser.error(f"--out {out}: a folder; give the file to write, e.g. {example}")
+    if folder and out.exists() and not out.is_dir():
+        parser.error(f"--out {out}: a file; give the folder to write into, e.g. {example}")
     try:
         check_writable(out if folder else out.parent)
     except OSError as e:

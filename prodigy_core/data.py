@@ -240,10 +240,14 @@ def leaf_writer_counts(leaf_dir: Path) -> dict[str, tuple[int, int]]:
     is malformed. Read from the files' `users`/`num_samples` (the loader checks them against the samples);
     cached per file version, so resolving the writers of a grid's runs reads each file once."""
     leaf_dir = Path(leaf_dir)
+    if not leaf_dir.is_dir():
+        raise DataError(
+            f"LEAF directory {leaf_dir} does not exist: give the folder that holds train/ and test/"
+        )
     missing = [s for s in ("train", "test") if not (leaf_dir / s).is_dir()]
     if missing:
         raise DataError(
-            f"LEAF directory {leaf_dir} has no {' or '.join(missing)}/ folder (need train/ and test/)"
+            f"LEAF directory {leaf_dir} has no {'/ or '.join(missing)}/ folder (need train/ and test/)"
         )
     splits = []
     for split in ("train", "test"):

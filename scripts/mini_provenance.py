@@ -1,13 +1,14 @@
 """Write figures/mini/PROVENANCE.md: the machine, torch, code, date and wall time of every run behind the
 committed mini-scale tables, read from their records.
 
-    python scripts/mini_provenance.py [--results-dir DIR] [--note TEXT ...]
+    python scripts/mini_provenance.py [--results-dir DIR] [--note TEXT ...] [--out FILE] [--force]
 
 One row per record of every `<experiment>-mini` folder under the results folder: its table, defense, attack,
 beta, variant, rounds, data source, final accuracy, wall time (the sum of its per-round times: training,
 attack and aggregation; evaluations excluded), device, engine and threads, and the date its record was
 written. `--note` adds a line under the machine (e.g. that other jobs shared it: its timings are then upper
-bounds). Run it after `prodigy-fl report ... --mini`, in the commit that adds the tables.
+bounds). Run it after `prodigy-fl report ... --mini`, in the commit that adds the tables. A table whose runs
+the results folder lacks is never dropped: the file is left as it is unless `--force` (or another `--out`).
 """
 
 from __future__ import annotations
@@ -62,16 +63,37 @@ def rows(results_dir: Path) -> list[str]:
     return out
 
 
+RUN_IDENTITY = 7  # results, defense, attack, beta, variant, rounds, data source: which run a row is
+
+
+def listed_runs(text: str) -> set[tuple[str, ...]]:
+    """The runs a PROVENANCE.md lists (the first RUN_IDENTITY cells of each row of its runs table)."""
+    table = text.partition("## Runs behind the tables")[2]
+    rows = [x for x in table.splitlines() if x.startswith("| ") and not x.startswith("| results |")]
+    return {tuple(c.strip() for c in row.strip("|").split("|"))[:RUN_IDENTITY] for row in rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results-dir", type=Path, default=None, help="default: the project's results/")
     parser.add_argument("--note", action="append", default=[], help="a line about the machine or the runs")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"default: {OUT.relative_to(OUT.parents[2])}")
+    parser.add_argument("--force", action="store_true", help="write even if runs the file lists would go")
     args = parser.parse_args(argv)
     results_dir = args.results_dir or paths.results_dir()
     table = rows(results_dir)
     if not table:
-        print(f"no mini records under {results_dir}", file=sys.stderr)
+        print(f"no mini records under {results_dir} (an `<experiment>-mini` folder of records); pass "
+              "--results-dir where `prodigy-fl grid ... --mini` wrote them", file=sys.stderr)  # fmt: skip
         return 1
+    if args.out.is_file() and not args.force:
+        new = listed_runs("## Runs behind the tables\n" + "\n".join(table))
+        lost = sorted(listed_runs(args.out.read_text(encoding="utf-8")) - new)
+        if lost:
+            print(f"mini_provenance: {args.out} lists {len(lost)} run(s) whose records are not under "
+                  f"{results_dir} (e.g. {' / '.join(lost[0])}); rewriting would drop them: left as it is "
+                  "(--force writes anyway, --out FILE writes elsewhere)", file=sys.stderr)  # fmt: skip
+            return 2
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=OUT.parent).stdout.strip()  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -91,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "| results | defense | attack | beta | variant | rounds | data source | accuracy (%) | minutes | "
         "where | torch | date |\n" + "|---" * 12 + "|\n" + "\n".join(table) + "\n"
     )
-    OUT.write_text(text, encoding="utf-8")
+    args.out.write_text(text, encoding="utf-8")
     print(text)
     return 0
 

@@ -139,7 +139,7 @@ def paired_seeds(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     from prodigy_core import report
     from prodigy_core import results as store
-    from prodigy_core.cli import check_out, jobs_arg
+    from prodigy_core.cli import check_out, check_results_dir, jobs_arg, rounds_arg
     from prodigy_core.experiments import run_grid
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=None, help="the store (default: results/)")
     p.add_argument("--out", type=Path, default=ROOT / "figures")
     p.add_argument("--smoke", action="store_true", help="the smoke grid: seconds")
-    p.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # tests: fewer rounds
+    p.add_argument("--rounds", type=rounds_arg, default=None, help=argparse.SUPPRESS)  # tests: fewer rounds
     args = p.parse_args(argv)
+    check_results_dir(p, args.results_dir)  # before the training, not after
     check_out(p, args.out, "figures", folder=True)  # before hours of training, not after
     frames, grids = [], experiments(args.seeds, args.smoke, args.rounds)
     for exp in grids:

@@ -6,7 +6,8 @@ Trains the quickstart's setting without attack (ProDiGy, params/quickstart_digit
 for --rounds rounds evaluated every 5, writes the curve (round, test accuracy, lr) and prints the criterion:
 the run has converged at the first evaluation from which three consecutive evaluations are within 1 point
 of its final accuracy; the quickstart's rounds R are the smallest multiple of 10 whose learning-rate drop
-(the paper's: after 2R/3 rounds) comes after that point. Chosen before any defense is compared.
+(the paper's: after 2R/3 rounds) comes after that point. Chosen before any defense is compared. A run that
+has not converged writes its curve beside --out (`<name>.unconverged.csv`) and leaves --out as it is.
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     curve = [(int(r), float(a)) for r, a in result.accuracy_curve]
     lines = ["round,test_accuracy_percent,lr"]
     lines += [f"{r},{a:.2f},{config.lr_at(r - 1):g}" for r, a in curve]
-    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     converged = converged_at(curve)
-    if converged is None:
+    if converged is None:  # the curve beside --out, which keeps the last converged one
+        partial = args.out.with_name(f"{args.out.stem}.unconverged{args.out.suffix}")
+        partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
         print(
             f"quickstart_convergence: not converged within {args.rounds} rounds ({len(curve)} evaluation(s) "
-            f"in {args.out}): rerun with more --rounds",
+            f"in {partial}; {args.out} left as it is): rerun with more --rounds",
             file=sys.stderr,
         )
         return 1
+    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"{args.out}: {len(curve)} evaluations in {seconds:.0f} s; final {curve[-1][1]:.2f}%; converged at "
           f"round {converged}; quickstart rounds: {rounds_for(converged)}")  # fmt: skip
     return 0

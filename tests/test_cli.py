@@ -108,7 +108,7 @@ def test_run_a_params_file_pinned_to_one_config(tmp_path, grid_file, capsys):
             ["report", "quickstart_digits", "--results-dir", "{tmp}"],
             "no stored results for quickstart_digits",
         ),
-        (["data", "femnist", "{tmp}"], "has no train or test/ folder"),
+        (["data", "femnist", "{tmp}"], "has no train/ or test/ folder (need train/ and test/)"),
     ],
 )
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, args, message):

@@ -139,6 +139,17 @@ def test_11_import_refuses_a_member_over_the_size_cap_unread(work, gpu_run, monk
     assert "'log.txt'" in capsys.readouterr().err
 
 
+def test_a_tarball_without_a_record_leaves_provenance_as_it_is(work, gpu_run, capsys):
+    """Importing the wrong tarball (a helper found it): its zero rows replaced figures/gpu/PROVENANCE.md's."""
+    provenance = work / "figures" / "gpu" / "PROVENANCE.md"
+    provenance.parent.mkdir(parents=True)
+    provenance.write_text("| the committed rows |\n")
+    tarball = write_tar(work / "r.tar.gz", [("hi.txt", "hello")])
+    gpu_run.import_results(tarball, work / "results", work / "figures")
+    assert provenance.read_text() == "| the committed rows |\n"
+    assert "holds no run record (results/<folder>/<key>.json)" in capsys.readouterr().err
+
+
 def test_13_a_member_named_results_never_turns_results_gpu_into_a_file(work, gpu_run, capsys):
     tarball = write_tar(work / "r.tar.gz", [("results", "not a folder"), ("results/x/y/z.json", "{}")])
     gpu_run.import_results(tarball, work / "results", work / "figures")

@@ -120,7 +120,7 @@ def test_smoke_with_a_named_femnist_folder_that_is_not_there_is_its_error_not_a_
     err = one_error_line(
         capsys, ["grid", "table2_femnist_n20", "--smoke", "--dry-run", "--set", f"data_dir={typo}"]
     )
-    assert f"LEAF directory {typo} has no train or test/ folder" in err
+    assert f"LEAF directory {typo} does not exist: give the folder that holds train/ and test/" in err
 
 
 def test_smoke_with_a_named_folder_of_too_few_writers_says_so_in_its_label(tmp_path, capsys):

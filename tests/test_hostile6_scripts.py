@@ -87,14 +87,16 @@ def test_quickstart_convergence_writes_into_a_new_folder_and_names_its_rounds(co
     [[(5, 10.0), (10, 50.0), (15, 90.0)], [(5, 50.0), (10, 50.2)]],
     ids=["still rising", "fewer than 3 evaluations"],
 )
-def test_quickstart_convergence_not_converged_says_so_and_keeps_the_curve(convergence, trained, tmp_path,
+def test_quickstart_convergence_not_converged_says_so_and_keeps_both_curves(convergence, trained, tmp_path,
                                                                           capsys, curve):  # fmt: skip
     trained.curve = curve
-    out = tmp_path / "curve.csv"
+    out, partial = tmp_path / "curve.csv", tmp_path / "curve.unconverged.csv"
+    out.write_text("the last converged curve\n")
     assert convergence.main(["--rounds", "15", "--out", str(out)]) == 1
     err = one_error_line(capsys.readouterr().err, "quickstart_convergence: not converged within 15 rounds")
-    assert "rerun with more --rounds" in err and str(out) in err
-    assert len(out.read_text().splitlines()) == 1 + len(curve)  # the curve is written all the same
+    assert "rerun with more --rounds" in err and f"in {partial}; {out} left as it is" in err
+    assert len(partial.read_text().splitlines()) == 1 + len(curve)  # the curve is written beside it
+    assert out.read_text() == "the last converged curve\n"  # a helper found it overwritten
 
 
 # ------------------------------------------------- scripts/cross_device_reference.py: --out and --data-dir
@@ -266,3 +268,98 @@ def test_mini_provenance_lists_records_whose_environment_is_partial_or_null(scri
     assert rows["none"][9:11] == ["cpu, batched, - thread(s)", "9.9"]
     assert rows["prodigy"][9:11] == ["-, -, - thread(s)", "-"]
     assert rows["none"][6] == rows["prodigy"][6] == "-" and rows["none"][8] == "0"  # 1 s: 0 minutes
+
+
+def test_mini_provenance_never_drops_runs_whose_records_it_lacks(scripts, tmp_path, capsys):
+    """A helper found that the script rewrote figures/mini/PROVENANCE.md from whatever mini records the
+    results folder held: its 11 runs, whose records are gone, would have been replaced by the one new run."""
+    module = scripts("scripts/mini_provenance.py")
+    committed = Path(__file__).resolve().parents[1] / "figures" / "mini" / "PROVENANCE.md"
+    out = tmp_path / "PROVENANCE.md"
+    out.write_text(committed.read_text(encoding="utf-8"), encoding="utf-8")
+    folder = tmp_path / "results" / "tiny-mini"
+    folder.mkdir(parents=True)
+    config = RunConfig(dataset="digits", n_clients=5, n_byzantine=2, rounds=2).to_dict()
+    key = RunConfig.from_dict(config).key()
+    (folder / f"{key}.json").write_text(json.dumps(
+        {"key": key, "experiment": "tiny-mini", "status": "done", "config": config, "final_accuracy": 50.0,
+         "accuracy_curve": [[2, 50.0]], "environment": None, "round_times": [1.0]}))  # fmt: skip
+    argv = ["--results-dir", str(tmp_path / "results"), "--out", str(out)]
+    assert module.main(argv) == 2
+    assert out.read_text(encoding="utf-8") == committed.read_text(encoding="utf-8")  # left as it is
+    err = one_error_line(capsys.readouterr().err, f"mini_provenance: {out} lists 11 run(s) whose records")
+    assert "--force writes anyway" in err
+    assert module.main([*argv, "--force"]) == 0
+    assert module.listed_runs(out.read_text(encoding="utf-8")) == {
+        ("tiny-mini", "prodigy", "none", "0.0", "paper", "2", "-")  # RunConfig's defaults
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [(["--engines", "bogus"], "argument --engines: invalid choice: 'bogus'"),
+     (["--precisions", "fp16"], "argument --precisions: invalid choice: 'fp16'"),
+     (["--steps", "0"], "argument --steps: '0': a whole number >= 1"),
+     (["--steps", "-1"], "argument --steps: '-1': a whole number >= 1"),
+     (["--sizes", "0"], "argument --sizes: '0': a whole number >= 1"),
+     (["--out", "{file}"], "--out {file}: a file; give the folder to write into, e.g. --out /tmp/")],
+)  # fmt: skip
+def test_throughput_refuses_nonsense_in_one_line_before_timing(tmp_path, capsys, argv, words):
+    """A helper found `--engines bogus` timed batched under that name, `--steps -1` printed negative rates,
+    `--steps 0` and `--sizes 0` read as an engine refusing, and a file as --out failed after the timings."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import throughput
+
+    (tmp_path / "a-file").write_text("")
+    argv = [a.format(file=tmp_path / "a-file") for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        throughput.main(["--smoke", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr()
+    assert words.format(file=tmp_path / "a-file") in err.err and "device:" not in err.out  # nothing timed
+
+
+@pytest.mark.parametrize(
+    "script", ["scripts/alie_z_sensitivity.py", "scripts/no_attack_f0.py", "scripts/precision_check.py"]
+)
+def test_a_results_dir_that_is_a_file_is_one_usage_line_before_training(scripts, tmp_path, capsys, script):
+    """A helper found a NotADirectoryError traceback whose advice was to pass the --results-dir just given."""
+    module, where = scripts(script), tmp_path / "a-file"
+    where.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--results-dir", str(where), "--out", str(tmp_path / "out.md")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --results-dir {where}: a file; give the folder for the runs' records" in err
+    assert "Traceback" not in err and where.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "words"),
+    [("aggregators", ["--sizes", "10x-5"], "argument --sizes: '10x-5': comma-separated NxD, N >= 2 and D"),
+     ("aggregators", ["--sizes", "abc"], "argument --sizes: 'abc': comma-separated NxD"),
+     ("attacks", ["--n", "10", "--f", "10"], "--f 10 with --n 10: the Byzantine clients must be under half"),
+     ("attacks", ["--repeats", "0"], "argument --repeats: '0': a whole number >= 1"),
+     ("attacks", ["--defenses", "bogus"], "--defenses bogus: unknown defense 'bogus'; valid: "),
+     ("data", ["--samples", "2000", "--steps", "5"], "each client 200 images, fewer than --steps x --batch"),
+     ("data", ["--rounds", "0"], "argument --rounds: '0': a whole number >= 1"),
+     ("grid", ["--runs", "0"], "argument --runs: '0': a whole number >= 1"),
+     ("training", ["--only", "bogus"], "argument --only: invalid choice: 'bogus'"),
+     ("quickstart", ["--rounds", "1", "--floor-only"], "--rounds 1: at least 2")],
+)  # fmt: skip
+def test_the_benchmarks_refuse_nonsense_in_one_usage_line(monkeypatch, capsys, script, argv, words):
+    """A helper found tracebacks from inside torch, statistics or a DataLoader for these arguments, and
+    `--only bogus` printing an empty table with exit 0."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    module = importlib.import_module(f"benchmarks.{script}")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err, err
