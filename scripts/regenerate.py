@@ -1,7 +1,12 @@
 """Regenerate every committed output that this machine can make, and say how long each took.
 
     python scripts/regenerate.py            # the convergence curve, the quickstart tables, figures/gpu
-    python scripts/regenerate.py --check    # compare instead of overwrite (exit 1 on a difference)
+    python scripts/regenerate.py --check    # overwrite nothing; exit 1 when a check fails
+
+`--check` compares the quickstart tables with the committed ones (`check_committed_quickstart.py`: to the
+digit on the tables' machine, within 2 std elsewhere) and reruns the convergence curve into a scratch file,
+checking only that it still converges (its numbers are not compared: another CPU rounds them differently);
+figures/gpu is not checked (its import is deterministic from the committed tarball).
 
 1. `scripts/quickstart_convergence.py`: the curve the quickstart's rounds come from (about 20 s);
 2. `scripts/check_committed_quickstart.py --update`: the quickstart over 3 seeds and 1 seed, every run trained
@@ -38,7 +43,8 @@ def steps(check: bool) -> list[tuple[str, list[str]]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with the committed outputs instead")
+    what = "overwrite nothing: compare the quickstart tables, rerun the curve"
+    parser.add_argument("--check", action="store_true", help=what)
     args = parser.parse_args(argv)
     total, failed = time.monotonic(), []
     for name, command in steps(args.check):
