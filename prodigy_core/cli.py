@@ -503,34 +503,28 @@ def rounds_arg(text: str) -> int:
 
 
 def check_results_dir(parser: argparse.ArgumentParser, folder: str | Path | None) -> None:
-    """A script's --results-dir (None: the default, checked where the runs start), refused in one usage line
-    before any training: a file, or a folder nothing can be written to."""
-    from prodigy_core.results import check_writable
-
-    if folder is None:
-        return
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        parser.error(f"--results-dir {folder}: a file; give the folder for the runs' records, e.g. results")
-    try:
-        check_writable(folder)
-    except OSError as e:
-        parser.error(f"--results-dir {folder}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
+    """A script's --results-dir as `check_out` checks a folder; None (the default) is checked where the runs
+    start."""
+    if folder is not None:
+        check_out(parser, Path(folder), "results", folder=True, option="--results-dir")
 
 
-def check_out(parser: argparse.ArgumentParser, out: Path, example: str, folder: bool = False) -> None:
-    """A script's --out, refused in one usage line before any training: a folder where a file goes (unless
-    ``folder``), or a place nothing can be written (``example``: what to give instead)."""
+def check_out(
+    parser: argparse.ArgumentParser, out: Path, example: str, folder: bool = False, option: str = "--out"
+) -> None:
+    """A script's --out (or another ``option``), refused in one usage line before any training: a folder where
+    a file goes, a file where a folder goes (``folder``), or a place nothing can be written (``example``:
+    what to give instead)."""
     from prodigy_core.results import check_writable
 
     if not folder and out.is_dir():
-        parser.error(f"--out {out}: a folder; give the file to write, e.g. {example}")
+        parser.error(f"{option} {out}: a folder; give the file to write, e.g. {example}")
     if folder and out.exists() and not out.is_dir():
-        parser.error(f"--out {out}: a file; give the folder to write into, e.g. {example}")
+        parser.error(f"{option} {out}: a file; give the folder to write into, e.g. {example}")
     try:
         check_writable(out if folder else out.parent)
     except OSError as e:
-        parser.error(f"--out {out}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
+        parser.error(f"{option} {out}: cannot write there ({os.strerror(e.errno) if e.errno else e})")
 
 
 def _write_report(

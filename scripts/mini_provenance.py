@@ -66,11 +66,16 @@ def rows(results_dir: Path) -> list[str]:
 RUN_IDENTITY = 7  # results, defense, attack, beta, variant, rounds, data source: which run a row is
 
 
+def run_identity(row: str) -> tuple[str, ...]:
+    """Which run a row of the runs table is: its first RUN_IDENTITY cells."""
+    return tuple(c.strip() for c in row.strip("|").split("|"))[:RUN_IDENTITY]
+
+
 def listed_runs(text: str) -> set[tuple[str, ...]]:
-    """The runs a PROVENANCE.md lists (the first RUN_IDENTITY cells of each row of its runs table)."""
+    """The runs a PROVENANCE.md lists (the rows of its runs table)."""
     table = text.partition("## Runs behind the tables")[2]
     rows = [x for x in table.splitlines() if x.startswith("| ") and not x.startswith("| results |")]
-    return {tuple(c.strip() for c in row.strip("|").split("|"))[:RUN_IDENTITY] for row in rows}
+    return {run_identity(row) for row in rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               "--results-dir where `prodigy-fl grid ... --mini` wrote them", file=sys.stderr)  # fmt: skip
         return 1
     if args.out.is_file() and not args.force:
-        new = listed_runs("## Runs behind the tables\n" + "\n".join(table))
+        new = {run_identity(row) for row in table}
         lost = sorted(listed_runs(args.out.read_text(encoding="utf-8")) - new)
         if lost:
             print(f"mini_provenance: {args.out} lists {len(lost)} run(s) whose records are not under "

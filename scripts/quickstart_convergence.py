@@ -60,17 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     curve = [(int(r), float(a)) for r, a in result.accuracy_curve]
     lines = ["round,test_accuracy_percent,lr"]
     lines += [f"{r},{a:.2f},{config.lr_at(r - 1):g}" for r, a in curve]
+    text = "\n".join(lines) + "\n"
     converged = converged_at(curve)
     if converged is None:  # the curve beside --out, which keeps the last converged one
         partial = args.out.with_name(f"{args.out.stem}.unconverged{args.out.suffix}")
-        partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        partial.write_text(text, encoding="utf-8")
         print(
             f"quickstart_convergence: not converged within {args.rounds} rounds ({len(curve)} evaluation(s) "
             f"in {partial}; {args.out} left as it is): rerun with more --rounds",
             file=sys.stderr,
         )
         return 1
-    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args.out.write_text(text, encoding="utf-8")
     print(f"{args.out}: {len(curve)} evaluations in {seconds:.0f} s; final {curve[-1][1]:.2f}%; converged at "
           f"round {converged}; quickstart rounds: {rounds_for(converged)}")  # fmt: skip
     return 0

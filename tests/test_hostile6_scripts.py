@@ -332,7 +332,7 @@ def test_a_results_dir_that_is_a_file_is_one_usage_line_before_training(scripts,
         module.main(["--results-dir", str(where), "--out", str(tmp_path / "out.md")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert f"error: --results-dir {where}: a file; give the folder for the runs' records" in err
+    assert f"error: --results-dir {where}: a file; give the folder to write into, e.g. results" in err
     assert "Traceback" not in err and where.read_text() == ""
 
 
