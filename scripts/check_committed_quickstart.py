@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.keep is not None and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
         parser.error(f"--keep {args.keep}: not an empty folder (every run is trained anew: name a new one)")
+    if args.keep is not None:
+        cli.check_out(parser, args.keep, "quickstart-runs", folder=True, option="--keep")
     tic = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="quickstart-check-") as tmp:
         out = Path(tmp) / "figures"

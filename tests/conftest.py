@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 import os
+import shutil
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +51,12 @@ def flower_extra(optional_import) -> ModuleType:
     """flwr, for the Flower tests (`missing` without the flower extra); module-scoped, so that a module
     fixture that imports `prodigy_core.flower` can ask for it first."""
     return optional_import("flwr", "flower")
+
+
+@pytest.fixture(scope="session")
+def git_installed() -> str:
+    """The git executable, for the tests of what the package does to a clone (`missing` without it)."""
+    return shutil.which("git") or missing("git is not installed")
 
 
 @pytest.fixture

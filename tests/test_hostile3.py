@@ -462,13 +462,10 @@ def _git(folder: Path, *args: str) -> str:
     ).stdout
 
 
-def test_12_the_save_hook_never_stages_an_untracked_file_whose_name_is_a_glob(tmp_path):
-    import shutil
+def test_12_the_save_hook_never_stages_an_untracked_file_whose_name_is_a_glob(tmp_path, git_installed):
 
     from prodigy_core import lab
 
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
     repo = tmp_path / "clone"
     repo.mkdir()
     for args in (["init", "-q"], ["config", "user.email", "t@example.org"], ["config", "user.name", "t"]):

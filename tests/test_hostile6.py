@@ -188,14 +188,11 @@ def test_a_malformed_jupyter_config_is_named(tmp_path, content):
     assert path.read_bytes() == content
 
 
-def test_git_setup_on_a_config_it_cannot_use_leaves_git_as_it_was(tmp_path):
+def test_git_setup_on_a_config_it_cannot_use_leaves_git_as_it_was(tmp_path, git_installed):
     """`git-setup` installed nbstripout as git's filter first and read the Jupyter config after, so a broken
     config stopped it half done (the filter in, no hook). The config is checked first now: git untouched."""
-    import shutil
     import subprocess
 
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
     repo = tmp_path / "clone"
     repo.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)

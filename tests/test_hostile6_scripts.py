@@ -363,3 +363,19 @@ def test_the_benchmarks_refuse_nonsense_in_one_usage_line(monkeypatch, capsys, s
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("where, why", [("full", "not an empty folder"), ("a file", "not an empty folder"),
+                                        ("under a file", "cannot write there")])  # fmt: skip
+def test_check_committed_quickstart_refuses_its_keep_folder_before_training(scripts, monkeypatch, tmp_path,
+                                                                            capsys, where, why):  # fmt: skip
+    check = scripts("scripts/check_committed_quickstart.py")
+    calls = []
+    monkeypatch.setattr(check.cli, "main", lambda argv: calls.append(argv) or 0)
+    (tmp_path / "file").write_text("")
+    keep = {"full": tmp_path, "under a file": tmp_path / "file" / "runs", "a file": tmp_path / "file"}[where]
+    with pytest.raises(SystemExit) as e:
+        check.main(["--keep", str(keep)])
+    assert e.value.code == 2 and calls == []  # refused before any training
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--keep {keep}" in err and why in err and "Traceback" not in err, err

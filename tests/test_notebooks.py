@@ -96,11 +96,9 @@ def git(folder: Path, *args: str) -> str:
     return done.stdout
 
 
-def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path):
+def test_saving_a_notebook_in_jupyterlab_leaves_git_status_clean(tmp_path, git_installed):
     import shutil
 
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
     keys = filter_setup()
     repo = tmp_path / "clone"
     repo.mkdir()
@@ -151,12 +149,9 @@ def test_every_notebook_is_what_nbstripout_makes_of_its_jupyterlab_save(tmp_path
         assert path.read_text() == (reproduce.NOTEBOOKS_DIR / name).read_text(), name
 
 
-def test_the_hook_waits_for_another_git_command_to_release_the_index(tmp_path):
-    import shutil
+def test_the_hook_waits_for_another_git_command_to_release_the_index(tmp_path, git_installed):
     import threading
 
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
     repo = tmp_path / "clone"
     repo.mkdir()
     git(repo, "init", "-q")
