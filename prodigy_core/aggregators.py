@@ -34,8 +34,11 @@ from prodigy_core.registry import (
 
 # Every rule a params file can name, filled by `@RULES.register` below (BASE_NAMES, AGGREGATOR_NAMES, the
 # report's names and the explorer's menu derive from it).
-RULES = Registry("defense", needs={"f": "a rule takes f first, the number of Byzantine clients it must "
-                                   "tolerate (def __init__(self, f, ...)), even one that does not use it"})
+RULES = Registry(
+    "defense",
+    needs={"f": "a rule takes f first, the number of Byzantine clients it must tolerate "
+                "(def __init__(self, f, ...)), even one that does not use it"},
+)  # fmt: skip
 
 # Recentre on a central client when the centre (first the origin) lies this many times further from it
 # (squared) than its median distance to the others: float32 cancellation costs about RATIO * eps relative
@@ -49,6 +52,11 @@ _FLOOR = 1e-12  # relative floor for ProDiGy's divisions (see ProDiGy)
 # float64 products when the median squared norm is below _TINY * d: products under float32's smallest normal
 # (1.2e-38) flush or go denormal, about d * 1.2e-38 absolute on a sum, i.e. < 1e-7 relative above this.
 _TINY = 1e-30
+
+
+def shape_of(x: Any) -> str:
+    """What an error says a value was: ``shape (3, 7) on cpu`` for a tensor, else its type's name."""
+    return f"shape {tuple(x.shape)} on {x.device}" if isinstance(x, Tensor) else type(x).__name__
 
 
 def _check_input(G: Tensor, rule: str) -> None:
@@ -400,7 +408,12 @@ class Rule:
         _check_input(G, repr(self))
         self.check_n(G.shape[0])
         out, record = _aggregate_from_gram(self, G, []) if self.by_weights else (None, None)
-        return (self.aggregate(G) if out is None else out).to(G.dtype), record
+        if out is None:
+            out = self.aggregate(G)
+            if not isinstance(out, Tensor) or out.shape != G.shape[1:] or out.device != G.device:
+                raise ValueError(f"{self!r}.aggregate returned {shape_of(out)}; a rule returns one vector "
+                                 f"(d,) = ({G.shape[1]},) on {G.device}, e.g. G.mean(dim=0)")  # fmt: skip
+        return out.to(G.dtype), record
 
     def aggregate(self, G: Tensor) -> Tensor:
         raise NotImplementedError(
@@ -803,9 +816,9 @@ class ProDiGy(Rule):
     batched = True
 
     def __init__(self, f: int):
-        if isinstance(f, int) and not isinstance(f, bool) and f < 2:
-            raise ValueError(f"ProDiGy: needs f >= 2 (with f < 2 every dissimilarity score is 0), got f={f}")
         self.f = check_f("ProDiGy", f)
+        if self.f < 2:
+            raise ValueError(f"ProDiGy: needs f >= 2 (with f < 2 every dissimilarity score is 0), got f={f}")
         self.last_scores: ProDiGyScores | None = None
 
     def check_n(self, n: int) -> None:
@@ -997,8 +1010,7 @@ def _combine(rule: Rule, K: Tensor, D: Tensor, bad: Tensor) -> Combination | Non
     elif c is not None and c.weights is not None:
         w = c.weights
         if not isinstance(w, Tensor) or tuple(w.shape) != shape:
-            got = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
-            why = f"gave weights of shape {got}, not {shape} (the N inputs, then the reference point)"
+            why = f"gave weights of {shape_of(w)}, not shape {shape} (the N inputs, then the reference point)"
         elif bool(((w.sum(dim=-1) - 1).abs() > 1e-6).any()):
             why = "gave weights that do not sum to 1 (they are an affine combination of its points)"
     if why:
@@ -1064,6 +1076,11 @@ class Pipeline:
 
     def __init__(self, name: str, rule: Rule, pre: list[Rule] | None = None):
         self.name, self.rule, self.pre = name, rule, list(pre or [])
+        for part in (rule, *self.pre):
+            if not isinstance(part, Rule):
+                what = f"the class {part.__name__}" if isinstance(part, type) else shape_of(part)
+                raise TypeError(f"Pipeline {name!r}: its rule and pre-aggregators are Rule instances, e.g. "
+                                f"Median(f) or NNM(f), got {what}")  # fmt: skip
         # The last batch of Gram matrices that `weights` scored and its Combination (the attack search's
         # candidates): an aggregation given one of them (`Attack.last_gram`) takes its weights from there.
         self._scored: tuple[Tensor, Combination] | None = None
@@ -1084,6 +1101,7 @@ class Pipeline:
         vector finite): a pipeline that gives weights, or a leading NNM, then makes no pass over G for it."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
+        self._check_gram(gram, G)
         out, record = self._aggregate_by_weights(G, gram, self._scored_combination(gram))
         self._scored = None
         if out is not None:
@@ -1100,6 +1118,7 @@ class Pipeline:
         then takes its distances from its first N points."""
         _check_input(G, self.name)
         self.check_n(G.shape[0])
+        self._check_gram(gram, G)
         out = self._aggregate_by_weights(G)[0] if gram is None else None
         if out is not None:
             return out
@@ -1107,6 +1126,20 @@ class Pipeline:
             first = i == 0 and self._nnm_takes_gram(gram)
             G = p.peek(G, distances=self._distances(gram)) if first else p.peek(G)
         return self.rule.peek(G)
+
+    def _check_gram(self, gram: Tensor | None, G: Tensor) -> None:
+        """A given ``gram`` must be the (N+1, N+1) float64 Gram matrix of [G; reference] on G's device. Its
+        rows must be in G's order (cat[crafted, honest] for `Attack.last_gram`): that is not checked, as it
+        would cost a pass over G and a wait for the device."""
+        n = G.shape[0]
+        ok = isinstance(gram, Tensor) and gram.shape == (n + 1, n + 1) and gram.dtype == torch.float64
+        if gram is not None and not (ok and gram.device == G.device):
+            raise ValueError(
+                f"{self.name}: gram must be the float64 Gram matrix (N+1, N+1) = ({n + 1}, {n + 1}) of [G; "
+                f"reference] on {G.device}, got {shape_of(gram)}"
+                f"{f' ({gram.dtype})' if isinstance(gram, Tensor) else ''}: pass the attack's last_gram of "
+                "this round with G = cat[crafted, honest], or no gram"
+            )
 
     def _nnm_takes_gram(self, gram: Tensor | None) -> bool:
         """Whether the first pre-aggregator takes its distances from ``gram`` (a leading NNM)."""
@@ -1191,11 +1224,10 @@ class Pipeline:
         output is not a combination (ProDiGy's median fallback)."""
         ok = isinstance(gram, Tensor) and gram.dim() in (2, 3) and gram.shape[-2] == gram.shape[-1] >= 3
         if not ok:
-            shape = tuple(gram.shape) if isinstance(gram, Tensor) else type(gram).__name__
             raise ValueError(
                 f"{self.name}.weights: expected the (N+1, N+1) Gram matrix of [G; reference] with N >= 2 "
                 f"(e.g. geometry(G, extra=reference[None]).K, or geometry(G, origin=True).K for the origin), "
-                f"or a batch (C, N+1, N+1) of them, got {shape}"
+                f"or a batch (C, N+1, N+1) of them, got {shape_of(gram)}"
             )
         n = gram.shape[-1] - 1
         self.check_n(n)
@@ -1309,7 +1341,7 @@ def make_aggregator(
     if params is not None and not isinstance(params, Mapping):
         raise ValueError(f"{key}: params must be a mapping of settings, e.g. {{'tau': 5}}, got {params!r}")
     canonical_defense(key, params)  # the name and the settings checked, with did-you-mean hints
-    check_f(key, f)
+    f = check_f(key, f)
     if n_clients is not None:
         n_clients = check_f(key, n_clients, 1, "n_clients")
     check_variant(key, variant)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from prodigy_core.aggregators import Pipeline, column_step, geometry, pairwise_sq_distances
+from prodigy_core.aggregators import Pipeline, column_step, geometry, pairwise_sq_distances, shape_of
 from prodigy_core.names import NO_ATTACK, check_variant, did_you_mean
 from prodigy_core.registry import (
     Registry,
@@ -38,6 +38,9 @@ ATTACKS = Registry("attack")
 
 # ALIE's grid: z* in {0.25 z_max, 0.5 z_max, ...} up to the largest multiple <= 2 (the paper).
 ALIE_Z_STEP = 0.25
+# The most candidates a typed z may give the authors' grid (`alie_authors_grid`): z = 1e-9 asked numpy for
+# 8e9 of them (60 GiB); their typed z give 10 to 66.
+ALIE_AUTHORS_MAX_CANDIDATES = 1000
 ALIE_Z_CAP = 2.0
 # FOE's grid: eps* in {0.1 eps, 0.2 eps, ..., eps}.
 FOE_STEPS = 10
@@ -103,6 +106,20 @@ def alie_authors_z(n: int, f: int) -> float:
     if f == 0:  # z_max = Phi^-1 of at most 1/2 - 1/(2n): -inf at n = 2; no Byzantine client to send it anyway
         raise ValueError(f"alie_authors_z(n={n}, f=0): no Byzantine client, so no z; ALIE needs f >= 1")
     return math.trunc(round(alie_z_max(n, f) * 100, 6)) / 100  # round(.., 6): 0.29 * 100 = 28.999999...
+
+
+def check_authors_z(z: float) -> float:
+    """A typed z for the authors' grid: finite, and none smaller than gives `ALIE_AUTHORS_MAX_CANDIDATES`."""
+    if not math.isfinite(z):
+        raise ValueError(f"alie: z={z} must be a finite number (the authors typed 0.12 to 0.8)")
+    smallest = 2.01 / (ALIE_Z_STEP * ALIE_AUTHORS_MAX_CANDIDATES)
+    if 0 < z < smallest:
+        raise ValueError(
+            f"alie: z={z} gives {2.01 / (ALIE_Z_STEP * z):.3g} candidates (the authors' grid arange(0.25 z, "
+            f"2.01, 0.25 z)), more than {ALIE_AUTHORS_MAX_CANDIDATES}; use z >= {smallest:.4f} (the authors "
+            "typed 0.12 to 0.8), or z=0 to send the honest update"
+        )
+    return z
 
 
 def alie_authors_grid(z: float) -> list[float]:
@@ -174,7 +191,9 @@ class Attack:
             return own.new_empty((0, own.shape[1]))
         _check_honest(self.name, honest, honest_finite)
         with torch.no_grad():
-            return self.send(honest, own, server)
+            sent = self.send(honest, own, server)
+        _check_sent(self.name, sent, own)
+        return sent
 
     def send(self, honest: Tensor, own: Tensor, server: Server) -> Tensor:
         raise NotImplementedError
@@ -725,7 +744,7 @@ class ALIE(LineSearchAttack):
         self.variant = check_variant("alie", variant)
         if z is not None and variant != "authors":
             raise ValueError(f"alie: z={z} is the authors' typed z; it needs variant='authors'")
-        self.z = None if z is None else float(z)
+        self.z = None if z is None else check_authors_z(float(z))
         self.raw_damage = variant == "authors"
         self.reads_own = variant == "authors"  # z = 0 sends the honest update (`send`)
 
@@ -926,6 +945,14 @@ def make_attack(
         raise ValueError(f"attack {name!r}: {entry.cls.__name__} cannot be built: {e}") from None
     attack.name = name
     return attack
+
+
+def _check_sent(name: str, sent: Any, own: Tensor) -> None:
+    """What ``send`` returned must be one row per Byzantine client, on their device: a wrong count of rows
+    would train the run with another N (and be stored as valid)."""
+    if not isinstance(sent, Tensor) or sent.shape != own.shape or sent.device != own.device:
+        raise ValueError(f"attack {name!r}: send returned {shape_of(sent)}; it must return one row per "
+                         f"Byzantine client, (f, d) = {tuple(own.shape)} on {own.device}")  # fmt: skip
 
 
 def _check_shapes(name: str, honest: Tensor, own: Tensor) -> None:

@@ -481,25 +481,34 @@ def quickstart_name(seeds: int) -> str:
     return "quickstart_digits" if seeds == 1 else f"quickstart_digits_{seeds}seeds"
 
 
+def count_arg(text: str, what: str = "a whole number", example: str = "") -> int:
+    """A count argument (seeds, rounds, group size, steps, clients, repeats): a whole number >= 1; `what` and
+    `example` name it in the error."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: {what} >= 1{example}")
+    return int(text)
+
+
 def seeds_arg(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--seeds {text!r}: a number of seeds >= 1, e.g. --seeds 3")
-    return int(text)
-
-
-def count_arg(text: str) -> int:
-    """A count argument of the scripts and benchmarks (group size, steps, clients, repeats): a whole number
-    >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 1")
-    return int(text)
+    return count_arg(text, "a number of seeds", ", e.g. --seeds 3")
 
 
 def rounds_arg(text: str) -> int:
-    """--rounds of the scripts' smoke checks: a whole number of rounds >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of rounds >= 1, e.g. --rounds 5")
-    return int(text)
+    return count_arg(text, "a number of rounds", ", e.g. --rounds 5")
+
+
+def parse_study_args(parser: argparse.ArgumentParser, argv: list[str] | None, out: Path) -> Any:
+    """The scripts that rerun quickstart runs (alie_z_sensitivity.py, no_attack_f0.py): their --rounds,
+    --seeds, --results-dir and --out (default `out`, under figures/) added, parsed and checked before any
+    training."""
+    parser.add_argument("--rounds", type=rounds_arg, help="fewer rounds than the quickstart's (smoke check)")
+    parser.add_argument("--seeds", type=seeds_arg, default=3)
+    parser.add_argument("--results-dir", help="where the runs are stored (default: results/)")
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args(argv)
+    check_results_dir(parser, args.results_dir)
+    check_out(parser, args.out, f"figures/{out.name}")
+    return args
 
 
 def check_results_dir(parser: argparse.ArgumentParser, folder: str | Path | None) -> None:

@@ -195,9 +195,14 @@ class RunConfig:
     def replace(self, **changes: Any) -> RunConfig:
         """This config with some fields changed; a new defense or attack drops the old one's settings
         unless they are given too."""
+        from prodigy_core.aggregators import normalise_defense
+        from prodigy_core.attacks import normalise_attack
+
         values = {**self.to_dict(), **changes}
-        for name in NAMED_FIELDS:
-            if name in changes and f"{name}_params" not in changes and changes[name] != getattr(self, name):
+        for name, normalise in zip(NAMED_FIELDS, (normalise_defense, normalise_attack), strict=True):
+            new = changes.get(name)
+            same = isinstance(new, str) and normalise(new) == getattr(self, name)  # "CClip" is "cclip"
+            if name in changes and f"{name}_params" not in changes and not same:
                 values[f"{name}_params"] = {}
         return RunConfig.from_dict(values)
 

@@ -13,12 +13,15 @@ import hashlib
 import io
 import itertools
 import json
+import math
+import numbers
 import os
 import re
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -364,8 +367,28 @@ def too_few_writers(leaf_dir: Path, counts: dict[str, tuple[int, int]], n_client
 # Partitions
 
 
+def check_split_args(n_clients: Any, alpha: Any = None, seed: Any = None) -> None:
+    """A split's arguments, or a ValueError naming the bad one: n_clients a whole number >= 1, seed (when
+    given) a whole number, alpha (when given: a Dirichlet split's) a finite number > 0."""
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if not (whole(n_clients) and n_clients >= 1):
+        raise ValueError(f"n_clients={n_clients!r} must be a whole number >= 1")
+    if seed is not None and not whole(seed):
+        raise ValueError(f"seed={seed!r} must be a whole number")
+    real = isinstance(alpha, numbers.Real) and not isinstance(alpha, bool)
+    if alpha is not None and not (real and math.isfinite(alpha) and alpha > 0):
+        raise ValueError(
+            f"dirichlet_alpha={alpha!r} must be a finite number > 0 (0.1 is the paper's; larger is closer to "
+            "iid, distribution='iid' the limit)"
+        )
+
+
 def iid_split(n: int, n_clients: int, rng: torch.Generator) -> list[Tensor]:
     """A uniformly random partition of range(n) into n_clients parts whose sizes differ by at most one."""
+    check_split_args(n_clients)
     if not 1 <= n_clients <= n:
         raise ValueError(f"n_clients={n_clients} must be between 1 and the number of samples ({n})")
     perm = torch.randperm(n, generator=rng)
@@ -388,8 +411,7 @@ def dirichlet_split(
     until every client has at least `min_size` samples. `rng` is a CPU generator (the split is device-free).
     Dirichlet draws are normalised Gamma(alpha) draws in float64 (torch.distributions takes no generator).
     """
-    if not alpha > 0:
-        raise ValueError(f"dirichlet_alpha={alpha} must be > 0 (0.1 is the paper's; larger is closer to iid)")
+    check_split_args(n_clients, alpha)
     labels = labels.cpu()
     n = labels.numel()
     if n_clients < 1 or n < n_clients * min_size:
@@ -441,8 +463,7 @@ def dirichlet_split_numpy(
     """
     import numpy as np  # the authors' random stream is numpy's (the rest of the package is torch)
 
-    if not alpha > 0:
-        raise ValueError(f"dirichlet_alpha={alpha} must be > 0 (0.1 is the paper's; larger is closer to iid)")
+    check_split_args(n_clients, alpha, seed)
     y = labels.cpu().numpy()
     n = len(y)
     if n_clients < 1 or n < n_clients * min_size:
@@ -481,6 +502,7 @@ def iid_split_numpy(n: int, n_clients: int, seed: int) -> list[Tensor]:
     ``np.random.seed(seed)`` (their datasets.py), each part in the permutation's order."""
     import numpy as np
 
+    check_split_args(n_clients, seed=seed)
     if not 1 <= n_clients <= n:
         raise ValueError(f"n_clients={n_clients} must be between 1 and the number of samples ({n})")
     perm = np.random.RandomState(seed).permutation(n)
@@ -701,10 +723,8 @@ def load_federation(
         raise ValueError(
             f"distribution={distribution!r} is not valid for {name}; valid: {', '.join(DISTRIBUTIONS[name])}"
         )
-    if distribution == "dirichlet" and not dirichlet_alpha > 0:
-        raise ValueError(f"dirichlet_alpha={dirichlet_alpha} must be > 0 (0.1 is the paper's)")
-    if n_clients < 1:
-        raise ValueError(f"n_clients={n_clients} must be >= 1")
+    check_split_args(n_clients, dirichlet_alpha if distribution == "dirichlet" else None, seed)
+    n_clients, seed = int(n_clients), int(seed)  # a numpy integer too (torch's manual_seed takes no other)
     dev = resolve_device(device) if isinstance(device, str) else device
     rng = torch.Generator().manual_seed(seed)
 

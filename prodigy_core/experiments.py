@@ -100,13 +100,23 @@ class Experiment:
         return dataclasses.replace(self, configs=configs, stand_ins=stand_ins)
 
 
+def check_experiment(experiment: Any, caller: str) -> None:
+    """A TypeError naming the fix when ``experiment`` is not an `Experiment` (a params name, a RunConfig)."""
+    if not isinstance(experiment, Experiment):
+        call = f"load_experiment({experiment!r})" if isinstance(experiment, str) else "load_experiment(...)"
+        raise TypeError(f"{caller} takes an Experiment, e.g. {call}; got {type(experiment).__name__}")
+
+
 def select(experiment: Experiment, only: dict[str, list[Any]]) -> Experiment:
     """The runs of `experiment` whose field `name` takes one of `only[name]`'s values, for every name (e.g.
     {"defense": ["prodigy"], "attack": ["none", "alie"]}: some rows and columns of a table). One value alone
     ("prodigy") is a list of one. A value that no run of the grid takes, or no value at all (an empty list),
     is an error listing the values it does take."""
+    check_experiment(experiment, "select")
     configs = experiment.configs
     for name, values in only.items():
+        if name not in field_names():
+            raise ConfigError(f"--only {name}: not a run field{did_you_mean(name, field_names())}")
         values = list(values) if isinstance(values, list | tuple | set) else [values]
         taken = list(dict.fromkeys(getattr(c, name) for c in experiment.configs))
         if not values:
@@ -858,6 +868,7 @@ def plan_grid(
     work items, and with how many worker processes. Trains nothing and claims nothing."""
     from prodigy_core import groups
 
+    check_experiment(experiment, "run_grid")
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is unknown; valid: {', '.join(EXECUTORS)}")
     if jobs != "auto" and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):

@@ -87,18 +87,19 @@ def failure_path(folder: Path, key: str) -> Path:
     return folder / f"{key}.failed.json"
 
 
-def check_writable(folder: Path) -> None:
+def check_writable(
+    folder: Path, what: str = "results", fix: str = "pass --results-dir or set PRODIGY_RESULTS_DIR"
+) -> None:
     """Create `folder` and a file in it, or raise an OSError that names the folder and the fix: called
-    before training, so that a run's result is never lost to a folder it cannot be written to."""
+    before training, so that a run's result (or its checkpoints: ``what``) is never lost to a folder it
+    cannot be written to."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         raise OSError(
-            e.errno,
-            f"cannot write results into {folder} ({e.strerror}); pass --results-dir or set "
-            "PRODIGY_RESULTS_DIR to a writable folder",
+            e.errno, f"cannot write {what} into {folder} ({e.strerror}); {fix} to a writable folder"
         ) from None
 
 

@@ -47,6 +47,7 @@ from prodigy_core.local_training import (
 from prodigy_core.models import count_parameters, make_model
 from prodigy_core.names import NO_ATTACK
 from prodigy_core.registry import label, loaded_hash
+from prodigy_core.results import check_writable
 from prodigy_core.safe_io import atomic_write, quarantine
 from prodigy_core.seeding import precision_flags, precision_mode, resolve_device, seed_everything
 from prodigy_core.streams import ClientStreams
@@ -373,6 +374,8 @@ def start_run(
     result.plugins = plugin_hashes(resolved)  # the code built above: the record's key names it
     key = config.key(code=result.plugins)
     ckpt = Path(checkpoint_dir) / f"{key}.pt" if checkpoint_dir is not None else None
+    if ckpt is not None:  # before round 1, not at the first checkpoint or the run's end
+        check_writable(ckpt.parent, "checkpoints", "pass checkpoint_dir")
     st = RunState(
         config, resolved, fed, model, pipeline, attack, streams, momentum, result, ckpt, stream=stream,
         idle=idle_byzantine(resolved.attack, f, resolved.variant, resolved.attack_params),

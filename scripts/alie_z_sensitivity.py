@@ -59,16 +59,9 @@ def table(df: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prodigy_core.cli import check_out, check_results_dir, rounds_arg, seeds_arg
+    from prodigy_core.cli import parse_study_args
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=rounds_arg, help="fewer rounds than the quickstart's (a smoke check)")
-    p.add_argument("--seeds", type=seeds_arg, default=3)
-    p.add_argument("--results-dir", help="where the runs are stored (default: results/)")
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    check_results_dir(p, args.results_dir)  # before the training, not after
-    check_out(p, args.out, "figures/alie_z_sensitivity.md")  # before the training, not after
+    args = parse_study_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), argv, OUT)
     from prodigy_core.experiments import run_grid
 
     # jobs="auto": one single-threaded process per core, as the quickstart's tables are made

@@ -187,19 +187,13 @@ def report(paper: Any, diffs: dict | None, digits: str, note: str, d: int) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prodigy_core.cli import check_out, check_results_dir, count_arg, rounds_arg, seeds_arg
+    from prodigy_core.cli import count_arg, parse_study_args
     from prodigy_core.results import paper_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--authors-code", type=Path, help="a checkout of senaergisi/prodigy (runs its code)")
     p.add_argument("--dims", type=count_arg, default=400_000, help="coordinates per update in part 2")
-    p.add_argument("--rounds", type=rounds_arg, help="fewer rounds than the quickstart's (a smoke check)")
-    p.add_argument("--seeds", type=seeds_arg, default=3)
-    p.add_argument("--results-dir", help="where the runs are stored (default: results/)")
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    check_results_dir(p, args.results_dir)  # before the training, not after
-    check_out(p, args.out, "figures/no_attack_f0.md")  # before the training, not after
+    args = parse_study_args(p, argv, OUT)
     diffs = None
     if args.authors_code is not None:
         try:

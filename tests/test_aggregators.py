@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -483,8 +484,9 @@ def test_bad_input_errors(rule, G, match):
 def test_bad_parameters():
     with pytest.raises(ValueError, match=r"Krum: f must be an integer >= 0, got f=-1"):
         Krum(-1)
-    with pytest.raises(ValueError, match=r"ProDiGy: needs f >= 2.*got f=1"):
-        ProDiGy(1)
+    for one in (1, np.int64(1), torch.tensor(1)):  # a numpy or tensor 1 was let through (every weight 0)
+        with pytest.raises(ValueError, match=r"ProDiGy: needs f >= 2.*got f=1"):
+            make_aggregator("prodigy", one)
     with pytest.raises(ValueError, match=r"unknown defense 'krumm'.*did you mean 'krum'.*valid:.*nnm\+krum"):
         make_aggregator("krumm", 2)
     with pytest.raises(ValueError, match=r"krum with 8 clients: Krum\(f=3\) needs N > 2f\+2 = 8"):

@@ -599,6 +599,19 @@ def test_alie_authors_grid_is_arange_quarter_z_to_2_01(n, f, step, count, paper_
     assert len(alie_grid(n, f)) == paper_count
 
 
+def test_a_typed_z_whose_authors_grid_would_not_fit_in_memory_is_refused_with_the_smallest_that_does():
+    """z = 1e-9 ran at the first round into numpy's MemoryError (an arange of 8e9 candidates, 60 GiB)."""
+    from prodigy_core.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=r"z=1e-09 gives 8.04e\+09 candidates .* more than 1000; use z >= "
+                       r"0\.0080 \(the authors typed 0\.12 to 0\.8\), or z=0"):  # fmt: skip
+        RunConfig(attack="alie", variant="authors", attack_params={"z": 1e-9})
+    smallest = 2.01 / (0.25 * 1000)  # the most candidates, 1000: the grid is arange(0.25 z, 2.01, 0.25 z)
+    assert len(make_attack("alie", variant="authors", params={"z": smallest}).grid(20, 2)) <= 1000
+    with pytest.raises(ValueError, match="more than 1000"):
+        make_attack("alie", variant="authors", params={"z": smallest * 0.99})
+
+
 def scripted_server(mean: torch.Tensor, damages: list[float]):
     """A server whose i-th call returns mean + damages[i] * e_0: damage exactly |damages[i]| (NaN, inf)."""
     calls = iter(damages)

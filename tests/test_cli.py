@@ -68,6 +68,16 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"prodigy-fl {prodigy_core.__version__}"
 
 
+@pytest.mark.parametrize("text", ["0", "-1", "2.5", "three"])
+def test_a_count_that_is_not_a_whole_number_from_1_is_one_usage_line_naming_what_it_counts(text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quickstart", "--seeds", text])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    usage = "prodigy-fl quickstart: error: argument --seeds: "
+    assert err == f"{usage}{text!r}: a number of seeds >= 1, e.g. --seeds 3"
+
+
 def test_run_with_defaults_and_set_prints_the_record_as_json(tmp_path, capsys):
     code = main(["run", "--set", "rounds=2", "--set", "attack=sf", "--json", "--results-dir", str(tmp_path)])
     out, err = capsys.readouterr()
@@ -253,14 +263,13 @@ def test_quickstart_smoke_on_a_process_pool_runs_the_grid_and_writes_the_report(
     assert sorted(p.name for p in listed) == sorted(p.name for p in files)
 
 
-def test_quickstart_in_a_fresh_clone_leaves_git_status_clean(tmp_path):
+def test_quickstart_in_a_fresh_clone_leaves_git_status_clean(tmp_path, git_installed):
     # The README's command 1 from a clone: every output (results, tables, figures) is git-ignored; only
     # scripts/regenerate.py rewrites the committed figures/.
-    import shutil
 
     repo = Path(prodigy_core.__file__).resolve().parents[1]
-    if shutil.which("git") is None or not (repo / ".git").exists():
-        pytest.skip("git is not installed, or this checkout is not a git clone")
+    if not (repo / ".git").exists():
+        pytest.skip("this checkout is not a git clone")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True, capture_output=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRODIGY_")}  # the defaults, as a user

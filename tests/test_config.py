@@ -82,6 +82,17 @@ def test_key_changes_with_every_result_field(changes):
     assert RunConfig().key() != RunConfig().replace(**changes).key()
 
 
+def test_replace_keeps_the_settings_of_the_same_defense_or_attack_however_spelled_and_drops_another_s():
+    """replace(defense="CClip") on a cclip with tau = 5 dropped tau (back to its default 10: another run)."""
+    cclip = RunConfig(defense="cclip", defense_params={"tau": 5}, attack="foe", attack_params={"eps": 5})
+    for same in ("CClip", " cclip "):
+        assert cclip.replace(defense=same) == cclip
+    assert cclip.replace(attack="FOE") == cclip
+    assert dict(cclip.replace(defense="nnm+cclip").defense_params) == {}  # another rule: its own settings
+    assert dict(cclip.replace(attack="alie").attack_params) == {}
+    assert dict(cclip.replace(defense="CClip", defense_params={"tau": 3}).defense_params) == {"tau": 3.0}
+
+
 def test_keys_changed_with_the_per_seed_split_so_old_records_are_never_reused():
     # keys computed by the code before `variant` and `data_seed: null` (every seed's split was data_seed=0)
     old = {"default": "bfb2c7c14ba1e310", "seed=1, data_seed=1": "86c46ca27a7f0f12",

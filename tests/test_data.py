@@ -618,8 +618,10 @@ def test_dirichlet_split_skew_follows_alpha():
 
 
 def test_dirichlet_split_bad_input():
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
         dirichlet_split(class_labels(), 10, 0.0, torch.Generator())
+    with pytest.raises(ValueError, match="dirichlet_alpha=inf must be a finite number > 0"):
+        dirichlet_split(class_labels(), 10, float("inf"), torch.Generator())
     with pytest.raises(ValueError, match="at least 10"):
         dirichlet_split(class_labels(5), 10, 0.1, torch.Generator())
 
@@ -781,8 +783,29 @@ def test_load_federation_rejects_bad_names():
         load_federation("digits", 10, "natural")
     with pytest.raises(ValueError, match="distribution='iid' is not valid for femnist; valid: natural$"):
         load_federation("femnist", 10, "iid")
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="dirichlet_alpha=-1 must be a finite number > 0"):
         load_federation("digits", 10, "dirichlet", dirichlet_alpha=-1)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [({"dirichlet_alpha": float("inf")}, r"dirichlet_alpha=inf must be a finite number > 0 \(.*"
+                                         r"distribution='iid' the limit\)"),
+     ({"dirichlet_alpha": "0.1"}, r"dirichlet_alpha='0.1' must be a finite number > 0"),
+     ({"n_clients": 10.0}, r"n_clients=10.0 must be a whole number >= 1"),
+     ({"n_clients": 0}, r"n_clients=0 must be a whole number >= 1"),
+     ({"seed": 1.5}, r"seed=1.5 must be a whole number$")],
+)  # fmt: skip
+@pytest.mark.parametrize("variant", ["paper", "authors"])
+def test_load_federation_names_a_split_argument_of_the_wrong_type(args, message, variant):
+    """They met torch errors (`IntArrayRef contains an int that cannot be represented as a SymInt` for an
+    infinite alpha, `tensor_split() received an invalid combination of arguments`, `manual_seed expected a
+    long`) or `'>' not supported between 'str' and 'int'`."""
+    call = {"n_clients": 10, "distribution": "dirichlet", **args}
+    with pytest.raises(ValueError, match=message):
+        load_federation("digits", variant=variant, **call)
+    fed = load_federation("digits", 10, "dirichlet", 0.5, seed=np.int64(3), variant=variant)  # numpy int ok
+    assert len(fed.client_indices) == 10
 
 
 def test_the_papers_table2_test_set_is_793_samples_none_of_20_of_our_writers_make(femnist24_dir):

@@ -484,6 +484,20 @@ def test_a_failed_checkpoint_write_names_the_file(tmp_path, monkeypatch):
         run(tiny(rounds=3), progress=False, checkpoint_dir=tmp_path)
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_named_before_the_first_round(tmp_path, monkeypatch):
+    """It was found at the first checkpoint (round 50 by default), the rounds before it lost, or, in a run too
+    short to save one, when the run's end deleted it: the whole run lost."""
+    from prodigy_core import training
+
+    rounds = []
+    monkeypatch.setattr(training, "server_round", lambda st, r, *args: rounds.append(r))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match=rf"cannot write checkpoints into {tmp_path / 'file' / 'sub'} \(Not a "
+                       r"directory\); pass checkpoint_dir to a writable folder"):  # fmt: skip
+        run(tiny(rounds=3), progress=False, checkpoint_dir=tmp_path / "file" / "sub")
+    assert rounds == []
+
+
 @pytest.mark.parametrize(
     "args, parts",
     [

@@ -413,6 +413,21 @@ def test_42_31_a_single_row_value_selects_like_a_list_and_an_empty_list_is_named
         select(exp, {"defense": ["prodigy"], "attack": []})  # interactive_columns=[]
 
 
+def test_a_misspelt_field_or_a_params_name_given_for_an_experiment_is_named():
+    """`select(e, {"defence": ...})` met `'RunConfig' object has no attribute 'defence'`, and
+    `run_grid("quickstart_digits")` an AttributeError on str."""
+    from prodigy_core.experiments import run_grid, select
+
+    exp = load_experiment("quickstart_digits", scale="paper")
+    with pytest.raises(ConfigError, match=r"^--only defence: not a run field \(did you mean 'defense'\?\)$"):
+        select(exp, {"defence": ["prodigy"]})
+    takes = r"takes an Experiment, e.g. load_experiment"
+    with pytest.raises(TypeError, match=rf"^run_grid {takes}\('quickstart_digits'\); got str$"):
+        run_grid("quickstart_digits")
+    with pytest.raises(TypeError, match=rf"^select {takes}\(...\); got RunConfig$"):
+        select(exp.configs[0], {"defense": ["prodigy"]})
+
+
 # ---------------------------------------------------------------- 32-34: the scripts' arguments
 
 

@@ -10,7 +10,7 @@ import torch
 
 from prodigy_core import aggregators as agg
 from prodigy_core.aggregators import make_aggregator
-from prodigy_core.attacks import ALIESpread, LineSearchAttack, make_attack
+from prodigy_core.attacks import ALIESpread, Attack, LineSearchAttack, make_attack
 from prodigy_core.config import RunConfig
 from prodigy_core.training import run
 
@@ -184,8 +184,8 @@ class Combining(agg.Rule):
     ("mistake", "pre", "message"),
     [
         ("tensor", [], r"returned a Tensor, not a Combination"),
-        ("n", [], r"gave weights of shape \(10,\), not \(11,\)"),
-        ("n", [agg.NNM(F)], r"gave weights of shape \(10,\), not \(11,\)"),
+        ("n", [], r"gave weights of shape \(10,\) on cpu, not shape \(11,\)"),
+        ("n", [agg.NNM(F)], r"gave weights of shape \(10,\) on cpu, not shape \(11,\)"),
         ("sum", [], r"gave weights that do not sum to 1"),
     ],
 )
@@ -347,3 +347,85 @@ def test_the_line_s_moves_are_a_copy_for_whoever_changes_them():
     _, moves = Tilt().affine(stats)
     moves *= 2
     assert Tilt().affine(stats)[1].tolist() == [[[-1.0, 1.0]]]
+
+
+class Returns(agg.Rule):
+    """A plug-in rule whose ``aggregate`` returns ``shape`` (G itself, one row kept 2-D, a list)."""
+
+    def __init__(self, f: int, shape: str = ""):
+        self.f, self.shape = f, shape
+
+    def aggregate(self, G):
+        return {"all": G, "row": G[:1], "list": G.mean(dim=0).tolist()}[self.shape]
+
+
+@pytest.mark.parametrize(
+    "shape, got",
+    [("all", r"shape \(10, 200\) on cpu"), ("row", r"shape \(1, 200\) on cpu"), ("list", "list")],
+)
+def test_a_rule_whose_aggregate_is_not_one_vector_is_named(shape, got):
+    """(N, d) came back as the 'aggregate' outside training (and a torch reshape error after a round inside);
+    a list gave `'list' object has no attribute 'to'`."""
+    G = updates()
+    message = rf"Returns\(f=3\).aggregate returned {got}; a rule returns one vector \(d,\) = \(200,\) on cpu"
+    for pre in ([], [agg.NNM(F)]):
+        pipeline = agg.Pipeline("mine", Returns(F, shape), pre)
+        with pytest.raises(ValueError, match=message):
+            pipeline(G)
+        with pytest.raises(ValueError, match=message):
+            pipeline.peek(G)
+
+
+class Sends(Attack):
+    """A plug-in attack whose ``send`` returns ``rows`` (too few, too many, one row 1-D, a list)."""
+
+    name = "sends"
+
+    def __init__(self, rows: str = ""):
+        super().__init__()
+        self.rows = rows
+
+    def send(self, honest, own, server):
+        return {"fewer": own[:1], "more": torch.cat([own, own[:2]]), "1-d": own[0], "list": own.tolist(),
+                "right": -own}[self.rows]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "rows, got",
+    [("fewer", r"shape \(1, 200\) on cpu"), ("more", r"shape \(5, 200\) on cpu"),
+     ("1-d", r"shape \(200,\) on cpu"), ("list", "list")],
+)  # fmt: skip
+def test_an_attack_that_sends_other_than_one_row_per_byzantine_client_is_named(rows, got):
+    """One row for f = 3 trained the whole run with N = 8 instead of 10 and stored it as valid; a 1-D row
+    met a torch.cat error inside the training loop."""
+    G = updates()
+    message = (rf"attack 'sends': send returned {got}; it must return one row per Byzantine client, "
+               r"\(f, d\) = \(3, 200\) on cpu")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        Sends(rows).craft(G[F:], G[:F], make_aggregator("median", F))
+    assert torch.equal(Sends("right").craft(G[F:], G[:F], make_aggregator("median", F)), -G[:F])
+
+
+def test_a_gram_matrix_that_is_not_the_pipeline_inputs_is_named():
+    """A Gram matrix of another N met an IndexError deep in ProDiGy's scoring, a list an AttributeError."""
+    G = updates()
+    pipeline = make_aggregator("prodigy", F)
+    right = agg.geometry(G, origin=True).K
+    assert torch.allclose(pipeline.peek(G, gram=right), pipeline.peek(G), atol=1e-6)
+    wrongs = [(right[1:, 1:], r"shape \(10, 10\) on cpu \(torch.float64\)"), (right.tolist(), "list"),
+              (right.float(), r"shape \(11, 11\) on cpu \(torch.float32\)")]  # fmt: skip
+    start = r"prodigy: gram must be the float64 Gram matrix \(N\+1, N\+1\) = \(11, 11\) of \[G; reference\]"
+    for wrong, got in wrongs:
+        for call in (pipeline, pipeline.peek):
+            with pytest.raises(ValueError, match=rf"{start} on cpu, got {got}: pass the attack's last_gram"):
+                call(G, gram=wrong)
+
+
+@pytest.mark.parametrize("rule, pre, got", [(agg.Median, [], "the class Median"), ("median", [], "str"),
+                                            (agg.Median(F), [agg.NNM], "the class NNM")])  # fmt: skip
+def test_a_pipeline_of_a_class_or_a_name_instead_of_a_rule_is_named(rule, pre, got):
+    """A class met `Median.check_n() missing 1 required positional argument` at the first call, a name an
+    AttributeError."""
+    with pytest.raises(TypeError, match=rf"Pipeline 'mine': its rule and pre-aggregators are Rule instances, "
+                       rf"e.g. Median\(f\) or NNM\(f\), got {got}$"):  # fmt: skip
+        agg.Pipeline("mine", rule, pre)
