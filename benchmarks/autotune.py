@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -411,6 +411,7 @@ def autotune(
     timer: Callable[..., float] = time_step,
     log: Callable[[str], None] = print,
     server_kinds: dict[str, list[tuple[str, str]]] | None = None,
+    engines: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Per dataset (`configs`: one run of each dataset the window trains, `feds`: their loaded data): the
     timings, the gate and the choice, then the server side of each (defense, attack) of `server_kinds`
@@ -428,7 +429,8 @@ def autotune(
      "fingerprint": `fingerprint`, "peak": {tflops, measured}} (`add_rates`: TFLOP/s and share of the peak)
 
     A candidate that raises (no compiler, no bf16 kernels) is left out with its error. `timer`: the timing
-    function (tests give a fake one to make a candidate fastest)."""
+    function (tests give a fake one to make a candidate fastest). `engines`: the only engines timed (the
+    reference's always; None: every one of `CANDIDATES`)."""
     tolerances = TOLERANCES if tolerances is None else tolerances
     tic = time.perf_counter()
     report: dict[str, Any] = {"budget_s": budget_s, "tolerances": tolerances, "datasets": {}}
@@ -451,7 +453,7 @@ def autotune(
             return time.perf_counter() - tic + needed <= budget
 
         rate: dict[tuple[str, str], float] = {}
-        for engine in space["engine"]:
+        for engine in [e for e in space["engine"] if engines is None or e in (*engines, REFERENCE[1])]:
             for precision in space["precision"]:
                 size = probe_size(space)
                 # the reference's first size is always timed: without it nothing can be chosen

@@ -45,6 +45,7 @@ import tarfile
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,11 @@ PROBE_MARGIN = 2.0  # a group's estimate: the probe's warm round time x this, un
 # A group's estimate (`Driver.estimate`, from measurements) x this: what is left unmeasured (Python between
 # rounds, a record's write) and the spread of a round's time.
 GROUP_MARGIN = 1.1
+# A group starts only when its estimate x its dataset's overrun fits the time left (`Driver.fits`): after a
+# group, what the estimates learned from it still leave unexplained of its seconds (`Driver.overrun`, at
+# least 1); before any group of the dataset, this: the third H200 window's worst group took 1.24 x its
+# estimate (51.1 s for 41.2 s), and a group killed by the command's `timeout` brings nothing home.
+UNMEASURED_OVERRUN = 1.25
 # Before a run's evaluations were measured: a run-round's evaluation as a share of its local step (issue
 # 41's H200 window: 800 rounds, 80 evaluations, about 3% of a FEMNIST run); replaced by the records'.
 EVAL_SHARE = 0.05
@@ -156,9 +162,11 @@ def environment_text(flags: dict[str, Any], simulate: bool) -> str:
         smi = shutil.which("nvidia-smi")
         if smi:
             query = [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
-            lines.append(
-                f"nvidia-smi: {subprocess.run(query, capture_output=True, text=True).stdout.strip()}"
-            )
+            try:  # a hung nvidia-smi must not hold the window
+                answer = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.strip()
+            except (OSError, subprocess.SubprocessError) as e:
+                answer = f"no answer ({type(e).__name__})"
+            lines.append(f"nvidia-smi: {answer}")
     lines += [f"{k}: {v}" for k, v in flags.items()]
     return "\n".join(lines) + "\n"
 
@@ -186,6 +194,7 @@ class Driver:
         self.server_s: dict[tuple[str, str, str], float] = {}
         self.share_factor: dict[tuple[str, float], float] = {}
         self.eval_s: dict[str, float] = {}
+        self.overrun: dict[str, float] = {}  # dataset -> its latest group: seconds / learned estimate, >= 1
         self.rows: list[dict[str, Any]] = []  # summary rows
         self.left: dict[str, list[Any]] = {}  # step -> its runs no time was left for (so far)
         self.groups_run = 0
@@ -245,7 +254,8 @@ class Driver:
         try:
             fed = training.run_federation(config.resolved(), device)
             report = autotune.autotune({dataset: config}, {dataset: fed}, tolerances=self.args.tolerances,
-                                       log=self.log, server_kinds={dataset: self.kinds(dataset)})  # fmt: skip
+                                       log=self.log, server_kinds={dataset: self.kinds(dataset)},
+                                       engines=getattr(self.args, "engines", None))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - without it the runs go on at fp32, one group size
             note = f"autotune {dataset} failed ({type(e).__name__}: {e}); fp32, batched, the probe's rates"
             self.notes.append(note)
@@ -264,7 +274,13 @@ class Driver:
         if source is None:
             return None, None, "none"
         here = autotune.fingerprint(resolve_device(config.resolved().device))
-        return earlier, source, autotune.mismatch(earlier, here, [dataset])
+        why = autotune.mismatch(earlier, here, [dataset])  # None: its fields are as `autotune` writes them
+        engines = getattr(self.args, "engines", None)
+        if why is None and engines is not None:
+            chosen = earlier["datasets"][dataset]["chosen"]["engine"]
+            if chosen not in (*engines, autotune.REFERENCE[1]):
+                why = f"its choice, engine {chosen}, is not among --engines {','.join(engines)}"
+        return earlier, source, why
 
     def run_floor(self, dataset: str, config: Any, runs: list[Any]) -> float:
         """A lower bound of the seconds of the cheapest of `runs` (`config`: one of them): their local steps
@@ -385,11 +401,20 @@ class Driver:
         per_eval = self.eval_s.get(first.dataset, EVAL_SHARE * step)
         return GROUP_MARGIN * (local + sum(c.rounds * (self.server_estimate(c) + per_eval) for c in batch))
 
+    def needed(self, batch: list[Any]) -> float:
+        """The seconds the group `batch` needs left to start: its estimate x its dataset's overrun
+        (`UNMEASURED_OVERRUN` before any group of it)."""
+        return self.estimate(batch) * self.overrun.get(batch[0].dataset, UNMEASURED_OVERRUN)
+
+    def fits(self, batch: list[Any], left: float) -> bool:
+        return self.needed(batch) <= left
+
     def choose_group(self, todo: list[Any]) -> tuple[list[Any], float]:
         """The next group of `todo` (most wanted first) and its estimate, in the time left: the planned one,
         the first run's compatible runs in order, sized for the most run-rounds per second among the sizes
-        that fit; when none fits, the most wanted runs that do fit (the first that fits alone, then the
-        next compatible ones while the group still fits). ([], the first run's estimate) when none fits."""
+        that fit (`fits`); when none fits, the most wanted runs that do fit (the first that fits alone, then
+        the next compatible ones while the group still fits). ([], the first run's estimate) when none
+        fits."""
         from prodigy_core.groups import group_key
 
         left = self.args.deadline - self.elapsed()
@@ -401,23 +426,24 @@ class Driver:
             return [c for c in todo if group_key(c) == key][:cap] if key is not None else [first]
 
         planned = compatible(todo[0])
-        fits = [planned[:r] for r in range(1, len(planned) + 1) if self.estimate(planned[:r]) <= left]
-        if fits:
-            best = max(fits, key=lambda b: sum(c.rounds for c in b) / max(self.estimate(b), 1e-9))
+        fitting = [planned[:r] for r in range(1, len(planned) + 1) if self.fits(planned[:r], left)]
+        if fitting:
+            best = max(fitting, key=lambda b: sum(c.rounds for c in b) / max(self.estimate(b), 1e-9))
             return best, self.estimate(best)
         for first in todo:
-            if self.estimate([first]) > left:
+            if not self.fits([first], left):
                 continue
             batch = [first]
             for c in compatible(first):
-                if c is not first and len(batch) < cap and self.estimate([*batch, c]) <= left:
+                if c is not first and len(batch) < cap and self.fits([*batch, c], left):
                     batch.append(c)
             return batch, self.estimate(batch)
         return [], self.estimate(todo[:1])
 
-    def learn(self, batch: list[Any], records: list[dict | None]) -> None:
+    def learn(self, batch: list[Any], records: list[dict | None], seconds: float | None = None) -> None:
         """Update the estimates from a finished group's records (`phase_seconds`): each kind's server side
-        per round, the dataset's local-step factor and evaluation per run-round."""
+        per round, the dataset's local-step factor and evaluation per run-round; then, from the group's
+        `seconds`, the dataset's overrun: what the updated estimates leave unexplained of them (`needed`)."""
         done = [(c, r) for c, r in zip(batch, records, strict=True) if r and r.get("phase_seconds")]
         if not done:
             return
@@ -433,6 +459,9 @@ class Driver:
         measured = sum(r["phase_seconds"]["local"] for _, r in done)
         if len(done) == len(batch) and 0 < predicted < float("inf") and measured > 0:
             self.share_factor[share_key(dataset, share)] = measured / predicted
+        explained = self.estimate(batch) / GROUP_MARGIN
+        if seconds is not None and explained > 0:
+            self.overrun[dataset] = max(1.0, seconds / explained)
 
     def prepare(self, dataset: str, config: Any, first: bool = False, runs: list[Any] = ()) -> bool:
         """Make `dataset` ready when the first step that trains it comes up (`config`: one of its runs,
@@ -685,7 +714,7 @@ class Driver:
             row["seconds"] += seconds
             rounds = sum(c.rounds for c in batch)
             self.rates[batch[0].dataset] = seconds / rounds
-            self.learn(batch, records)
+            self.learn(batch, records, seconds)
             for c, record in zip(batch, records, strict=True):
                 what = f"{c.variant} {c.defense} / {c.attack} beta={c.local_momentum} T={c.rounds}"
                 if record is not None:
@@ -717,8 +746,9 @@ class Driver:
         return [store.stored_record(folder, c.key()) for c in batch]
 
     def cheapest(self, todo: list[Any]) -> float:
-        """The estimate of the cheapest single run of `todo` whose data set is ready (inf when none)."""
-        return min((self.estimate([c]) for c in todo if c.dataset in self.ready), default=float("inf"))
+        """The seconds the cheapest single run of `todo` whose data set is ready needs left to start
+        (`needed`; inf when none)."""
+        return min((self.needed([c]) for c in todo if c.dataset in self.ready), default=float("inf"))
 
     # --------------------------------------------------------------------------------- what comes home
     def refresh_out(self, final: bool = False) -> None:
@@ -960,6 +990,17 @@ def share_key(dataset: str, share: float) -> tuple[str, float]:
     return dataset, round(share, 3)
 
 
+def guarded(driver: Driver, what: str, call: Callable[[], Any]) -> None:
+    """`call()`, an error of it logged and noted in summary.txt instead of ending the command: for the steps
+    around the runs, whose failure must not cost the window its runs."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001
+        note = f"{what} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        driver.notes.append(note)
+        driver.log(note)
+
+
 def init_profiler_for_cuda_graphs() -> None:
     """torch.profiler started once, on CUDA, before any CUDA graph is captured: profiling the replay of a
     graph captured before the profiler's first use has raised illegal memory accesses, which end the process
@@ -1013,11 +1054,13 @@ def keep_earlier_commands(work: Path, files: dict[str, bytes], tarball: Path) ->
 def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
     """The plan's steps, each dataset made ready when its first step comes up (`Driver.prepare`), the first
     step's profiled (`run` after the preflight and the setup)."""
+    driver.refresh_out()  # the resumed records, env and log come home even if what follows hangs
     first = driver.experiment(plan(args.profile, args.simulate)[0]).configs[0]
     profiling = getattr(args, "profile_step", True)
     if profiling:
-        init_profiler_for_cuda_graphs()  # before the autotune captures any graph
+        guarded(driver, "the profiler's start", init_profiler_for_cuda_graphs)  # before any graph's capture
     driver.prepare(first.dataset, first, first=True)
+    driver.refresh_out()  # the autotune's measurements
     if profiling:
         driver.profile()
     driver.refresh_out()
@@ -1038,7 +1081,7 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
     if args.profile == "mini" and not args.fail_step:
         throughput(driver)
     driver.refresh_out(final=True)  # $OUT's and the tarball's: a kill in the timings below keeps them whole
-    driver.time_left_out()
+    guarded(driver, "the timings left out", driver.time_left_out)
     driver.refresh_out(final=True)
     driver.log((work / "summary.txt").read_text().rstrip())
     return EXIT_FAILED if driver.failed() else 0
@@ -1355,6 +1398,18 @@ def write_provenance(records: list[tuple[str, dict, bool]], figures_dir: Path, e
     return path
 
 
+def engines_arg(text: str) -> tuple[str, ...]:
+    """--engines: names of engines the autotune can time (`autotune.engine_candidates` on CUDA)."""
+    from benchmarks import autotune
+
+    known = autotune.engine_candidates("cuda")
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: engines among {', '.join(known)}, comma-separated")
+    return names
+
+
 def group_size_arg(text: str) -> int:
     """--group-size: a whole number of runs >= 1 (0 would train nothing and stop as at the deadline)."""
     if not text.strip().isdigit() or int(text) < 1:
@@ -1409,6 +1464,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                    "software (default: the --resume tarball's)")  # fmt: skip
     p.add_argument("--no-profile", dest="profile_step", action="store_false",
                    help="skip the torch.profiler step (profile.txt)")  # fmt: skip
+    p.add_argument("--engines", type=engines_arg, help="comma-separated: the only engines the autotune times "
+                   "(batched, the reference, always), e.g. batched,channels_last after an engine broke a "
+                   "command (default: autotune.engine_candidates)")  # fmt: skip
     p.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     p.set_defaults(tolerances=None)  # tests: the gate's tolerances (None: autotune.TOLERANCES)
     args = p.parse_args(argv)

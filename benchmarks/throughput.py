@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     def say(*cells: str) -> None:
         rows.append(cells)
         print(" | ".join(c for c in cells if c), flush=True)  # the file's table keeps the empty cells
+        write()
 
     def write() -> None:
         """After every row and profile: a command killed by its timeout keeps what it measured."""
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         if profiles:
             (args.out / "variants-profile.txt").write_text(profiles, encoding="utf-8")
 
+    write()  # the device and its peak, whatever a timing below does to the process
     loaded = {}  # dataset: (config, federation, FLOPs per image)
     for dataset in args.datasets:
         config = RunConfig(**SETTINGS[dataset], device=str(device), batch_size=64)
@@ -190,32 +192,40 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         first = time.perf_counter() - tic - args.steps * seconds
         images = size * config.n_clients * config.batch_size / seconds
         rate = images * flops / 1e12
-        say(*row, f"{images:,.0f}", f"{rate:.3g}", f"{100 * rate / peak:.2g}%", f"{first:.3g}")
         fastest[dataset][engine] = max(fastest[dataset].get(engine, (0.0, "", 0)), (images, precision, size))
-        write()
+        say(*row, f"{images:,.0f}", f"{rate:.3g}", f"{100 * rate / peak:.2g}%", f"{first:.3g}")
 
-    # One compiled row first (the first dataset, precision and size), the others after every other engine:
-    # no window has timed compiled yet (issue 44), and at the start of --budget a compilation longer than
-    # COMPILE_S costs later rows, which are then listed as not timed, where at its end the outer timeout
-    # would kill it.
+    # The first dataset's rows, then one compiled row (its first precision and size), then the other
+    # datasets', then the other compiled rows: no window has timed compiled yet (issue 44), and a cold
+    # compilation longer than COMPILE_S at the start of --budget cost every later row (at its end the outer
+    # timeout would kill it), but at the very start it could also take every row with it.
     head = None
     if "compiled" in engines and loaded:
         head = (next(iter(loaded)), "compiled", precisions[0], sizes[0])
-        timed(*head)
-    for selected in ([e for e in engines if e != "compiled"], [e for e in engines if e == "compiled"]):
+
+    def section(dataset: str, selected: list[str]) -> None:
+        nonlocal profiles
+        for engine in selected:
+            for precision in precisions:
+                for size in sizes:
+                    if (dataset, engine, precision) in refused:  # at a smaller size, or the head row
+                        break
+                    if (dataset, engine, precision, size) != head:
+                        timed(dataset, engine, precision, size)
+        if args.profile:
+            config, fed, _ = loaded[dataset]
+            chosen = {e: v for e, v in fastest[dataset].items() if e in selected}
+            profiles += profile_engines(config, fed, chosen, cuda, fits)
+            write()
+
+    others = [e for e in engines if e != "compiled"]
+    for i, dataset in enumerate(loaded):
+        section(dataset, others)
+        if i == 0 and head is not None:
+            timed(*head)
+    if "compiled" in engines:
         for dataset in loaded:
-            for engine in selected:
-                for precision in precisions:
-                    for size in sizes:
-                        if (dataset, engine, precision) in refused:  # at a smaller size, or the head row
-                            break
-                        if (dataset, engine, precision, size) != head:
-                            timed(dataset, engine, precision, size)
-            if args.profile:
-                config, fed, _ = loaded[dataset]
-                chosen = {e: v for e, v in fastest[dataset].items() if e in selected}
-                profiles += profile_engines(config, fed, chosen, cuda, fits)
-                write()
+            section(dataset, ["compiled"])
     write()
     return 0
 

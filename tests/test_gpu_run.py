@@ -83,7 +83,8 @@ def test_simulated_run_brings_home_every_finished_run_within_the_limits(gpu_run,
 def test_a_short_deadline_stops_between_groups_and_keeps_what_finished(gpu_run, tmp_path, data, monkeypatch):
     clock = iter(range(0, 10**6, 5))  # every reading of the clock is 5 s later: a slow, deterministic machine
     monkeypatch.setattr(gpu_run.time, "monotonic", lambda: next(clock))
-    code, out, work = simulate(gpu_run, tmp_path, data, "--deadline", "60", "--group-size", "1")
+    # 80 s: the readings before the first group (the early tarballs' summaries read it too) cost 5 s each
+    code, out, work = simulate(gpu_run, tmp_path, data, "--deadline", "80", "--group-size", "1")
     assert code == 0  # stopping at the deadline is not a failure
     rows = summary_rows(out)
     done = sum(int(r[1]) for r in rows.values())
@@ -138,7 +139,7 @@ def test_import_writes_the_records_apart_and_a_provenance(gpu_run, tmp_path, dat
 def test_resume_skips_the_runs_an_earlier_command_finished(gpu_run, tmp_path, data, monkeypatch):
     clock = iter(range(0, 10**6, 5))
     monkeypatch.setattr(gpu_run.time, "monotonic", lambda: next(clock))
-    code, first, work1 = simulate(gpu_run, tmp_path / "1", data, "--deadline", "60", "--group-size", "1")
+    code, first, work1 = simulate(gpu_run, tmp_path / "1", data, "--deadline", "80", "--group-size", "1")
     monkeypatch.undo()
     before = finished_keys(work1)
     assert code == 0 and before

@@ -107,6 +107,25 @@ def test_a_share_above_every_measured_one_keeps_the_largest_factor(gpu_run, femn
     assert driver.local_estimate([sf]) == pytest.approx(52.16 / 0.7)
 
 
+def test_a_group_starts_only_when_its_estimate_times_its_datasets_overrun_fits(gpu_run, femnist_driver):
+    """Helper 48: a group whose estimate alone fits starts, and the third window's groups took up to 1.24 x
+    their estimate; one the outer `timeout` kills brings nothing home. Before any group of the data set its
+    estimate x UNMEASURED_OVERRUN must fit; after one, x what its learned estimates leave unexplained of its
+    seconds (a ProDiGy + SF group with 55.66 s in its phases that took 70 s: 14.34 s of start-up no phase
+    holds), so the same group then needs GROUP_MARGIN x 70 s; one that took less than its phases leaves 1."""
+    driver, sf, _ = femnist_driver
+    before = driver.estimate([sf])
+    assert driver.needed([sf]) == pytest.approx(before * gpu_run.UNMEASURED_OVERRUN)
+    assert not driver.fits([sf], before * 1.2) and driver.fits([sf], before * 1.25)
+    phases = {"local": 0.0652 * 800, "craft": 0.0, "aggregate": 1.9, "eval": 0.4, "rest": 1.2}
+    driver.learn([sf], [{"phase_seconds": phases, "rounds_completed": 800}], seconds=70.0)
+    assert driver.estimate([sf]) == pytest.approx(gpu_run.GROUP_MARGIN * 55.66)  # the phases, x the margin
+    assert driver.needed([sf]) == pytest.approx(gpu_run.GROUP_MARGIN * 70.0)
+    assert driver.cheapest([sf]) == float("inf")  # its data set not made ready here: not estimated
+    driver.learn([sf], [{"phase_seconds": phases, "rounds_completed": 800}], seconds=50.0)
+    assert driver.needed([sf]) == pytest.approx(gpu_run.GROUP_MARGIN * 55.66)
+
+
 # ------------------------------------------------------------------------------------------------ W3
 def test_after_the_runs_the_server_side_comes_home_first_and_compiled_last_with_its_margin(
     gpu_run, tmp_path, monkeypatch
@@ -301,6 +320,76 @@ def test_a_later_dataset_is_prepared_only_with_time_for_a_run_of_it(
         assert calls == ["decode", "check", "probe", "autotune"] and "cifar10" in driver.ready
 
 
+def test_engines_leaves_out_an_earlier_autotune_choosing_an_engine_it_excludes(gpu_run, tmp_path):
+    """--engines, the way round an engine that broke a command: an earlier autotune that chose an engine it
+    leaves out is not reused (its runs would use it); one that chose the reference (batched) or a named one
+    is; a name that is no engine is a usage line."""
+    from prodigy_core.config import RunConfig
+
+    config = RunConfig(dataset="cifar10", device="cpu")
+    cases = [(("channels_last",), "batched", True), (("channels_last",), "bmm_conv", False),
+             (("bmm_conv", "channels_last"), "bmm_conv", True)]  # fmt: skip
+    for engines, chosen, reused in cases:
+        driver = driver_for(gpu_run, tmp_path, engines=engines)
+        driver.args.autotune = earlier_report(gpu_run, tmp_path, reusable=True)
+        report = json.loads(driver.args.autotune.read_text())
+        report["datasets"]["cifar10"]["chosen"]["engine"] = chosen
+        driver.args.autotune.write_text(json.dumps(report))
+        why = driver.reusable("cifar10", config)[2]
+        assert (why is None) == reused, why
+        if not reused:
+            assert why == f"its choice, engine {chosen}, is not among --engines {','.join(engines)}"
+    assert gpu_run.engines_arg(" channels_last, bmm_conv,channels_last") == ("channels_last", "bmm_conv")
+    for bad in ("batched,warp", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"'{bad}': engines among batched, "):
+            gpu_run.engines_arg(bad)
+
+
+def tarred_records(out: Path) -> list[str]:
+    with tarfile.open(out / "results.tar.gz") as tar:
+        return [n for n in tar.getnames() if n.startswith("results/")]
+
+
+def test_out_holds_the_resumed_records_before_anything_can_hang_and_a_failed_side_step_is_noted(
+    gpu_run, tmp_path, monkeypatch
+):
+    """Helper 48: $OUT got its first tarball only after the check, probe, autotune and profile (60-90 s in);
+    a hang there left env.txt alone. It is written first now, the resumed records in it. The profiler's start
+    and the timings left out after the runs failing (a CUDA error, say) are noted in summary.txt, and the
+    command goes on and ends as it would have."""
+    fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
+    first = tmp_path / "first"
+    argv = ["--simulate", "--data", str(tmp_path / "none"), "--deadline", "35", "--no-profile"]
+    assert gpu_run.main([*argv, "--out", str(first), "--work", str(tmp_path / "w1")]) == 0
+    records = tarred_records(first)
+    assert records
+
+    class Hang(Exception):
+        pass
+
+    def prepare(self, *args, **kwargs):
+        raise Hang  # what a hang looks like to what came home before it
+
+    monkeypatch.setattr(gpu_run.Driver, "prepare", prepare)
+    second = tmp_path / "second"
+    with pytest.raises(Hang):
+        gpu_run.main([*argv, "--out", str(second), "--work", str(tmp_path / "w2"), "--resume",
+                      str(first / "results.tar.gz")])  # fmt: skip
+    assert tarred_records(second) == records
+    monkeypatch.undo()
+
+    fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
+    monkeypatch.setattr(gpu_run, "init_profiler_for_cuda_graphs", lambda: 1 / 0)
+    monkeypatch.setattr(gpu_run.Driver, "profile", lambda self: None)
+    monkeypatch.setattr(gpu_run.Driver, "time_left_out", lambda self: [][0])
+    third = tmp_path / "third"
+    argv = ["--simulate", "--data", str(tmp_path / "none"), "--deadline", "35"]
+    assert gpu_run.main([*argv, "--out", str(third), "--work", str(tmp_path / "w3")]) == 0
+    summary = (third / "summary.txt").read_text()
+    assert "the profiler's start failed (ZeroDivisionError: division by zero)" in summary
+    assert "the timings left out failed (IndexError: list index out of range)" in summary
+
+
 # ------------------------------------------------------------------------------------------ W7, W1
 def run_throughput(monkeypatch, *argv, started=None):
     from benchmarks import throughput
@@ -318,14 +407,36 @@ def run_throughput(monkeypatch, *argv, started=None):
     return timed
 
 
-def test_throughput_times_one_compiled_row_first_and_the_others_last(monkeypatch):
-    """Issue 44's missing number: one compiled row (the first dataset, precision and size) before every other
-    engine, where a long compilation costs later rows of --budget instead of the outer timeout's kill; the
-    other compiled rows after every other engine."""
-    timed = run_throughput(monkeypatch)
-    batched = [("batched", p, z) for p in ("fp32", "bf16") for z in (1, 2)]
-    compiled = [("compiled", "fp32", 2), ("compiled", "bf16", 1), ("compiled", "bf16", 2)]
-    assert timed == [("compiled", "fp32", 1), *batched, *compiled]
+def test_throughput_times_a_compiled_row_after_the_first_datasets_and_the_others_last(monkeypatch, tmp_path):
+    """Issue 44's missing number: one compiled row (the first dataset, precision and size) after the first
+    dataset's other engines and before the other datasets', where a long compilation costs later rows of
+    --budget instead of the outer timeout's kill, yet cannot take the first dataset's rows with it; the other
+    compiled rows after every other engine. throughput.md is written before any timing and after every row
+    (helper 48: a compilation killed by the timeout left $OUT empty)."""
+    from benchmarks import throughput
+
+    monkeypatch.setitem(throughput.SETTINGS, "digits12", {**throughput.SETTINGS["digits"], "n_clients": 12})
+    monkeypatch.setattr(throughput, "flops_per_image", lambda dataset, shape: 1e6)
+    out, written = tmp_path / "out", []
+    timed = []
+
+    def time_step(config, fed, precision, engine, size, steps):
+        rows = (out / "throughput.md").read_text().count("\n| digits")  # what came home before this row
+        written.append(rows)
+        timed.append((config.n_clients, engine, precision, size))
+        return 0.01
+
+    monkeypatch.setattr(throughput, "time_step", time_step)
+    args = ["--datasets", "digits", "digits12", "--engines", "batched", "compiled", "--precisions", "fp32",
+            "bf16", "--sizes", "1", "2", "--steps", "1", "--peak-size", "64", "--out", str(out)]  # fmt: skip
+    assert throughput.main(args) == 0
+    every = [(p, z) for p in ("fp32", "bf16") for z in (1, 2)]
+    assert timed == [*[(10, "batched", p, z) for p, z in every], (10, "compiled", "fp32", 1),
+                     *[(12, "batched", p, z) for p, z in every],
+                     *[(10, "compiled", p, z) for p, z in every[1:]],
+                     *[(12, "compiled", p, z) for p, z in every]]  # fmt: skip
+    assert written == list(range(len(timed)))  # the title first, then each row as it was timed
+    assert (out / "throughput.md").read_text().count("\n| digits") == len(timed)
 
 
 def test_a_refused_compiled_head_row_is_not_tried_again(monkeypatch, capsys):
@@ -347,7 +458,7 @@ def test_a_refused_compiled_head_row_is_not_tried_again(monkeypatch, capsys):
             "--sizes", "1", "2", "--steps", "1", "--peak-size", "64"]  # fmt: skip
     assert throughput.main(args) == 0
     batched = [("batched", p, z) for p in ("fp32", "bf16") for z in (1, 2)]
-    assert timed == [("compiled", "fp32", 1), *batched, ("compiled", "bf16", 1), ("compiled", "bf16", 2)]
+    assert timed == [*batched, ("compiled", "fp32", 1), ("compiled", "bf16", 1), ("compiled", "bf16", 2)]
     assert capsys.readouterr().out.count("refused: RuntimeError: no C compiler") == 1
 
 
