@@ -195,6 +195,7 @@ class Driver:
         self.share_factor: dict[tuple[str, float], float] = {}
         self.eval_s: dict[str, float] = {}
         self.overrun: dict[str, float] = {}  # dataset -> its latest group: seconds / learned estimate, >= 1
+        self.group_cap: dict[str, int] = {}  # dataset -> half the size of its last group out of memory
         self.rows: list[dict[str, Any]] = []  # summary rows
         self.left: dict[str, list[Any]] = {}  # step -> its runs no time was left for (so far)
         self.groups_run = 0
@@ -419,7 +420,7 @@ class Driver:
 
         left = self.args.deadline - self.elapsed()
         largest = max(self.step_s(todo[0].dataset), default=self.group_size)
-        cap = min(self.group_size, largest)
+        cap = min(self.group_size, largest, self.group_cap.get(todo[0].dataset, self.group_size))
 
         def compatible(first: Any) -> list[Any]:
             key = group_key(first)
@@ -715,19 +716,23 @@ class Driver:
             rounds = sum(c.rounds for c in batch)
             self.rates[batch[0].dataset] = seconds / rounds
             self.learn(batch, records, seconds)
+            failed = [c for c, r in zip(batch, records, strict=True) if r is None]
+            errors = {c.key(): failure_error(folder, c) for c in failed}
+            again = [c for c in batch if OUT_OF_MEMORY in errors.get(c.key(), "")] if len(batch) > 1 else []
+            if again:  # the group, not its runs: they go again, first, in groups of at most half its size
+                self.group_cap[batch[0].dataset] = len(batch) // 2
+                todo = again + todo
+                self.log(f"   out of memory in a group of {len(batch)}: its {len(again)} runs again, in "
+                         f"groups of at most {len(batch) // 2}")  # fmt: skip
             for c, record in zip(batch, records, strict=True):
                 what = f"{c.variant} {c.defense} / {c.attack} beta={c.local_momentum} T={c.rounds}"
                 if record is not None:
                     row["done"] += 1
                     self.log(f"   done   {what}: {record['final_accuracy']:.2f}%")
-                else:
+                elif c not in again:
                     row["failed"] += 1
                     self.failed_keys.add(c.key())
-                    failure = store.failure_path(folder, c.key())
-                    error = (
-                        json.loads(failure.read_text()).get("error", "?") if failure.exists() else "no record"
-                    )
-                    self.log(f"   FAILED {what}: {error}")
+                    self.log(f"   FAILED {what}: {errors[c.key()]}")
             self.log(f"   group of {len(batch)} in {seconds:.1f} s (estimated {estimate:.1f} s; t = "
                      f"{self.elapsed():.0f} s); {phase_line(batch, records)}")  # fmt: skip
             self.refresh_out()
@@ -1024,6 +1029,20 @@ def profile_tables(prof: Any, cuda: bool, rows: int = PROFILE_ROWS) -> str:
         text += f"\n## top {rows} {title} by {key}\n\n"
         text += averages.table(sort_by=key, row_limit=rows, max_name_column_width=60) + "\n"
     return text
+
+
+OUT_OF_MEMORY = "OutOfMemoryError"  # torch.OutOfMemoryError, in a failure record's error
+
+
+def failure_error(folder: Path, config: Any) -> str:
+    """The error of `config`'s failure record in `folder` ("no record" without one)."""
+    from prodigy_core import results as store
+
+    failure = store.failure_path(folder, config.key())
+    try:
+        return str(json.loads(failure.read_text(encoding="utf-8")).get("error", "?"))
+    except (OSError, ValueError, AttributeError):
+        return "no record"
 
 
 def made(folder: Path, config: Any) -> bool:

@@ -385,6 +385,33 @@ def test_engines_times_only_the_named_engines_and_the_reference(digits, grouped_
     assert tune["chosen"]["engine"] == ("bmm_conv" if "bmm_conv" in engines else "batched")
 
 
+def test_a_failing_gate_reference_server_side_or_rate_keeps_the_timings_and_chooses_the_reference(
+    digits, grouped_space, monkeypatch
+):
+    """Helper 48: one exception anywhere in the gate's references, the server side or the rates lost every
+    timing row (the driver then ran fp32/batched at the probe's rates, the measurements gone). Each now fails
+    alone: the timings kept, nothing gated accepted (the reference chosen), the error in the gate and log."""
+    config, fed = digits
+    monkeypatch.setattr(autotune, "time", FakeClock(0.01))
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    for name in ("trajectory", "server_costs", "add_rates"):
+        monkeypatch.setattr(autotune, name, fails)
+    lines: list[str] = []
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=lambda r, f, p, e, z: 0.01 * z,
+                               log=lines.append, server_kinds={"digits": [("none", "sf")]})  # fmt: skip
+    tune = report["datasets"]["digits"]
+    assert {(row["precision"], row["engine"]) for row in tune["timings"] if "step_s" in row} == {
+        (p, e) for p in grouped_space["precision"] for e in grouped_space["engine"]}
+    assert tune["chosen"] == {"precision": "fp32", "engine": "batched"} and tune["server_s"] == {}
+    assert tune["gate"] and all(not g["accepted"] and g["measures"]["error"].startswith(
+        "the fp32 reference failed: RuntimeError: CUDA error") for g in tune["gate"])  # fmt: skip
+    assert sum("server side not measured (RuntimeError" in x for x in lines) == 1
+    assert sum("TFLOP/s and peak share not added (RuntimeError" in x for x in lines) == 1
+
+
 def test_a_candidate_the_timing_budget_leaves_out_is_listed_as_not_timed(digits, grouped_space, monkeypatch):
     """A budget with room for three timings: the first three candidates at their probe size, the other three
     listed with the reason, no size explored; the reference's probe is timed whatever the budget."""

@@ -466,3 +466,36 @@ def test_throughputs_budget_counts_from_the_process_start(monkeypatch, capsys):
     """throughput.py started 1,000 s ago (its `import torch` included), --budget 500: nothing starts."""
     timed = run_throughput(monkeypatch, "--budget", "500", started=time.perf_counter() - 1000)
     assert timed == [] and capsys.readouterr().out.count("not timed: the --budget was spent") == 8
+
+
+def test_a_group_out_of_memory_goes_again_in_groups_of_half_its_size(gpu_run, tmp_path, monkeypatch):
+    """Helper 48: a group whose size the autotune's step timing allowed but whose aggregation, evaluation or
+    captured graphs' memory did not failed every member, and those runs were not tried again in the command.
+    Here every pair runs out of memory: its runs go again, first, alone, and none is counted failed."""
+    import torch
+
+    from prodigy_core import results as store
+
+    fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
+    fits_alone = gpu_run.Driver.train_group
+    sizes = []
+
+    def train_group(self, exp, batch, folder):
+        sizes.append(len(batch))
+        if len(batch) == 1:
+            return fits_alone(self, exp, batch, folder)
+        for c in batch:
+            error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            store.save_failure(folder, c.key(), c.to_dict(), error, exp.results_name)
+        return [None] * len(batch)
+
+    monkeypatch.setattr(gpu_run.Driver, "train_group", train_group)
+    out = tmp_path / "out"
+    argv = ["--simulate", "--data", str(tmp_path / "none"), "--out", str(out), "--work", str(tmp_path / "w"),
+            "--deadline", "1000", "--no-profile"]  # fmt: skip
+    assert gpu_run.main(argv) == 0
+    rows = summary_rows(out)
+    assert all(r[4] == "done" and r[0] == r[1] and r[2] == "0" for r in rows.values()), rows
+    assert sizes[0] == 2 and set(sizes[1:]) == {1}  # the pair once, then every run alone (cap 1 for digits)
+    log = (tmp_path / "w" / "log.txt").read_text()
+    assert "out of memory in a group of 2: its 2 runs again, in groups of at most 1" in log
