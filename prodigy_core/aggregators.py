@@ -241,6 +241,7 @@ def geometry(G: Tensor, extra: Tensor | None = None, origin: bool = False) -> Ge
 
     K, D and bad are on the CPU whatever G's device, since the rules' N x N algebra runs on the host: moving K
     there is the one wait for the device (two when recentring)."""
+    _check_input(G, "geometry")
     N = G.shape[0]
     K = _ranged_gram(G, extra, origin)
     bad = ~torch.isfinite(K.diagonal()[:N])
@@ -771,7 +772,11 @@ class CClip(Rule):
         return {"prev": None if self.prev is None else self.prev.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.prev = None if state.get("prev") is None else state["prev"].clone()
+        prev = state.get("prev")
+        if prev is not None and not isinstance(prev, Tensor):
+            raise ValueError(f"{self!r}.load_state_dict: prev must be the last aggregate (d,) or None, got "
+                             f"{shape_of(prev)}")  # fmt: skip
+        self.prev = None if prev is None else prev.clone()
 
     def __repr__(self) -> str:
         variant = ", variant='authors'" if self.variant == "authors" else ""
@@ -1090,6 +1095,8 @@ class Pipeline:
         try:
             for p in self.pre:
                 m = p.check_n(m)
+            if self.pre and m < 2:  # a rule's input is at least 2 vectors (`_check_input`)
+                raise ValueError(f"{self.rule!r} needs at least 2 vectors, got {m}")
             self.rule.check_n(m)
         except ValueError as e:
             via = f" ({m} vectors after {', '.join(map(repr, self.pre))})" if self.pre else ""
@@ -1246,6 +1253,9 @@ class Pipeline:
 
     def new_round(self, model: Tensor) -> None:
         """Tell the rule the current model parameters theta_t (d,) (see `Rule.new_round`)."""
+        if not isinstance(model, Tensor) or model.dim() != 1:
+            raise ValueError(f"{self.name}.new_round takes the model parameters as one vector (d,), e.g. "
+                             f"parameters_to_vector(model.parameters()), got {shape_of(model)}")  # fmt: skip
         self.rule.new_round(model)
 
     def reset(self) -> None:
@@ -1255,6 +1265,9 @@ class Pipeline:
         return {"rule": self.rule.state_dict(), "pre": [p.state_dict() for p in self.pre]}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, Mapping):
+            raise ValueError(f"{self.name}.load_state_dict takes what state_dict() returned, a mapping, got "
+                             f"{shape_of(state)}")  # fmt: skip
         self.rule.load_state_dict(state.get("rule", {}))
         for p, s in zip(self.pre, state.get("pre", []), strict=False):
             p.load_state_dict(s)

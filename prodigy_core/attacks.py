@@ -837,9 +837,13 @@ class ALIESpread(LineSearchAttack):
         self, rhos: tuple[float, ...] = (0.25, 0.5, 1.0), generator: torch.Generator | None = None
     ) -> None:
         super().__init__()
-        rhos = tuple(float(r) for r in rhos)
-        if not rhos or min(rhos) < 0:
-            raise ValueError(f"alie_spread: rhos={rhos} must be a non-empty tuple of values >= 0")
+        try:
+            numbers = tuple(float(r) for r in rhos)
+        except (TypeError, ValueError):
+            numbers = ()
+        if not numbers or min(numbers) < 0:
+            raise ValueError(f"alie_spread: rhos={rhos!r} must be a non-empty tuple of numbers >= 0")
+        rhos = numbers
         self.rhos, self.generator = rhos, generator
         self.last_rho: float | None = None
 

@@ -88,7 +88,9 @@ def shorten_quoted(text: str) -> str:
         q, body = m[1], m[2]
         return f"{q}{body[:40]}...{q} ({len(body)} characters)"
 
-    return re.sub(rf"(['\"])([^'\"]{{{QUOTED_LIMIT + 1},}})\1", cut, text)
+    # a quote opens a value only after a non-word character (='x', ('x', a space), and closes one only before
+    # another: else the text between two values ("'prodigy'?); valid: ..., defense='") is taken for one
+    return re.sub(rf"(?<!\w)(['\"])([^'\"]{{{QUOTED_LIMIT + 1},}})\1(?!\w)", cut, text)
 
 
 class SettingsUpdate(dict):

@@ -20,7 +20,7 @@ import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ EXECUTORS = ("local", "ray")
 # A grid of more runs than this announces its size and its expansion time (timed on the first
 # LARGE_GRID_SAMPLE runs) before it is expanded: 10,000 runs take seconds, a million minutes.
 LARGE_GRID, LARGE_GRID_SAMPLE = 1000, 16
-SCALES = ("smoke", "mini", "paper")
+SCALES = paths.SCALES
 
 
 def scale_folder(name: str, scale: str) -> str:
@@ -176,6 +176,17 @@ def check_scale(scale: str | None, smoke: bool = False) -> str:
     return scale
 
 
+# The top-level keys that hold a list or a mapping, what they hold and an example: an override given as text
+# (papermill's -p) is refused naming them, not reported later as the params file's mistake.
+STRUCTURED_KEYS = {
+    "seeds": ("a list of seeds", "[0, 1, 2]"),
+    "base": ("a mapping of run fields", "{rounds: 50}"),
+    "grid": ("a mapping of axes", "{attack: [alie, sf]}"),
+    "mini": ("a mapping", "{rounds: 100}"),
+    "report": ("a mapping", "{rows: defense, columns: attack}"),
+}
+
+
 def load_experiment(
     path_or_name: str | os.PathLike,
     smoke: bool = False,
@@ -192,9 +203,11 @@ def load_experiment(
     mini runs are stored apart from paper-scale ones (`results/<experiment>-smoke/`, `-mini/`) and say so in
     every title.
 
-    overrides: top-level YAML keys to replace (base, grid, seeds, ...); keys whose value is None are ignored
-    (the notebooks' papermill parameters). fields: RunConfig fields to pin in every run (`--set key=value`):
-    they go into `base` and the grid axis of the same name, if any, is dropped.
+    overrides: top-level YAML keys to change (the notebooks' papermill parameters): a mapping (base, grid,
+    mini, report) merges into the file's key by key (``{"base": {"rounds": 50}}`` keeps the rest of the
+    file's base), any other value replaces it; a value of None is ignored. fields: RunConfig fields to pin in
+    every run (`--set key=value`): they go into `base` and the grid axis of the same name, if any, is
+    dropped.
     """
     scale = check_scale(scale, smoke)
     path = resolve_params(path_or_name)
@@ -211,7 +224,17 @@ def load_experiment(
         raise ConfigError(
             f"{path}: expected a mapping of {', '.join(TOP_LEVEL_KEYS)}, got {type(spec).__name__}"
         )
-    spec.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if isinstance(value, str) and key in STRUCTURED_KEYS:  # papermill's -p passes text
+            raise ConfigError(
+                f"{key}={value!r} (a notebook parameter or override) is text where {path.name}'s {key} is "
+                f'{STRUCTURED_KEYS[key][0]}: give it as YAML, with papermill -y "{key}: '
+                f'{STRUCTURED_KEYS[key][1]}" instead of -p'
+            )
+        mappings = isinstance(value, Mapping) and isinstance(spec.get(key), Mapping)
+        spec[key] = {**spec[key], **value} if mappings else value
     return experiment_from_spec(spec, source=path, fields=fields, scale=scale)
 
 

@@ -21,6 +21,7 @@ ENV_RESULTS, ENV_FIGURES, ENV_DATA = "PRODIGY_RESULTS_DIR", "PRODIGY_FIGURES_DIR
 # The scale a notebook opened in JupyterLab runs at: "interactive" (something real in about two minutes on 2
 # cores, each notebook says what); CI sets PRODIGY_SCALE=smoke (the root conftest.py); papermill injects one.
 ENV_SCALE, INTERACTIVE = "PRODIGY_SCALE", "interactive"
+SCALES = ("smoke", "mini", "paper")  # a params file's scales (`experiments.load_experiment`)
 OUTPUTS = "outputs"  # <project>/outputs: where tables and figures go by default (git-ignored)
 COMMITTED_FIGURES = SOURCE_ROOT / "figures"  # a clone's committed reference tables (absent in a wheel)
 
@@ -74,8 +75,13 @@ def data_dir() -> Path:
 
 
 def notebook_scale() -> str:
-    """A notebook's default scale: env PRODIGY_SCALE (CI: "smoke"), else "interactive"."""
-    return os.environ.get(ENV_SCALE) or INTERACTIVE
+    """A notebook's default scale: env PRODIGY_SCALE (CI: "smoke"), else "interactive"; an unknown one is an
+    error naming the variable."""
+    scale = os.environ.get(ENV_SCALE) or INTERACTIVE
+    if scale not in (INTERACTIVE, *SCALES):
+        raise ValueError(f"env {ENV_SCALE}={scale!r} is unknown; valid: {', '.join((INTERACTIVE, *SCALES))} "
+                         f"(unset it for {INTERACTIVE})")  # fmt: skip
+    return scale
 
 
 def package_folder(name: str) -> Path:

@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -219,6 +220,30 @@ def test_same_config_same_key_and_any_result_field_changes_it():
 def test_keys_in_the_grid_are_distinct_per_run():
     experiment = load_experiment("table1_cifar10")
     assert len({c.key() for c in experiment.configs}) == len(experiment.configs)
+
+
+def test_a_mapping_override_merges_into_the_files_so_the_rest_of_the_setting_stays():
+    """A notebook's `-y "base: {rounds: 50}"` replaced Table II's whole base: its 252 runs were built on
+    digits, N=10, f=3, E=1 under the title "Table II: FEMNIST, N=20, f=6" (a notebook audit, helper 50)."""
+    paper = load_experiment("table2_femnist_n20").configs
+    changed = load_experiment("table2_femnist_n20", overrides={"base": {"rounds": 50}}).configs
+    assert len(changed) == len(paper) == 252
+    assert [c.replace(rounds=50) for c in paper] == changed  # only the rounds moved
+    one = load_experiment("table2_femnist_n20", overrides={"grid": {"attack": ["alie"]}}).configs
+    assert {(c.defense, c.attack) for c in one} == {(c.defense, "alie") for c in paper}  # the other axes kept
+
+
+@pytest.mark.parametrize(
+    "key, value, holds",
+    [("seeds", "[0, 1]", "a list of seeds"), ("base", "{rounds: 50}", "a mapping of run fields")],
+)
+def test_an_override_given_as_text_is_named_with_papermills_y(key, value, holds):
+    """papermill's `-p seeds "[0, 1]"` arrives as text, and was reported four frames deep as the params
+    file's mistake: "table2_femnist_n20.yaml: seeds='[0, 1]' must be a non-empty list of integers"."""
+    given = rf"^{key}='{re.escape(value)}' \(a notebook parameter or override\) is text"
+    where = rf"where table2_femnist_n20.yaml's {key} is {holds}"
+    with pytest.raises(ConfigError, match=rf"{given} {where}: give it as YAML, with papermill -y \"{key}: "):
+        load_experiment("table2_femnist_n20", overrides={key: value})
 
 
 def test_overrides_replace_top_level_keys_and_fields_pin_an_axis():
@@ -628,3 +653,20 @@ def test_executor_and_jobs_are_checked(tmp_path):
         run_grid(experiment, jobs=0, results_dir=tmp_path)
     with pytest.raises(ValueError, match="jobs='all' must be 'auto' or an integer"):
         run_grid(experiment, jobs="all", results_dir=tmp_path)
+
+
+def test_a_misspelt_defense_in_a_grid_keeps_its_list_of_valid_names_whole():
+    """The text between two quoted values ("'prodigy'?); valid: ... [grid point: defense='", over 200
+    characters) was cut as if it were one long value: "valid: average, none, median, trimme...' (416
+    characters)prodigi'" (helper 50)."""
+    from prodigy_core.aggregators import aggregator_names
+    from prodigy_core.config import shorten_quoted
+
+    with pytest.raises(ConfigError) as e:
+        load_experiment("quickstart_digits", overrides={"grid": {"defense": ["prodigi"]}})
+    message = str(e.value)
+    assert "characters)" not in message and f"valid: {', '.join(aggregator_names())} [grid point" in message
+    long = "x" * 300
+    assert shorten_quoted(f"name='{long}': the file's '{long}'") == (
+        f"name='{long[:40]}...' (300 characters): the file's '{long[:40]}...' (300 characters)"
+    )

@@ -48,6 +48,19 @@ def test_env_vars_and_the_argument_win(tmp_path, monkeypatch, no_env):
     assert results.resolve_results_dir(tmp_path / "x") == tmp_path / "x"
 
 
+def test_a_notebooks_scale_comes_from_the_environment_and_a_wrong_one_names_the_variable(monkeypatch):
+    """A misspelt PRODIGY_SCALE failed later, in load_experiment, without naming the variable (helper 50)."""
+    monkeypatch.delenv("PRODIGY_SCALE", raising=False)
+    assert paths.notebook_scale() == "interactive"
+    for scale in ("smoke", "mini", "paper"):
+        monkeypatch.setenv("PRODIGY_SCALE", scale)
+        assert paths.notebook_scale() == scale
+    monkeypatch.setenv("PRODIGY_SCALE", "smok")
+    valid = r"valid: interactive, smoke, mini, paper \(unset it for interactive\)$"
+    with pytest.raises(ValueError, match=rf"^env PRODIGY_SCALE='smok' is unknown; {valid}"):
+        paths.notebook_scale()
+
+
 def test_a_working_directory_inside_an_installed_package_is_refused(tmp_path, monkeypatch, no_env):
     monkeypatch.chdir(paths.PACKAGE_DIR)  # in a clone: the repository is the project folder
     assert paths.results_dir() == REPO / "results"
