@@ -404,7 +404,8 @@ def test_a_failing_gate_reference_server_side_or_rate_keeps_the_timings_and_choo
                                log=lines.append, server_kinds={"digits": [("none", "sf")]})  # fmt: skip
     tune = report["datasets"]["digits"]
     assert {(row["precision"], row["engine"]) for row in tune["timings"] if "step_s" in row} == {
-        (p, e) for p in grouped_space["precision"] for e in grouped_space["engine"]}
+        (p, e) for p in grouped_space["precision"] for e in grouped_space["engine"]
+    }
     assert tune["chosen"] == {"precision": "fp32", "engine": "batched"} and tune["server_s"] == {}
     assert tune["gate"] and all(not g["accepted"] and g["measures"]["error"].startswith(
         "the fp32 reference failed: RuntimeError: CUDA error") for g in tune["gate"])  # fmt: skip

@@ -141,3 +141,33 @@ def test_the_notebook_runs_a_rule_of_your_own_beside_prodigy_and_nnm_trimmed_mea
     last = [c for c in nbformat.from_dict(executed).cells if c.cell_type == "code"][-1]
     images = [o for o in last.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 2
+
+
+@pytest.mark.parametrize("notebook, parameters, edit, words", [
+    ("your_own_defense.ipynb", {"scale": "smoke"}, ("mean(dim=0)", "mean(dim=1)"),
+     "Closest(f=3).aggregate returned shape (4,) on cpu; a rule returns one vector (d,) = (20,) on cpu"),
+    ("explore_attacks.ipynb", {"scale": "smoke", "defense": "prodigi"}, None,
+     "unknown defense 'prodigi' (did you mean 'prodigy'?)"),
+])  # fmt: skip
+def test_a_mistake_fails_the_notebook_under_papermill_instead_of_being_printed(
+    tmp_path, monkeypatch, notebook, parameters, edit, words
+):
+    """A notebook audit (helper 50): your_own_defense's rule taking the mean over the wrong axis failed every
+    run of it, and the notebook ended with exit 0, its figures quietly without the rule; explore_attacks with
+    a misspelt defense printed the error and exited 0 (so did `prodigy-fl reproduce`). Both now fail: the
+    rule's contract is checked before the grid (and a failed run stops the notebook), the explorer's error
+    is raised at every scale but the interactive one."""
+    monkeypatch.setenv("PRODIGY_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("PRODIGY_FIGURES_DIR", str(tmp_path / "figures"))
+    nb = nbformat.read(reproduce.NOTEBOOKS_DIR / notebook, as_version=4)
+    if edit is not None:  # the rule's cell, as a user might get it wrong
+        (cell,) = [c for c in nb.cells if edit[0] in c.source]
+        cell.source = cell.source.replace(*edit)
+    nbformat.write(nb, tmp_path / notebook)
+    with pytest.raises(papermill.PapermillExecutionError) as e:
+        papermill.execute_notebook(str(tmp_path / notebook), str(tmp_path / "executed.ipynb"),
+                                   parameters={**parameters, "work_dir": str(tmp_path / "work")}
+                                   if notebook == "your_own_defense.ipynb" else parameters,
+                                   cwd=str(tmp_path), kernel_name=reproduce.KERNEL, progress_bar=False,
+                                   extra_arguments=reproduce.KERNEL_ARGUMENTS)  # fmt: skip
+    assert words in str(e.value)
