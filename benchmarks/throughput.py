@@ -196,9 +196,10 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         say(*row, f"{images:,.0f}", f"{rate:.3g}", f"{100 * rate / peak:.2g}%", f"{first:.3g}")
 
     # The first dataset's rows, then one compiled row (its first precision and size), then the other
-    # datasets', then the other compiled rows: no window has timed compiled yet (issue 44), and a cold
-    # compilation longer than COMPILE_S at the start of --budget cost every later row (at its end the outer
-    # timeout would kill it), but at the very start it could also take every row with it.
+    # datasets', then the other compiled rows. No window has timed compiled yet (issue 44): early in --budget
+    # a compilation longer than COMPILE_S only costs later rows (listed as not timed), where at its end the
+    # outer timeout would kill it; after the first dataset's rows rather than before them, so that one that
+    # never ends cannot take those with it.
     head = None
     if "compiled" in engines and loaded:
         head = (next(iter(loaded)), "compiled", precisions[0], sizes[0])
