@@ -42,7 +42,7 @@ EXIT_USAGE = 2
 # JupyterLab and ipywidgets are the `lab` extra: a plain install has neither.
 LAB_HINT = "pip install 'prodigy-fl[lab]' && jupyter lab notebooks/"
 # The full quickstart's wall time as the README states it ("Wall time of ..."; from docs/timings.md).
-QUICKSTART_TIME = "about 4 minutes on a 2-core AVX-512 CPU"
+QUICKSTART_TIME = "about 3 minutes on a 2-core AVX-512 CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
