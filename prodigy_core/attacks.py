@@ -41,6 +41,7 @@ ALIE_Z_STEP = 0.25
 # The most candidates a typed z may give the authors' grid (`alie_authors_grid`): z = 1e-9 asked numpy for
 # 8e9 of them (60 GiB); their typed z give 10 to 66.
 ALIE_AUTHORS_MAX_CANDIDATES = 1000
+ALIE_AUTHORS_END = 2.01  # the authors' grid ends before this (malicious.py line 55)
 ALIE_Z_CAP = 2.0
 # FOE's grid: eps* in {0.1 eps, 0.2 eps, ..., eps}.
 FOE_STEPS = 10
@@ -112,11 +113,12 @@ def check_authors_z(z: float) -> float:
     """A typed z for the authors' grid: finite, and none smaller than gives `ALIE_AUTHORS_MAX_CANDIDATES`."""
     if not math.isfinite(z):
         raise ValueError(f"alie: z={z} must be a finite number (the authors typed 0.12 to 0.8)")
-    smallest = 2.01 / (ALIE_Z_STEP * ALIE_AUTHORS_MAX_CANDIDATES)
+    smallest = ALIE_AUTHORS_END / (ALIE_Z_STEP * ALIE_AUTHORS_MAX_CANDIDATES)
     if 0 < z < smallest:
+        count = ALIE_AUTHORS_END / (ALIE_Z_STEP * z)
         raise ValueError(
-            f"alie: z={z} gives {2.01 / (ALIE_Z_STEP * z):.3g} candidates (the authors' grid arange(0.25 z, "
-            f"2.01, 0.25 z)), more than {ALIE_AUTHORS_MAX_CANDIDATES}; use z >= {smallest:.4f} (the authors "
+            f"alie: z={z} gives {count:.3g} candidates (the authors' grid arange(0.25 z, {ALIE_AUTHORS_END}, "
+            f"0.25 z)), more than {ALIE_AUTHORS_MAX_CANDIDATES}; use z >= {smallest:.4f} (the authors "
             "typed 0.12 to 0.8), or z=0 to send the honest update"
         )
     return z
@@ -130,7 +132,7 @@ def alie_authors_grid(z: float) -> list[float]:
 
     if z == 0:
         raise ValueError("alie_authors_grid: z = 0 has no grid (the authors' ALIE sends the honest update)")
-    return np.arange(ALIE_Z_STEP * z, 2.01, ALIE_Z_STEP * z).tolist()
+    return np.arange(ALIE_Z_STEP * z, ALIE_AUTHORS_END, ALIE_Z_STEP * z).tolist()
 
 
 class Attack:
@@ -843,8 +845,7 @@ class ALIESpread(LineSearchAttack):
             numbers = ()
         if not numbers or min(numbers) < 0:
             raise ValueError(f"alie_spread: rhos={rhos!r} must be a non-empty tuple of numbers >= 0")
-        rhos = numbers
-        self.rhos, self.generator = rhos, generator
+        self.rhos, self.generator = numbers, generator
         self.last_rho: float | None = None
 
     def craft(self, honest: Tensor, own: Tensor, server: Server, honest_finite: bool = False) -> Tensor:

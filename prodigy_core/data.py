@@ -414,7 +414,7 @@ def dirichlet_split(
     check_split_args(n_clients, alpha)
     labels = labels.cpu()
     n = labels.numel()
-    if n_clients < 1 or n < n_clients * min_size:
+    if n < n_clients * min_size:
         raise ValueError(
             f"cannot give each of n_clients={n_clients} clients at least {min_size} of {n} samples; "
             f"use fewer clients"
@@ -466,7 +466,7 @@ def dirichlet_split_numpy(
     check_split_args(n_clients, alpha, seed)
     y = labels.cpu().numpy()
     n = len(y)
-    if n_clients < 1 or n < n_clients * min_size:
+    if n < n_clients * min_size:
         raise ValueError(
             f"cannot give each of n_clients={n_clients} clients at least {min_size} of {n} samples; "
             f"use fewer clients"
