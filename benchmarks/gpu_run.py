@@ -1431,9 +1431,9 @@ def engines_arg(text: str) -> tuple[str, ...]:
 
 def group_size_arg(text: str) -> int:
     """--group-size: a whole number of runs >= 1 (0 would train nothing and stop as at the deadline)."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of runs >= 1, e.g. --group-size 16")
-    return int(text)
+    from prodigy_core.cli import count_arg
+
+    return count_arg(text.strip(), "a number of runs", ", e.g. --group-size 16")
 
 
 def seconds_arg(text: str) -> float:

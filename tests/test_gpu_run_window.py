@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from test_gpu_run import fake_window, summary_rows  # noqa: E402
+from test_gpu_run import fake_window, summary_rows, tarball_keys  # noqa: E402
 
 from benchmarks import autotune  # noqa: E402
 
@@ -345,11 +345,6 @@ def test_engines_leaves_out_an_earlier_autotune_choosing_an_engine_it_excludes(g
             gpu_run.engines_arg(bad)
 
 
-def tarred_records(out: Path) -> list[str]:
-    with tarfile.open(out / "results.tar.gz") as tar:
-        return [n for n in tar.getnames() if n.startswith("results/")]
-
-
 def test_out_holds_the_resumed_records_before_anything_can_hang_and_a_failed_side_step_is_noted(
     gpu_run, tmp_path, monkeypatch
 ):
@@ -361,7 +356,7 @@ def test_out_holds_the_resumed_records_before_anything_can_hang_and_a_failed_sid
     first = tmp_path / "first"
     argv = ["--simulate", "--data", str(tmp_path / "none"), "--deadline", "35", "--no-profile"]
     assert gpu_run.main([*argv, "--out", str(first), "--work", str(tmp_path / "w1")]) == 0
-    records = tarred_records(first)
+    records = tarball_keys(first)
     assert records
 
     class Hang(Exception):
@@ -375,7 +370,7 @@ def test_out_holds_the_resumed_records_before_anything_can_hang_and_a_failed_sid
     with pytest.raises(Hang):
         gpu_run.main([*argv, "--out", str(second), "--work", str(tmp_path / "w2"), "--resume",
                       str(first / "results.tar.gz")])  # fmt: skip
-    assert tarred_records(second) == records
+    assert tarball_keys(second) == records
     monkeypatch.undo()
 
     fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
