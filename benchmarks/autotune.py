@@ -92,6 +92,9 @@ COMPILE_S = 40.0  # torch.compile's warm-up step, about: a compiled size starts 
 # After the window's runs (`time_left_out`), compiled starts only with this much more left: no window has
 # compiled yet, and a compilation past the --deadline's slack gets the command killed by its `timeout`.
 COMPILE_MARGIN_S = 20.0
+# An entry `autotune` hands to its `saved` callback once its timings are made, before the gate: a command
+# killed in the gate still brings its timings home; never reused (`mismatch`).
+PARTIAL = "timings only: the autotune stopped before its gate and choice"
 NOT_TIMED = "not timed: the timing budget was spent"  # a candidate's row then (`time_left_out` times it)
 GATE_ROUNDS = 3
 SERVER_ROUNDS = 3  # a kind's server side (`server_costs`): its rounds after the first, in steady state
@@ -346,6 +349,9 @@ def mismatch(report: Any, here: dict[str, Any], datasets: list[str]) -> str | No
     missing = [d for d in datasets if not isinstance(report["datasets"].get(d), dict)]
     if missing:
         return f"no {', '.join(missing)} in it"
+    partial = [d for d in datasets if "partial" in report["datasets"][d]]
+    if partial:
+        return f"its {', '.join(partial)} entry holds {PARTIAL}"
     return invalid_field(report, datasets)
 
 
@@ -412,6 +418,7 @@ def autotune(
     log: Callable[[str], None] = print,
     server_kinds: dict[str, list[tuple[str, str]]] | None = None,
     engines: Sequence[str] | None = None,
+    saved: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Per dataset (`configs`: one run of each dataset the window trains, `feds`: their loaded data): the
     timings, the gate and the choice, then the server side of each (defense, attack) of `server_kinds`
@@ -430,7 +437,8 @@ def autotune(
 
     A candidate that raises (no compiler, no bf16 kernels) is left out with its error. `timer`: the timing
     function (tests give a fake one to make a candidate fastest). `engines`: the only engines timed (the
-    reference's always; None: every one of `CANDIDATES`)."""
+    reference's always; None: every one of `CANDIDATES`). `saved`: given each dataset's timings as a report
+    whose entry is marked `PARTIAL` before its gate starts (the driver writes it to $OUT)."""
     tolerances = TOLERANCES if tolerances is None else tolerances
     tic = time.perf_counter()
     report: dict[str, Any] = {"budget_s": budget_s, "tolerances": tolerances, "datasets": {}}
@@ -480,6 +488,9 @@ def autotune(
                 if "step_s" not in row or row["images_per_s"] < last:
                     break  # failed, or past the fastest size
                 last = row["images_per_s"]
+        if saved is not None:
+            entry = {"timings": timings, "partial": PARTIAL}
+            saved({"fingerprint": report["fingerprint"], "datasets": {dataset: entry}})
         best: dict[tuple[str, str], float] = {}
         best_size: dict[tuple[str, str], int] = {}  # where it is fastest (the gate's group, up to the probe)
         for row in timings:

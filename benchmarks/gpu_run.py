@@ -186,6 +186,7 @@ class Driver:
         self.rates: dict[str, float] = {}  # dataset -> seconds per run-round, from the last group
         self.tune: dict[str, Any] = {}  # dataset -> the autotune's choice and rates (`autotune.autotune`)
         self.report: dict[str, Any] = {}  # autotune.json: every dataset tuned or reused so far
+        self.partial: dict[str, Any] = {}  # dataset -> its timings before the gate (`save_partial`)
         self.ready: dict[str, Any] = {}  # dataset -> a run of it, for the datasets `prepare` made ready
         # The estimates (`estimate`), from measurements, updated after every group: one run's server side per
         # round in steady state, per (dataset, defense, attack), from the gate or the finished runs of that
@@ -256,7 +257,8 @@ class Driver:
             fed = training.run_federation(config.resolved(), device)
             report = autotune.autotune({dataset: config}, {dataset: fed}, tolerances=self.args.tolerances,
                                        log=self.log, server_kinds={dataset: self.kinds(dataset)},
-                                       engines=getattr(self.args, "engines", None))  # fmt: skip
+                                       engines=getattr(self.args, "engines", None),
+                                       saved=self.save_partial)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - without it the runs go on at fp32, one group size
             note = f"autotune {dataset} failed ({type(e).__name__}: {e}); fp32, batched, the probe's rates"
             self.notes.append(note)
@@ -336,7 +338,22 @@ class Driver:
         datasets = {**self.report.get("datasets", {}), **report["datasets"]}
         self.report = {**self.report, **report, "datasets": datasets}
         self.tune.update(report["datasets"])
-        (self.work / "autotune.json").write_text(json.dumps(self.report, indent=1), encoding="utf-8")
+        self.write_autotune()
+
+    def save_partial(self, report: dict[str, Any]) -> None:
+        """An autotune's timings before its gate (`autotune.PARTIAL`), in $OUT's tarball at once: a command
+        killed in the gate, or an autotune failed there, still brings them home. Never used for the runs;
+        the dataset's whole report replaces it."""
+        self.partial.update(report["datasets"])
+        self.report = {"fingerprint": report["fingerprint"], **self.report}
+        self.write_autotune()
+        self.refresh_out()
+
+    def write_autotune(self) -> None:
+        """autotune.json: `report`, with the `partial` entries of the datasets it lacks."""
+        datasets = {**self.partial, **self.report.get("datasets", {})}
+        (self.work / "autotune.json").write_text(json.dumps({**self.report, "datasets": datasets}, indent=1),
+                                                 encoding="utf-8")  # fmt: skip
 
     def step_s(self, dataset: str) -> dict[int, float]:
         """{group size: seconds of one local step} of the autotune's choice for `dataset` ({} without)."""

@@ -494,3 +494,43 @@ def test_a_group_out_of_memory_goes_again_in_groups_of_half_its_size(gpu_run, tm
     assert sizes[0] == 2 and set(sizes[1:]) == {1}  # the pair once, then every run alone (cap 1 for digits)
     log = (tmp_path / "w" / "log.txt").read_text()
     assert "out of memory in a group of 2: its 2 runs again, in groups of at most 1" in log
+
+
+def test_a_command_killed_in_the_gate_has_its_timings_in_out_and_they_are_never_reused(
+    gpu_run, tmp_path, monkeypatch
+):
+    """The autotune's timings (the variant table of issue 44) reach $OUT's tarball before its gate starts,
+    marked as partial: a command killed in the gate (a hung capture, the command's `timeout`) still brings
+    them home. A later command given that tarball tunes again, saying why (a partial entry has no choice)."""
+    from test_gpu_run import simulate
+
+    data = tmp_path / "no-data-here"  # the simulation trains on the embedded digits
+
+    class Killed(BaseException):  # as a kill: nothing in the driver contains it
+        pass
+
+    seen = {}
+
+    def killed_in_the_gate(*args, **kwargs):
+        seen["autotune.json"] = tarball_member(tmp_path / "1" / "out", "autotune.json")
+        raise Killed
+
+    monkeypatch.setattr(autotune, "trajectory", killed_in_the_gate)
+    with pytest.raises(Killed):
+        simulate(gpu_run, tmp_path / "1", data, "--deadline", "1", "--no-profile")
+    entry = json.loads(seen["autotune.json"])["datasets"]["digits"]
+    assert entry["partial"] == autotune.PARTIAL and "chosen" not in entry
+    timed = [r for r in entry["timings"] if "step_s" in r]
+    assert timed and {(r["precision"], r["engine"]) for r in timed} >= {autotune.REFERENCE}
+
+    monkeypatch.undo()
+    tarball = tmp_path / "1" / "out" / "results.tar.gz"
+    _, _, work = simulate(gpu_run, tmp_path / "2", data, "--deadline", "1", "--no-profile", "--resume",
+                          str(tarball))  # fmt: skip
+    log = (work / "log.txt").read_text()
+    assert (
+        f"autotune digits: {tarball}:autotune.json not reused: its digits entry holds {autotune.PARTIAL}"
+        in log
+    )
+    final = json.loads((work / "autotune.json").read_text())["datasets"]["digits"]
+    assert "partial" not in final and final["chosen"]
