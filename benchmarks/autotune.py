@@ -174,6 +174,36 @@ def time_step(
     return (time.perf_counter() - tic) / steps
 
 
+class BrokenDevice(BaseException):
+    """The CUDA context stopped working after a candidate failed: a sticky error (an illegal address in a
+    captured graph, say) fails every later kernel of the process, so every run after it would fail too.
+    A BaseException, like a kill, so that the `except Exception` that leave a candidate's failure to that
+    candidate let it through to the driver, which goes on in a fresh process without the candidate's
+    engine (`gpu_run.Driver.restart`)."""
+
+    def __init__(self, precision: str, engine: str, error: str) -> None:
+        super().__init__(f"the CUDA context stopped working after {precision}/{engine} failed ({error})")
+        self.precision, self.engine, self.error = precision, engine, error
+
+
+def device_works(device: torch.device) -> bool:
+    """Whether a trivial kernel still runs on `device` and the device syncs (always on a CPU)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.ones(1, device=device).add_(1).cpu()
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - any error here is the answer
+        return False
+
+
+def check_device(device: torch.device, precision: str, engine: str, error: str) -> None:
+    """After `precision`/`engine` failed with `error`: `BrokenDevice` when the device no longer works."""
+    if not device_works(device):
+        raise BrokenDevice(precision, engine, error)
+
+
 def time_row(
     timer: Callable[..., float], resolved: RunConfig, fed: Federation, precision: str, engine: str, size: int
 ) -> dict[str, Any]:
@@ -188,6 +218,7 @@ def time_row(
         row["images_per_s"] = size * resolved.n_clients * resolved.batch_size / row["step_s"]
     except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not chosen
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        check_device(resolve_device(resolved.device), precision, engine, row["error"])
     return row
 
 
@@ -537,6 +568,7 @@ def autotune(
                     ok = all(measures[name] <= limit for name, limit in bound.items())
                 except Exception as e:  # noqa: BLE001
                     measures, ok = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, False
+                    check_device(device, precision, engine, measures["error"])
                 gate.append({"precision": precision, "engine": engine, "size": size, "defense": defense,
                              "measures": measures, "bounds": bound, "accepted": ok})  # fmt: skip
         kinds = [k for k in (server_kinds or {}).get(dataset, []) if "/".join(k) not in server]

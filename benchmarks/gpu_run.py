@@ -10,7 +10,8 @@ The run: preflight (CUDA, both data sets, $OUT writable; else exit 2 with one li
 reused on the same GPU and software), a torch.profiler step (`profile.txt`), then the profile's steps in
 priority order as groups (at most --group-size runs) estimated from measurement (`Driver.estimate`), each
 started only while it fits the --deadline; when the next planned group does not fit, the most wanted runs
-that do, from any later step. Each data set is loaded once
+that do, from any later step. A CUDA context a failure left broken (`autotune.BrokenDevice`): the rest in a
+fresh process without the engine that broke it (`Driver.restart`). Each data set is loaded once
 (`training.shared_federations`); runs write no checkpoints (none could come home). After every group $OUT
 holds at most 3 files: results.tar.gz (records, failures, the log, autotune.json, profile.txt, the earlier
 commands' log; no checkpoints, no locks), summary.txt (per step: runs planned/done/failed, seconds, status;
@@ -76,6 +77,9 @@ PROFILE_S = 10.0  # about what the profiling step costs on a GPU; skipped when t
 # much left: on the H200 that took 10-17 s with a reused autotune (CIFAR-10) and a paper-scale run 35-125 s,
 # so with less no run of it could follow.
 PREPARE_MIN_S = 60.0
+# A command whose CUDA context broke (`autotune.BrokenDevice`) goes on in a fresh process without the engine
+# that broke it (`Driver.restart`); this variable counts the restarts, at most MAX_RESTARTS.
+RESTARTS_ENV, MAX_RESTARTS = "PRODIGY_GPU_RESTARTS", 2
 CIFAR10_ARCHIVE = Path("cifar10-jpeg") / "cifar10-jpeg.tar.gz"  # under --data
 FEMNIST_FOLDER = Path("femnist-leaf-24")
 TABLE1_ROWS = ["prodigy", "nnm+trimmed_mean"]
@@ -202,6 +206,7 @@ class Driver:
         self.groups_run = 0
         self.failed_keys: set[str] = set()  # runs that failed: not started again
         self.notes: list[str] = []
+        self.after_runs = False  # the runs are over (`drive`): a broken device then ends nothing
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -735,6 +740,13 @@ class Driver:
             self.learn(batch, records, seconds)
             failed = [c for c, r in zip(batch, records, strict=True) if r is None]
             errors = {c.key(): failure_error(folder, c) for c in failed}
+            if failed:  # a sticky CUDA error would fail every later run of this process: go on in another
+                from benchmarks import autotune
+                from prodigy_core.seeding import resolve_device
+
+                first = failed[0].resolved()
+                autotune.check_device(resolve_device(first.device), first.precision, first.engine,
+                                      errors[failed[0].key()])  # fmt: skip
             again = [c for c in batch if OUT_OF_MEMORY in errors.get(c.key(), "")] if len(batch) > 1 else []
             if again:  # the group, not its runs: they go again, first, in groups of at most half its size
                 self.group_cap[batch[0].dataset] = len(batch) // 2
@@ -757,6 +769,37 @@ class Driver:
             row["status"] = "failed" if row["failed"] else "done"
         if row["failed"] and not row["status"].startswith("failed"):
             row["status"] = f"failed ({row['status']})"
+
+    def restart(self, broken: Any) -> int:
+        """After `broken` (`autotune.BrokenDevice`): the rest of the command in a fresh process (its own CUDA
+        context), the same arguments but --engines without the engine that broke, --resume from $OUT's
+        tarball (this command's records come along), --deadline what is left of this one's, a new --work;
+        its exit code. Not restarted, and EXIT_FAILED, once the runs are over, when the reference engine
+        broke (every run needs it), after MAX_RESTARTS restarts, or with less than PREPARE_MIN_S left."""
+        from benchmarks import autotune
+
+        self.notes.append(str(broken))
+        self.log(f"!! {broken}")
+        left = self.args.deadline - self.elapsed()
+        restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
+        engines = getattr(self.args, "engines", None) or autotune.CANDIDATES["cuda"]["engine"]
+        keep = [e for e in engines if e != broken.engine]
+        why = ("the runs are over" if self.after_runs
+               else f"{broken.engine} is the reference engine, which every run needs"
+               if broken.engine == autotune.REFERENCE[1]
+               else f"already restarted {restarts} times" if restarts >= MAX_RESTARTS
+               else f"{left:.0f} s left, under {PREPARE_MIN_S:.0f} s" if left < PREPARE_MIN_S
+               else None)  # fmt: skip
+        if why is not None:
+            self.log(f"!! not restarted: {why}")
+            self.refresh_out(final=True)
+            return EXIT_FAILED
+        self.log(f"!! restarting in a fresh process: --engines {','.join(keep)}, --resume $OUT's tarball, "
+                 f"--deadline {left:.0f}")  # fmt: skip
+        self.refresh_out()
+        argv = restart_argv(getattr(self.args, "argv", None) or [], keep, self.out / "results.tar.gz", left)
+        env = {**os.environ, RESTARTS_ENV: str(restarts + 1)}
+        return subprocess.call([sys.executable, str(Path(__file__).resolve()), *argv], env=env)
 
     def train_group(self, exp: Any, batch: list[Any], folder: Path) -> list[dict | None]:
         """Train `batch` (one group) of `exp` into the results; each run's record, None where it failed."""
@@ -984,10 +1027,29 @@ def run(args: argparse.Namespace) -> int:
             (work / "profile.txt").write_bytes(earlier["profile.txt"])
         keep_earlier_commands(work, earlier, args.resume)
         driver.log(f"resumed from {args.resume}: {len(list((work / 'results').rglob('*.json')))} records")
+    from benchmarks.autotune import BrokenDevice
     from prodigy_core.training import shared_federations
 
-    with shared_federations():  # every data set loaded once in this process
-        return drive(driver, args, work)
+    try:
+        with shared_federations():  # every data set loaded once in this process
+            return drive(driver, args, work)
+    except BrokenDevice as broken:
+        return driver.restart(broken)
+
+
+def restart_argv(argv: list[str], engines: list[str], resume: Path, deadline: float) -> list[str]:
+    """`argv` (a command's arguments) without --engines, --resume, --deadline and --work (either form),
+    then these `engines`, `resume` and `deadline` (`Driver.restart`; a new --work: a temporary folder)."""
+    replaced = ("--engines", "--resume", "--deadline", "--work")
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in replaced:
+            skip = True
+        elif not arg.startswith(tuple(f"{name}=" for name in replaced)):
+            out.append(arg)
+    return [*out, "--engines", ",".join(engines), "--resume", str(resume), "--deadline", f"{deadline:.0f}"]
 
 
 def resumed_members(args: argparse.Namespace) -> dict[str, bytes]:
@@ -1117,6 +1179,7 @@ def drive(driver: Driver, args: argparse.Namespace, work: Path) -> int:
     if args.profile == "mini" and not args.fail_step:
         throughput(driver)
     driver.refresh_out(final=True)  # $OUT's and the tarball's: a kill in the timings below keeps them whole
+    driver.after_runs = True
     guarded(driver, "the timings left out", driver.time_left_out)
     driver.refresh_out(final=True)
     driver.log((work / "summary.txt").read_text().rstrip())
@@ -1506,7 +1569,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     p.add_argument("--fail-step", help=argparse.SUPPRESS)  # tests: make this step fail
     p.set_defaults(tolerances=None)  # tests: the gate's tolerances (None: autotune.TOLERANCES)
     args = p.parse_args(argv)
-    args.started = started
+    args.started, args.argv = started, list(argv)
     return run(args)
 
 

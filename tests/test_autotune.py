@@ -577,3 +577,32 @@ def test_the_gate_also_judges_the_fastest_fp32_variant_when_the_two_fastest_are_
     assert gated == [("bf16", "bmm_conv"), ("bf16", "batched"), ("fp32", "bmm_conv")]
     assert [g["accepted"] for g in tune["gate"] if g["precision"] == "bf16"] == [False] * 4
     assert tune["chosen"] == {"precision": "fp32", "engine": "bmm_conv"}
+
+
+def test_a_candidate_that_breaks_the_device_stops_the_autotune_and_one_that_fails_alone_does_not(
+    digits, grouped_space, monkeypatch
+):
+    """A captured engine's sticky CUDA error fails every later kernel of the process: the candidate's
+    failure is then `BrokenDevice`, which no candidate's containment swallows, naming the candidate; while the
+    device still works after a failure (no compiler, no bf16 kernels) the failure is that candidate's row
+    alone and the autotune chooses among the others."""
+    config, fed = digits
+    works = [True]
+
+    def timer(resolved, fed, precision, engine, size):
+        if engine == "bmm_conv":
+            works[0] = not broken
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 0.01 * size
+
+    monkeypatch.setattr(autotune, "device_works", lambda device: works[0])
+    broken = False
+    report = autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    rows = [r for r in report["datasets"]["digits"]["timings"] if r["engine"] == "bmm_conv"]
+    assert rows and all(r["error"].startswith("RuntimeError: CUDA error") for r in rows)
+    assert report["datasets"]["digits"]["chosen"]["engine"] != "bmm_conv"
+    broken = True
+    with pytest.raises(autotune.BrokenDevice) as caught:
+        autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
+    assert (caught.value.precision, caught.value.engine) == ("fp32", "bmm_conv")
+    assert "illegal memory access" in caught.value.error and not isinstance(caught.value, Exception)

@@ -534,3 +534,56 @@ def test_a_command_killed_in_the_gate_has_its_timings_in_out_and_they_are_never_
     )
     final = json.loads((work / "autotune.json").read_text())["datasets"]["digits"]
     assert "partial" not in final and final["chosen"]
+
+
+def test_a_broken_cuda_context_goes_on_in_a_fresh_process_without_the_engine_that_broke_it(
+    gpu_run, tmp_path, monkeypatch
+):
+    """A sticky CUDA error (BrokenDevice) in the autotune or in a group's runs fails every later kernel of
+    the process: the rest of the command runs in a fresh process with --engines less the engine that broke,
+    --resume from $OUT's tarball, --deadline what is left, a new --work, the restart counted; not restarted
+    (exit 1, the log says why) after MAX_RESTARTS, or when the reference engine broke."""
+    from test_gpu_run import fake_window
+
+    calls = []
+    monkeypatch.setattr(gpu_run.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.delenv(gpu_run.RESTARTS_ENV, raising=False)
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = ["--simulate", "--data", str(tmp_path / "none"), "--out", str(out), "--work", str(work),
+            "--deadline=400", "--no-profile", "--engines", "batched,bmm_conv,channels_last"]  # fmt: skip
+
+    def broken_autotune(*args, **kwargs):
+        raise autotune.BrokenDevice("bf16", "bmm_conv", "RuntimeError: CUDA error: illegal memory access")
+
+    monkeypatch.setattr(autotune, "autotune", broken_autotune)
+    assert gpu_run.main(argv) == 0  # the fresh process's exit code
+    ((cmd, env),) = calls
+    assert cmd[1].endswith("gpu_run.py") and "--work" not in cmd and "--deadline=400" not in cmd
+    tail = cmd[cmd.index("--engines"):]  # fmt: skip
+    assert tail[:4] == ["--engines", "batched,channels_last", "--resume", str(out / "results.tar.gz")]
+    assert tail[4] == "--deadline" and 300 < float(tail[5]) <= 400 and env[gpu_run.RESTARTS_ENV] == "1"
+    assert "--simulate" in cmd and "--no-profile" in cmd
+    assert "the CUDA context stopped working after bf16/bmm_conv failed" in tarball_member(out, "log.txt")
+
+    for restarts, engine, why in [(gpu_run.MAX_RESTARTS, "bmm_conv", "already restarted 2 times"),
+                                  (0, "batched", "batched is the reference engine")]:  # fmt: skip
+        calls.clear()
+        monkeypatch.setenv(gpu_run.RESTARTS_ENV, str(restarts))
+        monkeypatch.setattr(autotune, "autotune", lambda *a, e=engine, **k: (_ for _ in ()).throw(
+            autotune.BrokenDevice("fp32", e, "CUDA error")))  # fmt: skip
+        assert gpu_run.main([*argv[:6], str(tmp_path / f"w{restarts}"), *argv[7:]]) == gpu_run.EXIT_FAILED
+        assert not calls and f"!! not restarted: {why}" in tarball_member(out, "log.txt")
+
+    # a group whose run failed, on a device that no longer works: restarted without the run's engine
+    monkeypatch.delenv(gpu_run.RESTARTS_ENV)
+    fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
+    tune = autotune.autotune()["datasets"]["digits"]  # fake_window's, with the runs on channels_last
+    tune["chosen"] = {"precision": "fp32", "engine": "channels_last"}
+    monkeypatch.setattr(autotune, "autotune", lambda *a, **k: {"datasets": {"digits": tune}})
+    monkeypatch.setattr(gpu_run.Driver, "train_group", lambda self, exp, batch, folder: [None] * len(batch))
+    monkeypatch.setattr(gpu_run, "failure_error", lambda folder, config: "RuntimeError: CUDA error")
+    monkeypatch.setattr(autotune, "device_works", lambda device: False)
+    calls.clear()
+    assert gpu_run.main([*argv[:6], str(tmp_path / "w-runs"), *argv[7:]]) == 0
+    ((cmd, _),) = calls
+    assert cmd[cmd.index("--engines") + 1] == "batched,bmm_conv"  # the runs' engine left out
