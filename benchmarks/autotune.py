@@ -104,7 +104,8 @@ FLOOR_FACTOR = 2.0  # a measure's bound: max(its tolerance, this x the measure b
 TUNED_CODE = ("prodigy_core/training.py", "prodigy_core/groups.py", "prodigy_core/aggregators.py",
               "prodigy_core/attacks.py", "prodigy_core/models.py", "prodigy_core/seeding.py",
               "prodigy_core/streams.py", "prodigy_core/step_variants.py", "prodigy_core/data.py",
-              "benchmarks/autotune.py")  # fmt: skip
+              "prodigy_core/local_training.py", "prodigy_core/config.py", "prodigy_core/evaluation.py",
+              "prodigy_core/names.py", "benchmarks/autotune.py")  # fmt: skip
 TEST_IMAGES = 2000  # the gate's test accuracy: the first 2,000 test images
 LOSS_SAMPLES = 256  # a client's loss: the final server model on its first 256 training samples
 # The gate's bounds, candidate vs fp32 after GATE_ROUNDS rounds from the same state. They ask for "the same

@@ -204,10 +204,18 @@ def _client_loss(model: nn.Module, params: dict, buffers: dict, masks: dict, x: 
     return F.cross_entropy(functional_call(model, (params, buffers, masks), (x,)), y)
 
 
+# torch.compile keeps at most 8 compiled versions of one function's code, and every compiled ClientGrad
+# wraps the same code (vmap's), so architectures, precisions and group sizes of one process share that limit;
+# past it torch runs the step uncompiled with a log line, and a run or timing labelled `compiled` would not
+# be. This limit, and an error past it.
+COMPILE_LIMIT = 64
+
+
 class ClientGrad:
     """(params, buffers, x, y, dropout masks), each stacked over clients -> every client's gradient of its
-    loss; BatchNorm buffers are updated in place. ``compiled``: the vmapped step under torch.compile. The
-    masks come from `FunctionalNet.masks` of `net`."""
+    loss; BatchNorm buffers are updated in place. ``compiled``: the vmapped step under torch.compile (at most
+    `COMPILE_LIMIT` compiled versions a process, then an error). The masks come from `FunctionalNet.masks`
+    of `net`."""
 
     def __init__(self, model: nn.Module, compiled: bool = False) -> None:
         self.net = FunctionalNet(model)
@@ -218,7 +226,14 @@ class ClientGrad:
         if not self.compiled:
             return self.fn(params, buffers, masks, x, y)
         try:
-            return self.fn(params, buffers, masks, x, y)
+            with torch._dynamo.config.patch(recompile_limit=COMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                return self.fn(params, buffers, masks, x, y)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise RuntimeError(
+                f"engine='compiled': this process compiled the training step {COMPILE_LIMIT} times (models, "
+                "precisions, group sizes), torch.compile's limit (local_training.COMPILE_LIMIT); past it the "
+                "step would run uncompiled. Run the rest in a fresh process, or with engine='batched'"
+            ) from e
         except torch._dynamo.exc.BackendCompilerFailed as e:
             raise RuntimeError(
                 "engine='compiled': torch.compile could not build the training step (on a CPU it needs a "

@@ -301,7 +301,7 @@ class StaticSteps:
     SGD update in place) reading and writing only those; for a step whose host, launching its kernels, is
     slower than its GPU. ``capture`` (CUDA): the step is run eagerly once
     (on a side stream, its warm-up), captured in a CUDA graph at its next use and replayed from then on, one
-    graph per input shape and step sizes (a decayed lr is a second graph). Without capture (a CPU: the
+    graph per input shape, captured again when the step sizes change (a decayed lr). Without capture (a CPU: the
     tests) the same step runs eagerly: the static-buffer path, the `batched` engine's numbers bit for bit.
     Clients of several batch widths (small clients, ``paper``) take `local_training.local_steps_stacked`'s
     loop, which calls this object as the plain gradient function."""
@@ -334,7 +334,7 @@ class StaticSteps:
             x, y, masks = draw()
             st = self._inputs(st, x, y, masks)
             step = functools.partial(self._step, st, lrs, weight_decay, counts)
-            self._run((tuple(lrs), tuple(x.shape), tuple(counts or ())), step)
+            self._run((tuple(x.shape), tuple(counts or ())), tuple(lrs), step)
         for kind, given in (("params", params), ("buffers", buffers)):
             for k, v in given.items():
                 v.copy_(st[kind][k])
@@ -371,27 +371,33 @@ class StaticSteps:
         grads = list(self.grad_fn(p, b, st["x"], st["y"], st["masks"]).values())
         sgd_update(grads, list(p.values()), lrs, weight_decay, counts)
 
-    def _run(self, key: tuple, step: Callable[[], None]) -> None:
-        """step() eagerly, or (capture) its CUDA graph for `key`: warm-up, capture, then replays."""
+    def _run(self, key: tuple, lrs: tuple, step: Callable[[], None]) -> None:
+        """step() eagerly, or (capture) the CUDA graph of the input shapes `key` at the step sizes `lrs`:
+        warm-up, capture, then replays. One graph per shape: a graph whose lrs are not this step's (the lr
+        decayed, a member of the group reached another round) is dropped before the new one's warm-up, so
+        its memory pool does not stay held beside the new one's."""
         if not self.capture:
             step()
             return
-        graph = self.graphs.get(key)
-        if graph is None:  # warm-up on a side stream: a real step, eager
+        held = self.graphs.get(key)
+        if held is not None and held[0] != lrs:
+            del self.graphs[key]
+            held = None
+        if held is None:  # warm-up on a side stream: a real step, eager
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 step()
             torch.cuda.current_stream().wait_stream(side)
-            self.graphs[key] = "warm"
-        elif graph == "warm":  # capture (records, runs nothing), then the replay takes this step
+            self.graphs[key] = (lrs, "warm")
+        elif held[1] == "warm":  # capture (records, runs nothing), then the replay takes this step
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
-            self.graphs[key] = graph
+            self.graphs[key] = (lrs, graph)
             graph.replay()
         else:
-            graph.replay()
+            held[1].replay()
 
 
 __all__ = ["STACKED_ENGINES", "FOLDED", "GRAPHED", "FoldedGrad", "StaticSteps", "make_grad"]

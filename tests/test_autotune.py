@@ -2,6 +2,7 @@
 (benchmarks/gpu_run.py), on the CPU."""
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -606,3 +607,17 @@ def test_a_candidate_that_breaks_the_device_stops_the_autotune_and_one_that_fail
         autotune.autotune({"digits": config}, {"digits": fed}, timer=timer, log=lambda line: None)
     assert (caught.value.precision, caught.value.engine) == ("fp32", "bmm_conv")
     assert "illegal memory access" in caught.value.error and not isinstance(caught.value, Exception)
+
+
+def test_the_tuned_code_is_every_module_the_training_step_imports_but_bookkeeping():
+    """An earlier autotune is reused while the hash of `TUNED_CODE` is equal, so every module the training
+    step imports must be in it (local_training, config, evaluation and names were not: a change to the
+    stacked loop reused the old timings and gate verdicts), except the bookkeeping named here, which moves
+    neither a timing nor a number."""
+    bookkeeping = {"__init__", "paths", "progress", "registry", "results", "safe_io"}
+    code = ("import sys, prodigy_core.training, prodigy_core.groups, prodigy_core.local_training; "
+            "print(' '.join(m for m in sys.modules if m.startswith('prodigy_core')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    imported = {m.removeprefix("prodigy_core").lstrip(".") or "__init__" for m in out.stdout.split()}
+    tuned = {Path(p).stem for p in autotune.TUNED_CODE if p.startswith("prodigy_core/")}
+    assert tuned == imported - bookkeeping

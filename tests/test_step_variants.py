@@ -657,3 +657,111 @@ def test_client_folded_variants_equal_batched_on_the_papers_models(dataset, imag
         torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-10)
     for name in ref_buffers:
         torch.testing.assert_close(buffers[name], ref_buffers[name], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("engine", ["cuda_graphs", "channels_last_graphs"])
+def test_captured_engines_under_an_emulated_capture_equal_each_run_alone_batched(monkeypatch, engine):
+    """The capture branch of `StaticSteps._run` on a CPU, with a fake CUDA graph that behaves as a real one:
+    its capture runs nothing and binds the tensors the step reads and writes, with the step sizes of that
+    moment; a replay runs the step again on those very tensors at those sizes. A buffer reallocated under a
+    live graph, or a graph replayed after its lr changed, would train on stale values. Four runs of 4-6
+    rounds (the lr decays at a different round in each, and the group shrinks as they end), float64: each
+    one's accuracy curve and final loss those of it alone under `batched` (to float64's rounding). And a
+    graph whose lrs changed is dropped before the next one is warmed up and captured: never two live graphs
+    of one shape (each holds a memory pool)."""
+    import contextlib
+    import gc
+    import weakref
+
+    import test_groups as tg
+
+    from prodigy_core import groups
+    from prodigy_core.data import Federation
+
+    real_step, live, capturing, captures = StaticSteps._step, weakref.WeakSet(), [], []
+
+    class FakeGraph:
+        def __init__(self) -> None:
+            self.bound = None
+            live.add(self)
+
+        def replay(self) -> None:
+            real_step(*self.bound)
+
+    @contextlib.contextmanager
+    def graph(g):
+        gc.collect()
+        captures.append(len(live))  # the graphs alive as this one is captured, itself included
+        capturing.append(g)
+        yield
+        capturing.pop()
+
+    def step(self, st, *args):
+        if capturing:  # bind the tensor objects of this moment, as a graph binds their addresses
+            capturing[-1].bound = (
+                self,
+                {k: dict(v) if isinstance(v, dict) else v for k, v in st.items()},
+                *args,
+            )
+            return
+        real_step(self, st, *args)
+
+    class FakeStream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    monkeypatch.setattr(StaticSteps, "_step", step)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    make_grad = step_variants.make_grad
+
+    def captured(e, base):
+        fn = make_grad(e, base, capture=False)
+        fn.capture = True  # the CPU refuses capture=True: the fakes above stand in for CUDA's
+        return fn
+
+    monkeypatch.setattr(step_variants, "make_grad", captured)
+    normalise = Federation.normalise
+    monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
+    base = {"distribution": "iid", "checkpoint_every": 100, "eval_every": 1}
+    configs = [c.replace(**base, rounds=rounds) for c, rounds in zip(tg.CONFIGS, (6, 5, 6, 4), strict=True)]
+    assert len({tuple(c.lr_at(t) for t in range(6)) for c in configs}) >= 3  # the lrs decay at other rounds
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        solo = [training.run(c, progress=False) for c in configs]
+        grouped = groups.run_group([c.replace(engine=engine) for c in configs])
+    finally:
+        torch.set_default_dtype(previous)
+    for alone, in_group in zip(solo, grouped, strict=True):
+        # float64: a grouped convolution sums in another order than one run's (tests/test_groups.py's 1e-10)
+        assert in_group.accuracy_curve == alone.accuracy_curve
+        assert in_group.final_loss == pytest.approx(alone.final_loss, rel=0, abs=1e-10)
+        assert in_group.environment["engine"] == engine
+    assert len(captures) >= 4 and max(captures) == 1  # captured again after each change, one graph alive
+
+
+def test_the_compiled_engine_never_runs_uncompiled_past_torch_compiles_limit(monkeypatch):
+    """Every compiled `ClientGrad` wraps the same code, so one process's models, precisions and group sizes
+    share torch.compile's limit of compiled versions, past which torch ran the step uncompiled, still
+    labelled `compiled` (a throughput table's CIFAR-10 rows after digits and FEMNIST). Past
+    `COMPILE_LIMIT` (set to 1 here, torch's eager backend standing in for the compiler) it is an error
+    naming the limit; within it, the compiled step gives the batched one's gradients (float64, dropout on)."""
+    from functools import partial
+
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(local_training, "COMPILE_LIMIT", 1)
+    torch._dynamo.reset()
+    try:
+        fed, model = _float64_federation("iid"), _model()
+        compiled = local_training.ClientGrad(model, compiled=True)
+        g_ref, _ = _steps(fed, None, model)
+        g, _ = _steps(fed, compiled, model)
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+        with pytest.raises(RuntimeError, match=r"compiled the training step 1 times .*COMPILE_LIMIT"):
+            _steps(fed, compiled, model, batch_size=16)  # another shape: a second compiled version
+    finally:
+        torch._dynamo.reset()
