@@ -688,7 +688,8 @@ def compare_with_paper(
     for the runs of one ``variant`` (None: the frame must hold one variant only).
 
     Columns: the paper's setting columns, defense, attack, ours (mean final accuracy over seeds, %), ours_std
-    (population std, NaN for one seed), n_seeds, paper, paper_std, delta = ours - paper, paper_worst (the
+    (population std, NaN for one seed), n_seeds, n_diverged (the runs recorded as diverged), paper,
+    paper_std, delta = ours - paper, paper_worst (the
     paper's bold cell), ours_worst (our worst case: within `tol` points of our lowest accuracy over the
     attacks of the same defense and setting, "no attack" excluded) and worst_case_match (per defense and
     setting: one of the paper's worst-case attacks is among ours; NA until every attack of the row has run).
@@ -737,14 +738,17 @@ def compare_with_paper(
     fix = "compare one value at a time (select rows of the frame)"
     check_one_setting_per_cell(ours, [*keys, "dirichlet_alpha"], fix)
     ours = ours.astype({"local_momentum": float, "_alpha": float})
-    grouped = ours.groupby(keys, dropna=False)["final_accuracy"]
-    summary = pd.DataFrame(
-        {"ours": grouped.mean(), "ours_std": grouped.std(ddof=0), "n_seeds": grouped.count()}
-    )
+    diverged = ours["diverged"].fillna(False).astype(bool) if "diverged" in ours.columns else False
+    grouped = ours.assign(_diverged=diverged).groupby(keys, dropna=False)
+    accuracy = grouped["final_accuracy"]
+    summary = pd.DataFrame({"ours": accuracy.mean(), "ours_std": accuracy.std(ddof=0),
+                            "n_seeds": accuracy.count(), "n_diverged": grouped["_diverged"].sum()}
+                           )  # fmt: skip
     summary.loc[summary["n_seeds"] < 2, "ours_std"] = float("nan")
     paper = paper.astype({"local_momentum": float, "_alpha": float})
     out = paper.merge(summary.reset_index(), on=keys, how="left").drop(columns="_alpha")
     out["n_seeds"] = out["n_seeds"].fillna(0).astype(int)
+    out["n_diverged"] = out["n_diverged"].fillna(0).astype(int)
     out["delta"] = out["ours"] - out["paper"]
 
     # One table row within one column block: the same setting and defense, all attacks.
@@ -756,18 +760,25 @@ def compare_with_paper(
     hit = (out["ours_worst"] & out["paper_worst"]).groupby(row).transform("any")
     out["worst_case_match"] = hit.astype(object).where(complete, pd.NA)
     out["variant"] = variant
-    columns = PAPER_SETTING + ["defense", "attack", "ours", "ours_std", "n_seeds", "paper", "paper_std",
-                               "delta", "paper_worst", "ours_worst", "worst_case_match",
+    columns = PAPER_SETTING + ["defense", "attack", "ours", "ours_std", "n_seeds", "n_diverged", "paper",
+                               "paper_std", "delta", "paper_worst", "ours_worst", "worst_case_match",
                                "variant"]  # fmt: skip
     return out[columns]
 
 
 def paper_agreement(comparison: pd.DataFrame) -> dict[str, Any]:
-    """How well one `compare_with_paper` frame matches the paper: cells (all, run), the mean absolute
-    difference over the cells run (points), the cells run within `WITHIN_POINTS`, and the defense rows
-    (setting + defense) whose worst-case attack agrees with the paper's bold cell, of the rows complete."""
+    """How well one `compare_with_paper` frame matches the paper: cells (all, run), the cells run whose every
+    run diverged (`diverged_cells`), the mean absolute difference over the other cells run (points,
+    `compared` of them), those within `WITHIN_POINTS`, and the defense rows (setting + defense) whose
+    worst-case attack agrees with the paper's bold cell, of the rows complete. A diverged run scores by a
+    convention (chance under ``paper``), so a cell of diverged runs near the paper's would count conventions
+    as a measurement's agreement: it is counted apart."""
     ran = comparison["ours"].notna()
-    delta = comparison.loc[ran, "delta"].abs()
+    if "n_diverged" in comparison.columns:  # a frame of an older `compare_with_paper`: none counted
+        all_diverged = ran & (comparison["n_diverged"] >= comparison["n_seeds"])
+    else:
+        all_diverged = ran & False
+    delta = comparison.loc[ran & ~all_diverged, "delta"].abs()
     setting = list(comparison.columns[: comparison.columns.get_loc("attack")])  # ... defense: one table row
     rows = comparison.groupby([comparison[c].fillna(-1) for c in setting], sort=False)["worst_case_match"]
     rows = rows.first().dropna()
@@ -775,6 +786,8 @@ def paper_agreement(comparison: pd.DataFrame) -> dict[str, Any]:
         "variant": comparison["variant"].iloc[0] if "variant" in comparison and len(comparison) else None,
         "cells": len(comparison),
         "cells_run": int(ran.sum()),
+        "diverged_cells": int(all_diverged.sum()),
+        "compared": len(delta),
         "mean_abs_delta": float(delta.mean()) if len(delta) else float("nan"),
         "within": int((delta <= WITHIN_POINTS).sum()),
         "worst_case_agree": int(rows.astype(bool).sum()),

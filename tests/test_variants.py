@@ -517,6 +517,38 @@ def test_report_puts_both_variants_beside_the_paper(tmp_path):
     zeroed = paper[(paper["n_byzantine"] == bold["n_byzantine"]) & (paper["defense"] == bold["defense"])
                    & (paper["attack"] == other)]["accuracy_mean"].iloc[0]  # fmt: skip
     rows = len(paper.groupby(["n_byzantine", "defense"]))
-    assert f"| paper | 36 of 36 | 1.00 | 36 of 36 | {rows} of {rows} |" in text
-    assert f"| authors | 36 of 36 | {(35 * 5 + zeroed) / 36:.2f} | 0 of 36 | {rows - 1} of {rows} |" in text
+    assert f"| paper | 36 of 36 | 1.00 | 36 of 36 | 0 | {rows} of {rows} |" in text
+    assert (
+        f"| authors | 36 of 36 | {(35 * 5 + zeroed) / 36:.2f} | 0 of 36 | 0 | {rows - 1} of {rows} |" in text
+    )
     assert "(variant: paper)" in (tmp_path / "figures" / f"{exp.name}.md").read_text().splitlines()[0]
+
+
+def test_a_cell_of_diverged_runs_is_counted_apart_from_the_agreement():
+    """A diverged run scores by a convention (chance), so a cell whose every run diverged is neither within
+    3 points nor in the mean, even at 0.1 points from the paper's; a cell with one diverged seed of two is
+    compared. Hand-made: three cells 0.1, 5.0 and 0.1 points from the paper's."""
+    from prodigy_core import report, results
+
+    exp = load_experiment("table4_fraction_byzantine")
+    paper = results.paper_results().query("table == 'fraction_byzantine'")
+    first, second, third = [c for c in exp.configs if c.seed == 0][:3]
+    rows = []
+    for config, shift, diverged in [(first, 0.1, [True, True]), (second, 5.0, [False, False]),
+                                    (third, 0.1, [True, False])]:  # fmt: skip
+        for seed, flag in enumerate(diverged):
+            value = _paper_value(config, paper) + shift
+            rows.append({**config.replace(seed=seed).to_dict(), "final_accuracy": value, "stand_in": None,
+                         "status": "done", "diverged": flag})  # fmt: skip
+    comparison = results.compare_with_paper(pd.DataFrame(rows), "fraction_byzantine")
+    ran = comparison[comparison["ours"].notna()]
+    assert (
+        sorted(ran["n_diverged"]) == [0, 1, 2]
+        and (comparison["ours"].isna() <= (comparison["n_diverged"] == 0)).all()
+    )
+    agreement = results.paper_agreement(comparison)
+    assert (agreement["cells_run"], agreement["diverged_cells"], agreement["compared"]) == (3, 1, 2)
+    assert agreement["within"] == 1 and agreement["mean_abs_delta"] == pytest.approx((5.0 + 0.1) / 2)
+    text = report.paper_comparison_markdown(comparison, "t")
+    assert "Within 3 points of the paper: 1 of 2 cells." in text
+    assert report.diverged_cells_note(1) in text and "1 cell whose every run diverged" in text
