@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from test_flower import reply_from
 
 from prodigy_core import local_training
 from prodigy_core.aggregators import make_aggregator
@@ -41,8 +42,9 @@ def _honest_rows(n: int = N) -> torch.Tensor:
     return torch.randn(n, D, generator=torch.Generator().manual_seed(2)) * 0.1 + 1.0
 
 
-def _reply(flower, k, update=None, buffers=None, row=None, cid=None):
-    """Client k's reply: `update` (default: `row` cut into w and b), `buffers` (default: none sent)."""
+def _reply(flower, k, update=None, buffers=None, row=None, cid=None, node=None):
+    """Client k's reply from node `node` (default 100 + k): `update` (default: `row` cut into w and b),
+    `buffers` (default: none sent), partition-id `cid` (default k)."""
     if update is None:
         update = {"w": row[:6].reshape(2, 3), "b": row[6:]}
     content = {
@@ -51,7 +53,7 @@ def _reply(flower, k, update=None, buffers=None, row=None, cid=None):
     }
     if buffers is not None:
         content["buffers"] = flower.ArrayRecord(buffers)
-    return flower.Message(flower.RecordDict(content), dst_node_id=0, message_type=flower.MessageType.TRAIN)
+    return reply_from(100 + k if node is None else node, flower.RecordDict(content))
 
 
 def _strategy(flower, defense="prodigy", n=N, f=F, theta=None, **kwargs):
@@ -216,17 +218,66 @@ def test_42_12_fewer_replies_than_the_rule_needs_skip_the_round_and_keep_the_mod
 
 
 @needs_flower
-def test_42_13_a_repeated_or_non_integer_client_id_is_a_dropped_reply(flower):
-    """A second reply claiming id 4 and one whose id is a list are dropped (counted); nothing raises and
-    the first claim of id 4 keeps its row."""
+def test_42_13_an_id_is_a_label_one_row_a_node_and_a_non_integer_id_drops_the_reply(flower, caplog):
+    """Rows are the replying nodes', not the claimed ids': a second node claiming id 4 gets a row of its own
+    (ordered by (id, node): before node 104's, as its node id is lower), listed in ``repeated-ids`` and a
+    warning; a node's second reply and a reply whose id is a list are dropped (counted); nothing raises."""
     theta = _theta()
     strategy, _ = _strategy(flower, theta=theta)
     G = _honest_rows()
     replies = [_reply(flower, k, row=G[k]) for k in range(2, N)]
-    replies += [_reply(flower, 4, row=G[0] * 1e3), _reply(flower, 1, row=G[1], cid=[1, 2])]
+    replies += [_reply(flower, 4, row=G[0] * 1e3, node=50), _reply(flower, 1, row=G[1], cid=[1, 2])]
+    replies.append(_reply(flower, 3, row=G[0] * -1e3))  # node 103 again
     arrays, metrics = strategy.aggregate_train(1, replies)
-    assert torch.equal(_params(arrays), _expected(theta, G[2:]))
-    assert metrics["dropped"] == 2 and metrics["clients"] == N - 2
+    rows = torch.stack([G[2], G[3], G[0] * 1e3, *G[4:]])  # (2, 102), (3, 103), (4, 50), (4, 104), ...
+    assert torch.equal(_params(arrays), _expected(theta, rows))
+    assert metrics["dropped"] == 2 and metrics["clients"] == N - 1 and metrics["repeated-ids"] == [4]
+    assert any("ids [4] are each claimed by more than one node" in r.getMessage() for r in caplog.records)
+
+
+@needs_flower
+def test_42_13b_a_byzantine_node_claiming_an_honest_id_no_longer_removes_its_row(flower, caplog):
+    """The audit's spoofing case, N=7, f=3: the three Byzantine nodes (node ids 100-102, below the honest
+    ones) claim the honest ids 3, 4 and 5. The first claim kept the id, so the honest rows 3-5 were dropped
+    every round (4 rows left: the round skipped, or a Byzantine majority). Now all 7 rows are aggregated, in
+    (id, node) order."""
+    theta = _theta()
+    strategy, _ = _strategy(flower, n=7, f=3, theta=theta)
+    G = _honest_rows(7)
+    bad = torch.full((3, D), 50.0)
+    replies = [_reply(flower, k, row=G[k]) for k in range(3, 7)]
+    replies += [_reply(flower, 3 + i, row=bad[i], node=100 + i) for i in range(3)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    rows = torch.stack([bad[0], G[3], bad[1], G[4], bad[2], G[5], G[6]])  # (3, 100), (3, 103), (4, 101), ...
+    assert torch.equal(_params(arrays), _expected(theta, rows, n=7, f=3))
+    assert metrics["clients"] == 7 and metrics["repeated-ids"] == [3, 4, 5] and "dropped" not in metrics
+    assert any("ids [3, 4, 5] are each claimed" in r.getMessage() for r in caplog.records)
+
+
+@needs_flower
+def test_42_13c_federated_evaluation_is_the_unweighted_median_and_never_raises(flower):
+    """FedAvg's aggregate_evaluate raised on a reply lacking num-examples (InconsistentMessageReplies, the
+    ServerApp down) and weighted by the claimed count (1e9 examples with accuracy 0 gave 7e-7). Now each
+    metric is the unweighted median of the finite numbers the replies give for it: a list, a NaN or a
+    node's second reply does not count. 9 honest replies, one malformed, one claiming 1e9 examples (and its
+    node's second reply): the medians worked by hand below."""
+    accuracy = [0.81, 0.79, 0.90, 0.85, 0.70, 0.88, 0.83, 0.86, 0.80]
+    loss = [0.50, 0.60, 0.40, 0.55, 0.90, 0.45, 0.52, 0.48, 0.58]
+    metrics = [{"accuracy": a, "loss": loss[k], "num-examples": 100 + k} for k, a in enumerate(accuracy)]
+    metrics += [{"accuracy": [0.1, 0.2], "loss": math.nan},  # malformed: no num-examples
+                {"accuracy": 0.0, "loss": 0.0, "num-examples": 10**9},
+                {"accuracy": 0.0, "loss": 0.0, "num-examples": 10**9}]  # fmt: skip
+    nodes = [*range(100, 111), 110]
+    replies = [
+        reply_from(node, flower.RecordDict({"metrics": flower.MetricRecord(m)}), flower.MessageType.EVALUATE)
+        for node, m in zip(nodes, metrics, strict=True)
+    ]
+    strategy, _ = _strategy(flower)
+    out = strategy.aggregate_evaluate(1, replies)
+    # 10 values each; sorted accuracies 0.0, 0.70, 0.79, 0.80, 0.81 | 0.83, ...; losses 0.0, ..., 0.50 | 0.52
+    assert out["accuracy"] == pytest.approx((0.81 + 0.83) / 2) and out["loss"] == pytest.approx(0.51)
+    assert out["num-examples"] == (104 + 105) / 2
+    assert strategy.aggregate_evaluate(1, replies[9:10]) is None  # nothing countable
 
 
 @needs_flower
