@@ -602,7 +602,7 @@ def test_cuda_graph_replays_take_the_batched_engines_steps(engine):
         torch.testing.assert_close(got[0], ref[0], rtol=1e-10, atol=1e-10)
         for k in ref[1]:
             torch.testing.assert_close(got[1][k], ref[1][k], rtol=1e-10, atol=1e-10)
-    assert any(isinstance(g, torch.cuda.CUDAGraph) for g in static.graphs.values())
+    assert any(isinstance(held[1], torch.cuda.CUDAGraph) for held in static.graphs.values())
 
 
 @cuda
@@ -673,11 +673,6 @@ def test_captured_engines_under_an_emulated_capture_equal_each_run_alone_batched
     import gc
     import weakref
 
-    import test_groups as tg
-
-    from prodigy_core import groups
-    from prodigy_core.data import Federation
-
     real_step, live, capturing, captures = StaticSteps._step, weakref.WeakSet(), [], []
 
     class FakeGraph:
@@ -724,9 +719,22 @@ def test_captured_engines_under_an_emulated_capture_equal_each_run_alone_batched
         return fn
 
     monkeypatch.setattr(step_variants, "make_grad", captured)
+    _a_group_of_decaying_lrs_equals_each_run_alone(monkeypatch, engine, "cpu")
+    assert len(captures) >= 4 and max(captures) == 1  # captured again after each change, one graph alive
+
+
+def _a_group_of_decaying_lrs_equals_each_run_alone(monkeypatch, engine: str, device: str) -> None:
+    """tests/test_groups.py's four runs at 6, 5, 6 and 4 rounds (the lr decays at another round in each,
+    the group shrinks as they end), float64, iid (one batch width: the captured path), grouped under
+    `engine` on `device`: each one's accuracy curve and final loss those of it alone under `batched`."""
+    import test_groups as tg
+
+    from prodigy_core import groups
+    from prodigy_core.data import Federation
+
     normalise = Federation.normalise
     monkeypatch.setattr(Federation, "normalise", lambda self, x: normalise(self, x).double())
-    base = {"distribution": "iid", "checkpoint_every": 100, "eval_every": 1}
+    base = {"distribution": "iid", "checkpoint_every": 100, "eval_every": 1, "device": device}
     configs = [c.replace(**base, rounds=rounds) for c, rounds in zip(tg.CONFIGS, (6, 5, 6, 4), strict=True)]
     assert len({tuple(c.lr_at(t) for t in range(6)) for c in configs}) >= 3  # the lrs decay at other rounds
     previous = torch.get_default_dtype()
@@ -741,7 +749,14 @@ def test_captured_engines_under_an_emulated_capture_equal_each_run_alone_batched
         assert in_group.accuracy_curve == alone.accuracy_curve
         assert in_group.final_loss == pytest.approx(alone.final_loss, rel=0, abs=1e-10)
         assert in_group.environment["engine"] == engine
-    assert len(captures) >= 4 and max(captures) == 1  # captured again after each change, one graph alive
+
+
+@cuda
+@pytest.mark.parametrize("engine", list(step_variants.GRAPHED))
+def test_a_captured_group_with_decaying_lrs_equals_each_run_alone_on_cuda(monkeypatch, engine):
+    """The emulated capture's test above on a real CUDA graph: captures, replays, a re-capture at each lr
+    change and a shrinking group, each run equal to it alone under `batched` in float64."""
+    _a_group_of_decaying_lrs_equals_each_run_alone(monkeypatch, engine, "cuda")
 
 
 def test_the_compiled_engine_never_runs_uncompiled_past_torch_compiles_limit(monkeypatch):
