@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -152,11 +153,20 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        from prodigy_core.registry import plain_value
+
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "record_distances_at" and isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
-                value = tuple(value)
+            # a NumPy scalar is the plain value it holds (its key and label are the plain value's); a path
+            # object is its text; a list of rounds is a tuple
+            plain = plain_value(value)
+            if f.name == "data_dir" and isinstance(plain, os.PathLike):
+                plain = os.fspath(plain)
+            if f.name == "record_distances_at" and isinstance(plain, list):
+                plain = tuple(plain)
+            if plain is not value:
+                object.__setattr__(self, f.name, plain)
+                value = plain
             hint = _field_types()[f.name]
             _check_type(f.name, value, hint)
             if f.name == "record_distances_at":  # [2, 1] and [1, 1, 2] are the run of [1, 2]: one key
@@ -411,7 +421,8 @@ class RunConfig:
 
 def as_row(values: dict[str, Any]) -> dict[str, Any]:
     """A config's fields as a results frame holds them: defense and attack with their settings as one label
-    ("cclip(tau=5)", `registry.label`), so that a table keeps runs with other settings apart."""
+    ("cclip(tau=5.0)" for {"tau": 5.0}, `registry.label`), so that a table keeps runs with other settings
+    apart."""
     from prodigy_core.registry import label
 
     row = dict(values)
@@ -481,12 +492,25 @@ def field_defaults() -> dict[str, Any]:
 
 
 def parse_value(name: str, text: str) -> Any:
-    """Parse a command-line ``key=value`` string into the field's type (YAML scalars: 0.1, true, [1, 2])."""
-    import yaml
-
+    """Parse a command-line ``key=value`` string into the field's type (YAML scalars: 0.1, true, [1, 2]);
+    text YAML cannot read (``[1``) is a ConfigError naming the field and the text."""
     if name not in field_names():
         raise ConfigError(f"unknown field {name!r}{did_you_mean(name, field_names())}")
-    value = yaml.safe_load(text)
+    return _read_value(name, text)
+
+
+def _read_value(name: str, text: str) -> Any:
+    """``text`` read as YAML (`parse_value`), ``name`` (a field, or a setting) in the error message."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(
+            f"{name}={text!r} cannot be read as a YAML value ({problem}): close its brackets and quotes, "
+            'e.g. [1, 2] or "a, b"'
+        ) from None
     if value is None and text.strip().lower() not in ("null", "none", "~", ""):
         value = text
     if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
@@ -495,15 +519,47 @@ def parse_value(name: str, text: str) -> Any:
 
 
 def parse_settings(name: str, text: str) -> dict[str, Any]:
-    """A rule's or an attack's settings written as one line, ``"tau=5, L=2"`` -> {"tau": 5, "L": 2} (values
-    read as `parse_value` reads them); "" -> {}."""
+    """A rule's or an attack's settings written as one line, ``"tau=5, L=2"`` -> {"tau": 5, "L": 2}, as
+    `registry.settings_text` writes them (``rhos=[0.25, 0.5]``: a comma inside brackets or quotes is the
+    value's); values read as `parse_value` reads them; "" -> {}. A ConfigError naming ``name`` and the text
+    otherwise."""
+    if name not in field_names():
+        raise ConfigError(f"unknown field {name!r}{did_you_mean(name, field_names())}")
     settings: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in filter(None, (p.strip() for p in _top_level_split(text))):
         key, sep, value = part.partition("=")
         if not sep or not key.strip().isidentifier():
             raise ConfigError(f"{name}={text!r}: write setting=value pairs, commas between, e.g. tau=5, L=2")
-        settings[key.strip()] = parse_value(name, value)
+        settings[key.strip()] = _read_value(f"{name}: {key.strip()}", value.strip())
     return settings
+
+
+def _top_level_split(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and quotes: "a=[1, 2], b='x, y'" -> ["a=[1, 2]",
+    " b='x, y'"]. A quote opens a quoted value only where a value starts (after "=", "[", "{", "," or ":",
+    as in YAML: the ' of it's is a letter); an unclosed one keeps the rest as one part (its value's YAML error
+    says so)."""
+    parts, start, depth, quote, escaped, last = [], 0, 0, "", False, "="
+    for i, char in enumerate(text):
+        if quote:  # inside '...' ('' is a quote in it: two toggles) or "..." (backslash escapes)
+            if escaped:
+                escaped = False
+            elif char == "\\" and quote == '"':
+                escaped = True
+            elif char == quote:
+                quote = ""
+        elif char in "'\"" and last in "=[{,:":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth = max(0, depth - 1)
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+        if not char.isspace():
+            last = char
+    return [*parts, text[start:]]
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import urllib.error
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +21,10 @@ import torch
 from matplotlib.figure import Figure
 
 from prodigy_core import training
-from prodigy_core.aggregators import AGGREGATOR_NAMES, ProDiGy, pairwise_sq_distances
+from prodigy_core.aggregators import AGGREGATOR_NAMES, RULES, ProDiGy, pairwise_sq_distances, split_defense
 from prodigy_core.attacks import ATTACKS
 from prodigy_core.config import SETTINGS_FIELDS, ConfigError, RunConfig, as_row, parse_settings
+from prodigy_core.data import jpeg_copy_hint
 from prodigy_core.names import DATASETS, DISTRIBUTIONS, NO_ATTACK
 from prodigy_core.registry import settings_text
 from prodigy_core.report import (
@@ -78,8 +81,7 @@ def explore(
     ``fields`` override RunConfig fields of ``config`` (default: ``EXPLORE_DEFAULTS`` over RunConfig's).
     ``on_progress(k, T)`` is called as round k of T starts its aggregation (the explorer's "round k / T").
     """
-    base = config if config is not None else RunConfig(**EXPLORE_DEFAULTS)
-    config = base.replace(**fields)
+    config = explore_config(config, **fields)
     f = config.n_byzantine
     seen: dict[str, Any] = {}
 
@@ -108,9 +110,20 @@ def explore(
                        accuracy=result.final_accuracy, **seen)  # fmt: skip
 
 
+def explore_config(config: RunConfig | None = None, **fields: Any) -> RunConfig:
+    """The run `explore` trains: ``config`` (default: ``EXPLORE_DEFAULTS`` over RunConfig's) with ``fields``
+    over it. Anything but a RunConfig or None for ``config`` is a TypeError saying what to pass."""
+    if config is not None and not isinstance(config, RunConfig):
+        raise TypeError(
+            f"explore: config must be a RunConfig or None, not {type(config).__name__}; give fields as "
+            "keywords (explore(rounds=2), or explore(**fields) for a mapping)"
+        )
+    return (config if config is not None else RunConfig(**EXPLORE_DEFAULTS)).replace(**fields)
+
+
 def names_with_settings(config: RunConfig) -> tuple[str, str]:
     """The defense's and the attack's names as tables print them, with their settings ("NNM+CClip
-    (tau=5)"), so that two settings of one rule never look alike."""
+    (tau=5.0)" for {"tau": 5.0}), so that two settings of one rule never look alike."""
     row = as_row(config.to_dict())
     return display_value("defense", row["defense"]), display_value("attack", row["attack"])
 
@@ -229,6 +242,22 @@ def runnable_options(field: str, options: Sequence[str], setting: dict[str, Any]
 def max_byzantine(n_clients: int) -> int:
     """The largest f below N/2 (every defense's and RunConfig's limit)."""
     return max(0, (int(n_clients) - 1) // 2)
+
+
+def cannot_run(error: Exception, setting: dict[str, Any]) -> str:
+    """Why ``setting`` (the explorer's fields) cannot run, one line: a failed download (a URLError, a refused
+    or timed-out connection) says so and how to get CIFAR-10 offline (`prodigy-fl data cifar10 --from` the
+    JPEG copy); another OSError its reason and file; any other error its message."""
+    if isinstance(error, urllib.error.URLError | ConnectionError | TimeoutError):
+        reason = getattr(error, "reason", None) or error.strerror or error
+        folder = f" {setting['data_dir']}" if setting.get("data_dir") else ""
+        return (
+            f"downloading CIFAR-10 failed ({reason}; offline?): decode the JPEG copy instead, "
+            f"`prodigy-fl data cifar10{folder} --from {jpeg_copy_hint()}`, and run this again"
+        )
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError):
+        return f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
+    return str(error)
 
 
 def in_widget_words(message: str) -> str:
@@ -359,33 +388,40 @@ def explorer(**setting: Any) -> Any:
     def progress(k: int, total: int) -> None:
         bar.max, bar.value, bar.description = total, k, f"round {k} / {total}"
 
-    last: dict[str, Any] = {}  # the setting trained last and its exploration: shown again, not retrained
+    # the setting trained last, its run's code (`run_code`) and its exploration: shown again, not retrained
+    last: dict[str, Any] = {}
 
     def train(_: Any = None) -> Exploration | None:
         values = current()
-        if last and last["values"] == values:
-            out.clear_output()
+        settings = dict(values, data_dir=values["data_dir"].strip() or None)
+        out.clear_output()  # the previous views go now, not when the new ones arrive
+        try:
+            for name in SETTINGS_FIELDS:
+                settings[name] = parse_settings(name, settings[name])
+            config = explore_config(eval_every=settings["rounds"], **settings)
+            code = run_code(config)
+        except (ConfigError, ValueError, OSError) as e:
+            with out:
+                print(f"cannot run this setting: {in_widget_words(cannot_run(e, settings))}")
+            return None
+        if last and last["values"] == values and last["code"] == code:
             with out:
                 print(exploration_summary(last["ex"]))
                 show(*exploration_figures(last["ex"]).values())
             return last["ex"]
-        out.clear_output()  # the previous views go now, not when the new ones arrive
         button.disabled = True
         bar.layout.visibility = "visible"
         progress(0, controls["rounds"].value)
-        settings = dict(values, data_dir=values["data_dir"].strip() or None)
         try:
-            for name in SETTINGS_FIELDS:
-                settings[name] = parse_settings(name, settings[name])
-            ex = explore(on_progress=progress, eval_every=settings["rounds"], **settings)
-        except (ConfigError, ValueError, FileNotFoundError) as e:
+            ex = explore(config=config, on_progress=progress)
+        except (ConfigError, ValueError, OSError) as e:  # a failed CIFAR-10 download is an OSError
             with out:
-                print(f"cannot run this setting: {in_widget_words(str(e))}")
+                print(f"cannot run this setting: {in_widget_words(cannot_run(e, settings))}")
             return None
         finally:
             button.disabled = False
             bar.layout.visibility = "hidden"
-        last.update(values=values, ex=ex)
+        last.update(values=values, code=code, ex=ex)
         with out:
             print(exploration_summary(ex))
             show(*exploration_figures(ex).values())
@@ -396,9 +432,27 @@ def explorer(**setting: Any) -> Any:
                            layout={"grid_template_columns": f"repeat(2, {COLUMN_EM}em)"})  # fmt: skip
     box = widgets.VBox([grid, widgets.HBox([button, bar]), out])
     box.train = train
-    box.keep = lambda ex: last.update(values=current(), ex=ex)  # `ex` is what the controls show now
+
+    def keep(ex: Exploration) -> None:
+        """Take ``ex`` as the exploration of what the controls show now (not trained again)."""
+        last.update(values=current(), code=run_code(ex.config), ex=ex)
+
+    box.keep = keep
     box.controls = controls
     return box
+
+
+def run_code(config: RunConfig) -> tuple[Any, ...]:
+    """What says a run's code changed: its result key (`RunConfig.key`: with a plug-in's code hash) and the
+    classes a rule or an attack registered by name outside the package stands for now (whose code no key
+    holds: a notebook's cell run again registers an edited class)."""
+    rule, attack = RULES.unkeyed_class(split_defense(config.defense)[1]), ATTACKS.unkeyed_class(config.attack)
+    return config.key(), rule, attack
+
+
+EXPLORER_VIEWS = ("distances", "scores", "damage")  # `exploration_figures`' views, in its order
+# What a run needs for the views it may lack.
+VIEW_NEEDS = {"scores": "ProDiGy's scores need f >= 2", "damage": "the attack searches no parameter"}
 
 
 def write_exploration(
@@ -409,13 +463,29 @@ def write_exploration(
     views: Sequence[str] | None = None,
     mini: bool = False,
 ) -> list[Path]:
-    """Save the explorer's views (all, or those named in ``views``) as ``<name>_<view>.pdf``/``.png`` in
-    `report.output_dir` (its smoke/ or mini/ subfolder at those scales)."""
+    """Save the explorer's views (all, or those named in ``views``, `EXPLORER_VIEWS`; one name as a string
+    too) as ``<name>_<view>.pdf``/``.png`` in `report.output_dir` (its smoke/ or mini/ subfolder at those
+    scales). An unknown view name is a ValueError naming the valid ones; a view this run lacks (scores with
+    f < 2, damage for an attack without a parameter search) is a warning naming it, the others saved."""
+    wanted = list(EXPLORER_VIEWS if views is None else [views] if isinstance(views, str) else views)
+    unknown = [v for v in wanted if v not in EXPLORER_VIEWS]
+    if unknown:
+        raise ValueError(f"write_exploration: unknown view(s) {unknown}; valid: {', '.join(EXPLORER_VIEWS)}")
+    figures = exploration_figures(ex)
+    lacking = [v for v in EXPLORER_VIEWS if v in wanted and v not in figures]
+    saved = [v for v in EXPLORER_VIEWS if v in wanted and v in figures]
+    if lacking and views is not None:  # all views asked for: those the run has
+        why = "; ".join(f"{v}: {VIEW_NEEDS[v]}" for v in lacking)
+        warnings.warn(
+            f"write_exploration: this run has no {', '.join(lacking)} view ({why}); saved "
+            f"{', '.join(saved) or 'none'}",
+            UserWarning,
+            stacklevel=2,
+        )
     folder = output_dir(smoke, out_dir, mini=mini)
     paths = []
-    for view, fig in exploration_figures(ex).items():
-        if views is None or view in views:
-            paths += save_figure(fig, folder / f"{name}_{view}")
+    for view in saved:
+        paths += save_figure(figures[view], folder / f"{name}_{view}")
     return paths
 
 
@@ -425,10 +495,13 @@ __all__ = [
     "EXPLORER_LABELS",
     "EXPLORER_RANGES",
     "EXPLORE_DEFAULTS",
+    "EXPLORER_VIEWS",
     "Exploration",
+    "cannot_run",
     "exploration_figures",
     "exploration_summary",
     "explore",
+    "explore_config",
     "explorer",
     "explorer_defaults",
     "explorer_setting",

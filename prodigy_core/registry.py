@@ -22,12 +22,17 @@ import importlib.util
 import inspect
 import json
 import math
+import operator
+import re
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from prodigy_core.names import TYPE_WORDS, did_you_mean
 
@@ -72,6 +77,10 @@ class Registry:
         self._entries: dict[str, Entry] = {}
 
     def register(self, cls: type) -> type:
+        """File ``cls`` under its name and its presets' names. A name another class holds is a ValueError,
+        but for a class of the same module and qualified name defined outside the package (a notebook's cell
+        run again): it replaces that earlier definition, with a warning. A class whose ``__init__`` lacks a
+        parameter of ``needs`` (a rule's f) is refused here, at the cell that defines it."""
         presets = {n: (d, dict(p)) for n, (d, p) in getattr(cls, "presets", {}).items()}
         own = {cls.name: (cls.display or cls.name, {})}
         names = {**presets, **own} if _needs_settings(cls) else {**own, **presets}  # ready names first
@@ -81,12 +90,45 @@ class Registry:
                     f"{self.kind} {cls.__name__}: the name {name!r} cannot be written in a params file; give "
                     "the class a lower-case name without spaces, '+', ':' or '/' (name = 'my_rule')"
                 )
-        for name, (display, params) in names.items():
+        self._check_needs(cls, cls.name)
+        earlier = self._earlier_definition(cls)
+        for name in names:
             known = self._entries.get(name)
-            if known is not None and known.cls is not cls:
-                raise ValueError(f"{self.kind} name {name!r} is taken by {known.cls.__name__}")
+            if known is not None and known.cls not in (cls, earlier):
+                raise ValueError(f"{self.kind} name {name!r} is taken by {_taken_by(known.cls)}")
+        if earlier is not None:
+            self._entries = {n: e for n, e in self._entries.items() if e.cls is not earlier}
+            warnings.warn(
+                f"{self.kind} {cls.name!r}: {cls.__qualname__} from {cls.__module__} replaced its earlier "
+                "definition",
+                UserWarning,
+                stacklevel=2,
+            )
+        for name, (display, params) in names.items():
             self._entries[name] = Entry(cls, params, display)
         return cls
+
+    def _earlier_definition(self, cls: type) -> type | None:
+        """The registered class ``cls`` redefines: another class of the same module and qualified name, both
+        from outside the package (a notebook's cell run twice defines the class twice); None without one."""
+        if packaged(cls):
+            return None
+        same = (cls.__module__, cls.__qualname__)
+        return next(
+            (
+                e.cls
+                for e in self._entries.values()
+                if e.cls is not cls and not packaged(e.cls) and (e.cls.__module__, e.cls.__qualname__) == same
+            ),
+            None,
+        )
+
+    def _check_needs(self, cls: type, name: str) -> None:
+        """A ValueError naming the fix unless ``cls.__init__`` takes every parameter of ``needs``."""
+        takes = inspect.signature(cls.__init__).parameters
+        for needed, why in self.needs.items():
+            if needed not in takes:
+                raise ValueError(f"{self.kind} {name!r}: {cls.__name__}.__init__ takes no {needed}: {why}")
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -119,11 +161,7 @@ class Registry:
             raise ValueError(f"unknown {self.kind} {name!r}{hint}{spec_hint(name)}")
         else:
             entry = self._entries[name]
-        takes = inspect.signature(entry.cls.__init__).parameters
-        for needed, why in self.needs.items():
-            if needed not in takes:
-                cls = entry.cls.__name__
-                raise ValueError(f"{self.kind} {name!r}: {cls}.__init__ takes no {needed}: {why}")
+        self._check_needs(entry.cls, name)
         return entry
 
     def unkeyed_class(self, name: str) -> type | None:
@@ -136,7 +174,7 @@ class Registry:
         return entry.cls
 
     def display(self, name: str, params: Mapping[str, Any] | None = None) -> str:
-        """How a table prints ``name`` with ``params``: "FOE ε=0.1", "CClip (tau=5)"."""
+        """How a table prints ``name`` with ``params``: "FOE ε=0.1", "CClip (tau=5.0)" for {"tau": 5.0}."""
         entry = self.lookup(name)
         params = dict(params or {})
         if not params:
@@ -144,7 +182,7 @@ class Registry:
         return f"{entry.display} ({settings_text(params)})"
 
     def display_label(self, text: str) -> str | None:
-        """How a table prints a `label` (``cclip(tau=5)`` -> "CClip (tau=5)"); None when it names nothing
+        """How a table prints a `label` (``cclip(tau=5.0)`` -> "CClip (tau=5.0)"); None when it names nothing
         this registry knows (or a plug-in whose file is gone)."""
         name, shown = split_label(text)
         try:
@@ -168,11 +206,16 @@ class Registry:
         that equal a preset's written as that preset (``foe`` with eps=0.1 is ``foe_0.1``), so that one run
         has one key whichever way it was written."""
         if is_plugin(name) and not imports_plugins():  # its file's literal defaults, read as text
-            defaults = plugin_source(name, self.kind).settings or {}
+            source = plugin_source(name, self.kind)
+            defaults, hints = source.settings or {}, source.hints or {}
             kept = {}
             for key, value in check_values(f"{self.kind} {name!r}", params).items():
                 default = defaults.get(key, NOT_LITERAL)
-                value, differs = (value, True) if default is NOT_LITERAL else _against_default(value, default)
+                if default is NOT_LITERAL:
+                    kept[key] = as_declared(value, hints.get(key))
+                    continue
+                value = as_declared(value, hints.get(key), default)
+                value, differs = _against_default(value, as_declared(default, hints.get(key), default))
                 if differs:
                     kept[key] = value
             return name, Settings(sorted(kept.items()))
@@ -184,6 +227,16 @@ class Registry:
             if other.cls is entry.cls and other.params and other.params == full:
                 return preset, Settings()
         return (entry.cls.name if not is_plugin(name) else name), full
+
+
+def _taken_by(cls: type) -> str:
+    """Who holds a name another class asks for, and what to do."""
+    if packaged(cls):
+        return f"the package's {cls.__name__}: give yours another name (name = 'my_rule')"
+    return (
+        f"{cls.__qualname__}, registered earlier in this kernel from {cls.__module__}: give this class "
+        "another name, or restart the kernel to drop the earlier one"
+    )
 
 
 def format_value(value: Any) -> str:
@@ -222,8 +275,9 @@ def _needs_settings(cls: type, given: Mapping[str, Any] = {}) -> bool:  # noqa: 
 
 def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str, Any]:
     """``params`` checked against ``cls``'s settings: unknown names are an error with a did-you-mean hint, a
-    required one missing is an error, values are YAML scalars or lists of them, an integer given for a float
-    default becomes a float (1 and 1.0: one key), and values equal to the default are dropped. Sorted."""
+    required one missing is an error, values are YAML scalars or lists of them (NumPy scalars read as plain
+    ones), an integer given for a float setting becomes a float (`as_declared`: 1 and 1.0, one key), and
+    values equal to the default are dropped. Sorted."""
     valid = settings_of(cls)
     out = {}
     for key in params:
@@ -231,8 +285,11 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
             hint = did_you_mean(key, valid) if valid else "; it has no settings"
             raise ValueError(f"{owner} has no setting {key!r}{hint}")
     for key, value in check_values(owner, params).items():
-        _check_type(owner, cls, key, value, valid[key])
-        value, differs = _against_default(value, valid[key])
+        default = valid[key]
+        hint = setting_hint(cls, key, default)
+        _check_type(owner, key, value, default, hint)
+        value = as_declared(value, hint, default)
+        value, differs = _against_default(value, as_declared(default, hint, default))
         if differs:
             out[key] = value
     missing = [k for k, d in valid.items() if d is inspect.Parameter.empty and k not in out]
@@ -242,28 +299,55 @@ def check_settings(owner: str, cls: type, params: Mapping[str, Any]) -> dict[str
 
 
 def _against_default(value: Any, default: Any) -> tuple[Any, bool]:
-    """(the value as a key stores it, whether it differs from the default): an integer given for a float
-    default becomes a float (1 and 1.0: one key); YAML has no tuples, so [0.25, 0.5] equals (0.25, 0.5)."""
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+    """(the value as a key stores it, whether it differs from the default), both already `as_declared`: YAML
+    has no tuples, so [0.25, 0.5] equals (0.25, 0.5)."""
     if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
         return value, False
     return value, value != default or type(value) is not type(default)
 
 
-def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> None:
-    """A ValueError unless ``value`` fits the setting's annotation (or its default's type, without one) when
-    that is made of int, float, bool, str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true,
-    a number no true, no text and no list. The message names the default, when there is one, as an example:
-    ``tau='abc' must be a number, like its default tau=10``, not the class's own comparison error."""
+def setting_hint(cls: type, key: str, default: Any) -> Any:
+    """The type a setting of ``cls`` declares: its ``__init__`` annotation, else (none, or one that does not
+    resolve) its default's type; None when neither says (no annotation, a None or no default)."""
     try:
         hint = typing.get_type_hints(cls.__init__).get(key)
-    except Exception:  # a plug-in's annotation that does not resolve: its default's type
-        hint = None
+    except Exception:  # some annotation of a plug-in's does not resolve: this one's text, read as data
+        annotation = inspect.signature(cls.__init__).parameters[key].annotation
+        hint = _source_hint(ast.Constant(annotation)) if isinstance(annotation, str) else None
     if hint is None:
         hint = None if default is inspect.Parameter.empty or default is None else type(default)
+    return hint
+
+
+def _options(hint: Any) -> tuple[Any, ...]:
+    """The types a hint allows: a union's members, else the hint itself (() for None: unknown)."""
+    if hint is None:
+        return ()
     union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    options = typing.get_args(hint) if union else (hint,)
+    return typing.get_args(hint) if union else (hint,)
+
+
+def as_declared(value: Any, hint: Any, default: Any = None) -> Any:
+    """``value`` as a key stores it, so that 1 and 1.0 give one key: an integer (not a bool) becomes a float
+    where the setting is a float, declared ``float`` or ``float | None`` (not ``int | float``: an integer is
+    an integer there) or, undeclared, with a float default; each integer of a list or tuple becomes a float
+    for ``tuple[float, ...]``. Anything else is kept as it is."""
+    options = _options(hint)
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if whole(value) and (float in options and int not in options or isinstance(default, float)):
+        return float(value)
+    floats = any(typing.get_origin(o) is tuple and typing.get_args(o) == (float, ...) for o in options)
+    if floats and isinstance(value, list | tuple):
+        return type(value)(float(v) if whole(v) else v for v in value)
+    return value
+
+
+def _check_type(owner: str, key: str, value: Any, default: Any, hint: Any) -> None:
+    """A ValueError unless ``value`` fits the setting's `setting_hint` when that is made of int, float, bool,
+    str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true, a number no true, no text and no
+    list. The message names the default, when there is one, as an example: ``tau='abc' must be a number,
+    like its default tau=10``, not the class's own comparison error."""
+    options = _options(hint)
     if not options or not all(o in TYPE_WORDS for o in options):
         return
     number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -278,14 +362,33 @@ def _check_type(owner: str, cls: type, key: str, value: Any, default: Any) -> No
 
 
 def check_values(owner: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` whose values are YAML scalars or lists of them, numbers finite; a ValueError otherwise."""
+    """``params`` whose values are YAML scalars or lists of them, numbers finite, NumPy scalars as the plain
+    values they hold (`plain_value`); a ValueError otherwise."""
+    params = {key: plain_value(value) for key, value in params.items()}
     for key, value in params.items():
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(v, SCALARS) for v in items):
             raise ValueError(f"{owner}: {key}={value!r} must be a number, a string, true/false or a list")
         if any(isinstance(v, float) and not math.isfinite(v) for v in items):
             raise ValueError(f"{owner}: {key}={value!r} must be finite")
-    return dict(params)
+    return params
+
+
+def plain_value(value: Any) -> Any:
+    """A NumPy scalar as the plain Python value it holds (np.int64(2) -> 2, np.float64(5) -> 5.0,
+    np.bool_(True) -> True, np.str_("x") -> "x"), in a list or tuple too, so that its key and its label are
+    the plain value's; anything else as it is."""
+    if isinstance(value, list | tuple):
+        return type(value)(plain_value(v) for v in value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return operator.index(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.str_):
+        return str(value)
+    return value
 
 
 class Settings(dict):
@@ -301,23 +404,31 @@ def _frozen(value: Any) -> Any:
 
 
 def settings_text(params: Mapping[str, Any]) -> str:
-    """Settings as one line, sorted by name: {"tau": 5.0, "L": 2} -> "L=2, tau=5" (`config.parse_settings`
-    reads it back)."""
+    """Settings as one line, sorted by name, each value as `format_value` writes it: {"tau": 5.0, "L": 2} ->
+    "L=2, tau=5.0", {"rhos": [0.25, 0.5]} -> "rhos=[0.25, 0.5]" (`config.parse_settings` reads it back)."""
     return ", ".join(f"{k}={format_value(v)}" for k, v in sorted(params.items()))
 
 
 def label(name: str, params: Mapping[str, Any]) -> str:
-    """One text for a name with settings, as results frames and tables key their rows: ``cclip(tau=5)``;
-    the name alone without settings."""
+    """One text for a name with settings, as results frames and tables key their rows: ``cclip(tau=5.0)``
+    for {"tau": 5.0}; the name alone without settings."""
     return f"{name}({settings_text(params)})" if params else name
 
 
 def split_label(text: str) -> tuple[str, str]:
-    """(name, settings text) of a `label`: ("cclip", "tau=5"); (text, "") without settings."""
-    if text.endswith(")") and "(" in text:
-        name, _, rest = text.partition("(")
-        return name, rest[:-1]
-    return text, ""
+    """(name, settings text) of a `label`: ("cclip", "tau=5.0"); (text, "") without settings. The name ends
+    at the first "(" that closes a plug-in spec (``.../my (copy)/rules.py:Mine(tau=5.0)``: a path may hold
+    brackets, a class name cannot), else at the first "(" (a registered name holds none)."""
+    if not text.endswith(")") or "(" not in text:
+        return text, ""
+    spec = _PLUGIN_NAME.match(text)
+    cut = spec.end() if spec else text.index("(")
+    return text[:cut], text[cut + 1 : -1]
+
+
+# A plug-in spec followed by "(": the shortest text up to ":ClassName" (what a label's name is when it names
+# a plug-in; the settings after it may hold ":" too, in a string).
+_PLUGIN_NAME = re.compile(r".*?:[A-Za-z_]\w*(?=\()", re.DOTALL)
 
 
 # ------------------------------------------------------------------------------------------ plug-ins
@@ -429,12 +540,14 @@ NOT_LITERAL = object()  # a default `plugin_source` cannot read as a literal: on
 
 class PluginSource(NamedTuple):
     """What a plug-in's file says of its class when read as text (`ast`), without running it: its display
-    name (None: only the import knows it) and its settings with their defaults (`settings_of`'s form;
+    name (None: only the import knows it), its settings with their defaults (`settings_of`'s form;
     ``NOT_LITERAL`` for a default that is not a literal; None when the class body has no plain
-    ``__init__``)."""
+    ``__init__``) and the types their annotations declare where these are made of int, float, bool, str,
+    None, ``X | Y``, ``Optional[X]`` and ``tuple[X, ...]`` (`as_declared` reads them as the import would)."""
 
     display: str | None
     settings: dict[str, Any] | None
+    hints: dict[str, Any] | None = None
 
 
 def plugin_source(spec: str, kind: str = "plug-in") -> PluginSource:
@@ -447,11 +560,11 @@ def plugin_source(spec: str, kind: str = "plug-in") -> PluginSource:
         _, cls_name = _split(spec, kind)
         tree = ast.parse(plugin_file(spec, kind).read_bytes())
     except (ValueError, OSError, SyntaxError, RecursionError, MemoryError):
-        return PluginSource(None, None)
+        return PluginSource(None, None, None)
     node = next((n for n in reversed(tree.body) if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
     if node is None:
-        return PluginSource(None, None)
-    return PluginSource(_source_display(node), _source_settings(node))
+        return PluginSource(None, None, None)
+    return PluginSource(_source_display(node), *_source_settings(node))
 
 
 def _literal(node: ast.expr | None) -> Any:
@@ -483,16 +596,49 @@ def _source_display(node: ast.ClassDef) -> str | None:
     return (display or node.name) if isinstance(display, str) else None
 
 
-def _source_settings(node: ast.ClassDef) -> dict[str, Any] | None:
+def _source_settings(node: ast.ClassDef) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(settings with their literal defaults, the types their annotations declare) of a class's text."""
     inits = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
     if not inits or inits[-1].decorator_list:  # inherited, or wrapped: only the import knows its signature
-        return None
+        return None, None
     a = inits[-1].args
     positional = a.posonlyargs + a.args
     defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
     pairs = [(p, d) for p, d in zip(positional, defaults, strict=True) if p in a.args]  # not positional-only
     pairs += list(zip(a.kwonlyargs, a.kw_defaults, strict=True))
-    return {p.arg: _literal(d) for p, d in pairs if p.arg not in RUN_KEYWORDS}
+    pairs = [(p, d) for p, d in pairs if p.arg not in RUN_KEYWORDS]
+    return {p.arg: _literal(d) for p, d in pairs}, {p.arg: _source_hint(p.annotation) for p, _ in pairs}
+
+
+_SOURCE_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _source_hint(node: ast.expr | None) -> Any:
+    """The type an annotation's text declares, read without running it (`PluginSource`); None for any other
+    annotation, or none."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a quoted annotation
+        try:
+            return _source_hint(ast.parse(node.value, mode="eval").body)
+        except (SyntaxError, RecursionError, MemoryError, ValueError):
+            return None
+    if isinstance(node, ast.Constant) and node.value is None:
+        return type(None)
+    if isinstance(node, ast.Name):
+        return _SOURCE_TYPES.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        left, right = _source_hint(node.left), _source_hint(node.right)
+        return None if left is None or right is None else left | right
+    if isinstance(node, ast.Subscript):
+        base = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", "")
+        if base == "Optional":
+            inner = _source_hint(node.slice)
+            return None if inner is None else inner | None
+        items = node.slice.elts if isinstance(node.slice, ast.Tuple) else []
+        if base in ("tuple", "Tuple") and len(items) == 2:
+            inner = _source_hint(items[0])
+            ellipsis = isinstance(items[1], ast.Constant) and items[1].value is Ellipsis
+            return tuple[inner, ...] if inner is not None and ellipsis else None
+    return None
 
 
 def load_plugin(spec: str, kind: str) -> type:
@@ -583,6 +729,7 @@ __all__ = [
     "Registry",
     "Settings",
     "check_settings",
+    "as_declared",
     "check_values",
     "contract",
     "format_value",
@@ -595,6 +742,7 @@ __all__ = [
     "plugin_file",
     "plugin_hash",
     "plugin_source",
+    "plain_value",
     "records_are_data",
     "settings_of",
     "packaged",

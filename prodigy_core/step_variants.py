@@ -299,10 +299,10 @@ class StaticSteps:
     BatchNorm buffers (R N, ...) written once a round from the server models, each step's images, labels
     and dropout masks (`draw_group`) copied into the same tensors, and the step (gradient, weight decay,
     SGD update in place) reading and writing only those; for a step whose host, launching its kernels, is
-    slower than its GPU. ``capture`` (CUDA): the step is run eagerly once
-    (on a side stream, its warm-up), captured in a CUDA graph at its next use and replayed from then on, one
-    graph per input shape, captured again when the step sizes change (a decayed lr). Without capture (a CPU: the
-    tests) the same step runs eagerly: the static-buffer path, the `batched` engine's numbers bit for bit.
+    slower than its GPU. ``capture`` (CUDA): the step is run eagerly once (on a side stream, its warm-up),
+    captured in a CUDA graph at its next use and replayed from then on, one graph per input shape, captured
+    again when the step sizes change (a decayed lr). Without capture (a CPU: the tests) the same step runs
+    eagerly: the static-buffer path, the `batched` engine's numbers bit for bit.
     Clients of several batch widths (small clients, ``paper``) take `local_training.local_steps_stacked`'s
     loop, which calls this object as the plain gradient function."""
 

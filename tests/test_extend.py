@@ -422,6 +422,7 @@ def test_a_plugins_text_says_what_its_import_finds(plugins):
     assert sources["Plain"].display == "Plain" and sources["Plain"].settings["e"] is inspect.Parameter.empty
     assert sources["Shown"].display == "The last one" and sources["Shown"].settings["tau"] is NOT_LITERAL
     assert sources["Shown"].settings["name"] is NOT_LITERAL and sources["Shown"].settings["items"] == [1, 2]
-    assert sources["Inherits"] == (None, None)  # a built-in base: only the import knows its name and settings
-    assert plugin_source("sources.py:Missing", "defense") == (None, None)
-    assert plugin_source("gone.py:X", "defense") == (None, None)
+    # a built-in base: only the import knows its name and settings
+    assert sources["Inherits"] == (None, None, None)
+    assert plugin_source("sources.py:Missing", "defense") == (None, None, None)
+    assert plugin_source("gone.py:X", "defense") == (None, None, None)

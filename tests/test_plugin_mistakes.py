@@ -155,9 +155,9 @@ def test_a_rule_without_f_is_refused_naming_f(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=message):
         make_aggregator("nof.py:NoF", 2)
     monkeypatch.setattr(agg.RULES, "_entries", dict(agg.RULES._entries))  # registered for this test only
-    agg.RULES.register(type("NoFRule", (NoF,), {"name": "no_f_rule"}))
-    with pytest.raises(ValueError, match=r"no_f_rule.*NoFRule.__init__ takes no f"):
-        make_aggregator("no_f_rule", 2)
+    with pytest.raises(ValueError, match=r"no_f_rule.*NoFRule.__init__ takes no f"):  # at its definition
+        agg.RULES.register(type("NoFRule", (NoF,), {"name": "no_f_rule"}))
+    assert "no_f_rule" not in agg.RULES
 
 
 class Combining(agg.Rule):
