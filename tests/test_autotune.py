@@ -278,28 +278,42 @@ def test_estimates_learn_from_a_group_whose_run_diverged_early(gpu_run, tmp_path
     assert driver.estimate([config]) == pytest.approx(expected)
 
 
-def test_the_gate_stops_gating_candidates_once_the_budget_is_spent(digits, monkeypatch):
-    """The autotune's bound: once its budget is spent, no further candidate trajectory starts; a candidate
-    left out is not accepted, and the reference (fp32) is chosen although slower."""
-    import time
-
+@pytest.mark.parametrize(("per_trajectory", "gated"), [(0.6, []), (0.4, ["prodigy"])])
+def test_the_gate_stops_gating_candidates_once_the_budget_is_spent(
+    digits, monkeypatch, per_trajectory, gated
+):
+    """The autotune's bound: once its budget (1 s) is spent, no further candidate trajectory starts; a
+    candidate left out is not accepted, and the reference (fp32) is chosen although slower. Each trajectory
+    takes `per_trajectory` seconds of autotune's fake clock: at 0.6 s the first defense's two references
+    spend 1.2 s and no candidate is gated; at 0.4 s they spend 0.8 s, the first defense gates its candidate
+    (bf16, the only other one on a CPU), which ends at 1.2 s, and the second defense gates none."""
     config, fed = digits
+    clock = FakeClock(0.0)
+    monkeypatch.setattr(autotune, "time", clock)
+    monkeypatch.setattr(autotune, "add_rates", lambda *args: None)  # its peak needs a real clock
     real, started = autotune.trajectory, []
 
-    def slow_reference(config, fed, precision, *args, **kwargs):
-        started.append(precision)
-        time.sleep(0.6)
+    def slow_trajectory(config, fed, precision, *args, **kwargs):
+        started.append((config.defense, precision))
+        clock.now += per_trajectory
         return real(config, fed, precision, *args, **kwargs)
 
-    monkeypatch.setattr(autotune, "trajectory", slow_reference)
+    monkeypatch.setattr(autotune, "trajectory", slow_trajectory)
     report = autotune.autotune({"digits": config}, {"digits": fed}, budget_s=1.0, timer=fake_timer,
                                log=lambda line: None)  # fmt: skip
     tune = report["datasets"]["digits"]
-    assert started and set(started) == {"fp32"}  # the references ran; no candidate's trajectory started
-    assert tune["gate"] and all(
-        not g["accepted"] and g["measures"]["error"] == "not gated: the autotune's budget was spent"
-        for g in tune["gate"]
-    )
+    # each defense's two references, then its candidate only where the budget still lasted
+    assert started == [
+        (d, p) for d in autotune.GATE_DEFENSES for p in ("fp32", "fp32", "bf16")[: 3 if d in gated else 2]
+    ]
+    assert [g["defense"] for g in tune["gate"]] == list(autotune.GATE_DEFENSES)
+    spent = {"error": "not gated: the autotune's budget was spent"}
+    for g in tune["gate"]:
+        assert g["precision"] == "bf16"
+        if g["defense"] not in gated:
+            assert not g["accepted"] and g["measures"] == spent
+        else:
+            assert "error" not in g["measures"]
     assert tune["chosen"]["precision"] == "fp32" and set(tune["floor"]) == set(autotune.GATE_DEFENSES)
 
 
@@ -486,26 +500,44 @@ def test_the_candidates_the_budget_left_out_are_timed_after_the_runs_in_the_time
 def test_the_server_side_of_each_kind_of_the_window_is_measured_while_the_budget_lasts(digits, monkeypatch):
     """Issue 41 item 2: each (defense, attack) of the window's runs gets its own server side per round, from
     runs of that kind fed one local round's pseudo-gradients, in order while the budget lasts; the gate's
-    kinds keep the gate's measure. Each kind's cost is the mean of its rounds after the first (the start-up),
-    timed on a run of that kind (the timing replaced: kind k's round r takes 10 k + r seconds)."""
+    kinds keep the gate's measure. The real `timed_server_round` times `training.server_round` (replaced: it
+    records its call and advances autotune's fake clock by 10 k + r seconds in kind k's round r), and each
+    kind's cost is the mean of its rounds after the first (the start-up); a kind that diverges (here the
+    second, at round 2) stops there, its cost what it measured so far."""
     config, fed = digits
-    kinds = [("nnm+trimmed_mean", "sf"), ("nnm+trimmed_mean", "foe_100"), ("none", "lf"), ("prodigy", "sf")]
+    assert autotune.SERVER_ROUNDS == 3  # the hand-worked costs below: rounds 2 and 3 kept, round 1 dropped
+    kinds = [("nnm+trimmed_mean", "sf"), ("none", "foe_100"), ("none", "lf"), ("prodigy", "sf")]
     left = iter([1.0, 1.0, 1.0, 1.0, 0.0])  # room for three kinds (the first call is the start's)
-    timed: list[tuple[str, str, int]] = []
+    clock = FakeClock(0.0)
+    monkeypatch.setattr(autotune, "time", clock)
+    calls: list[tuple[str, str, int, float]] = []
+    fed_grads: list[torch.Tensor] = []
 
-    def timed_round(st, r, gamma, grads, buffers, seconds):
-        timed.append((st.resolved.defense, st.resolved.attack, r))
-        seconds.append(10.0 * len({t[:2] for t in timed}) + r)
-        return True
+    def server_round(st, r, gamma, grads, buffers):
+        kind = (st.resolved.defense, st.resolved.attack)
+        calls.append((*kind, r, gamma))
+        fed_grads.append(grads)
+        clock.now += 10.0 * (kinds.index(kind) + 1) + r  # this round's seconds
+        return not (kind == ("none", "foe_100") and r == 2)  # diverged at its round 2
 
-    monkeypatch.setattr(autotune, "timed_server_round", timed_round)
+    monkeypatch.setattr(training, "server_round", server_round)
     costs = autotune.server_costs(config, fed, kinds, lambda: next(left))
-    rounds = range(1, autotune.SERVER_ROUNDS + 1)
-    assert timed == [(d, a, r) for d, a in kinds[:3] for r in rounds]
-    steady = sum(rounds[1:]) / len(rounds[1:])  # the mean of r over rounds 2..SERVER_ROUNDS
-    assert costs == {f"{d}/{a}": 10.0 * k + steady for k, (d, a) in enumerate(kinds[:3], start=1)}
+    lr = 0.05  # the smoke quickstart's rate, not decayed before round 4 (after 2/3 of its 3 rounds)
+    assert calls == [
+        ("nnm+trimmed_mean", "sf", 1, lr), ("nnm+trimmed_mean", "sf", 2, lr),
+        ("nnm+trimmed_mean", "sf", 3, lr),
+        ("none", "foe_100", 1, lr), ("none", "foe_100", 2, lr),  # diverged: no round 3
+        ("none", "lf", 1, lr), ("none", "lf", 2, lr), ("none", "lf", 3, lr),
+    ]  # fmt: skip
+    # kind 1: rounds of 11, 12, 13 s -> (12 + 13) / 2; kind 2: 21, 22 s -> 22; kind 3: 31, 32, 33 s -> 32.5
+    assert costs == {"nnm+trimmed_mean/sf": 12.5, "none/foe_100": 22.0, "none/lf": 32.5}
+    # every round is fed the same pseudo-gradients, each its own copy (a round's attack writes into its rows)
+    assert all(torch.equal(g, fed_grads[0]) and g is not fed_grads[0] for g in fed_grads[1:])
     monkeypatch.undo()
     assert autotune.server_costs(config, fed, kinds, lambda: 0.0) == {}  # no budget: nothing started
+    # the whole autotune on a clock that never moves (its budget never spent, however loaded this machine)
+    monkeypatch.setattr(autotune, "time", FakeClock(0.0))
+    monkeypatch.setattr(autotune, "add_rates", lambda *args: None)  # its peak needs a real clock
     report = autotune.autotune({"digits": config}, {"digits": fed}, timer=fake_timer, log=lambda line: None,
                                server_kinds={"digits": [("prodigy", "alie"), ("none", "sf")]})  # fmt: skip
     server = report["datasets"]["digits"]["server_s"]

@@ -157,7 +157,9 @@ def test_every_code_fence_is_a_line_of_its_own(page):
 
 def test_the_library_pages_python_runs_and_its_search_attack_is_scored_from_one_gram_matrix():
     """docs/library.md's code blocks run as written; its `Tilt` is a search attack whose line is trusted
-    (checked against its rows) and scored from one Gram matrix."""
+    (checked against its rows) and scored from one Gram matrix, and it sends the candidate whose aggregate
+    lands farthest from the honest mean: the argmax of the damages computed here by brute force (the
+    pipeline run on each candidate's rows), which on these updates is t = 1.0, not the grid's last."""
     import torch
 
     from prodigy_core.aggregators import make_aggregator
@@ -168,7 +170,21 @@ def test_the_library_pages_python_runs_and_its_search_attack_is_scored_from_one_
     scope: dict = {}
     for block in blocks:
         exec(compile(block, "docs/library.md", "exec"), scope)
-    G = torch.randn(10, 300, generator=torch.Generator().manual_seed(0))
+    f, G = 3, torch.randn(10, 300, generator=torch.Generator().manual_seed(0))
+    server = make_aggregator("prodigy", f)
     tilt = scope["Tilt"]()
-    tilt.craft(G[3:], G[:3], make_aggregator("prodigy", 3))
-    assert tilt.last_gram is not None and tilt.last_param in (0.5, 1.0, 1.5)
+    tilt.craft(G[f:], G[:f], server)
+    assert tilt.last_gram is not None
+    honest = G[f:]
+    mean, sigma = honest.mean(0), honest.std(0, unbiased=False)  # ALIE's statistics: the population std
+
+    def damage(t: float) -> float:  # |server(f rows of mu - t sigma, then the honest rows) - mu|
+        sent = torch.cat([(mean - t * sigma).expand(f, -1), honest])
+        return float(torch.linalg.vector_norm(server.peek(sent) - mean))
+
+    grid = tilt.grid(10, f)
+    damages = [damage(t) for t in grid]
+    best = max(range(len(grid)), key=damages.__getitem__)
+    assert best != len(grid) - 1 and sorted(damages)[-2] < 0.5 * damages[best]  # a clear argmax, not the last
+    assert tilt.last_param == grid[best]
+    assert [x for _, x in tilt.last_search] == pytest.approx(damages, rel=1e-4)

@@ -372,15 +372,17 @@ def test_smoke_femnist_without_the_subset_falls_back_to_digits(monkeypatch):
 
 
 def test_smoke_cifar10_runs_on_real_cifar10_when_this_machine_has_it(tmp_path, monkeypatch, jpeg_folder):
+    from test_data import digest12
+
     from prodigy_core.data import decode_cifar10_jpeg
 
     monkeypatch.setenv("PRODIGY_DATA_DIR", str(tmp_path / "data"))
-    decode_cifar10_jpeg(jpeg_folder(tmp_path / "jpeg", 1), per_class=1, progress=False)
+    path = decode_cifar10_jpeg(jpeg_folder(tmp_path / "jpeg", 1), per_class=1, progress=False)
     smoke = load_experiment("table1_cifar10", smoke=True)
     assert {c.dataset for c in smoke.configs} == {"cifar10"} and smoke.stand_in is None
-    # the copy decoded here, in part
+    # the copy decoded here, in part (1 train / 1 test image a class), named by its arrays' digest by hand
     (source,) = {c.resolved().data_source for c in smoke.configs}
-    assert source.startswith("cifar10-jpeg-first-1-1-")
+    assert source == f"cifar10-jpeg-first-1-1-{digest12(path)}"
     on_digits = load_experiment("table1_cifar10", smoke=True, fields={"data_dir": str(tmp_path / "none")})
     assert {c.dataset for c in on_digits.configs} == {"digits"}  # no CIFAR-10 there: the stand-in
 

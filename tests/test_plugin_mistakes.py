@@ -286,7 +286,7 @@ class Thirds(LineSearchAttack):
     name = "thirds"
 
     def grid(self, n, f):
-        return [[0.5], [1.0]]  # candidates as lists: one parameter each
+        return [[1.0], [0.5]]  # candidates as lists; the most damaging first (not the last one wins)
 
     def statistics(self, honest, f):
         stats = super().statistics(honest, f)
@@ -318,6 +318,7 @@ def test_a_float32_s_lists_of_points_and_list_candidates_are_taken():
     ]  # fmt: skip
     assert [x for _, x in attack.last_search] == pytest.approx(damages, rel=1e-4)
     assert attack.last_param == attack.grid(10, F)[damages.index(max(damages))]
+    assert damages.index(max(damages)) < len(damages) - 1  # a search where the last candidate won would fail
 
 
 def test_the_points_are_checked_at_both_ends_of_the_grid():
