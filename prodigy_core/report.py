@@ -1023,12 +1023,13 @@ def _ran_without_attack(comparisons: Mapping[str, pd.DataFrame]) -> bool:
     return any(((c["attack"] == NO_ATTACK) & c["ours"].notna()).any() for c in comparisons.values())
 
 
-def diverged_cells_note(count: int) -> str:
-    """The line saying that `count` cells of diverged runs are left out of the agreement
-    (`results.paper_agreement`)."""
-    cells = "1 cell" if count == 1 else f"{count} cells"
-    return (f"Left out of the mean and the count: {cells} whose every run diverged (a diverged run scores "
-            "by a convention, not a measurement; see the cell's n_diverged).")  # fmt: skip
+def diverged_cells_note(cells: list[str]) -> str:
+    """The line naming the `cells` whose every run diverged, which `results.paper_agreement` never counts
+    within its points of the paper."""
+    from prodigy_core.results import WITHIN_POINTS
+
+    return (f"Never counted within {WITHIN_POINTS:g} points, however near: the {len(cells)} cell(s) whose "
+            f"every run diverged (a diverged run scores by a convention): {'; '.join(cells)}.")  # fmt: skip
 
 
 def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFrame], title: str) -> str:
@@ -1051,13 +1052,13 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
         a = stats[variant]
         frame = only.drop(columns=[c for c in setting if c not in varying] + ["variant"], errors="ignore")
         summary = [f"Variant: {variant}.", f"Cells run: {a['cells_run']} of {a['cells']}."]
-        if a["compared"]:
+        if a["cells_run"]:
             summary.append(f"Mean |ours - paper|: {a['mean_abs_delta']:.2f} points.")
             summary.append(
-                f"Within {WITHIN_POINTS:g} points of the paper: {a['within']} of {a['compared']} cells."
+                f"Within {WITHIN_POINTS:g} points of the paper: {a['within']} of {a['cells_run']} cells."
             )
-        if a["diverged_cells"]:
-            summary.append(diverged_cells_note(a["diverged_cells"]))
+        if a["diverged"]:
+            summary.append(diverged_cells_note(a["diverged"]))
         if a["worst_case_rows"]:
             agree, rows = a["worst_case_agree"], a["worst_case_rows"]
             summary.append(f"Worst-case attack agrees with the paper's on {agree} of {rows} rows.")
@@ -1070,10 +1071,9 @@ def paper_comparison_markdown(comparison: pd.DataFrame | Mapping[str, pd.DataFra
         {"variant": list(stats),
          "cells run": [f"{a['cells_run']} of {a['cells']}" for a in stats.values()],
          "mean abs(ours - paper)": [a["mean_abs_delta"] for a in stats.values()],
-         f"within {WITHIN_POINTS:g} points": [f"{a['within']} of {a['compared']}" if a["compared"]
-                                              else "every cell run diverged" if a["cells_run"]
+         f"within {WITHIN_POINTS:g} points": [f"{a['within']} of {a['cells_run']}" if a["cells_run"]
                                               else "no cells run" for a in stats.values()],
-         "diverged cells": [a["diverged_cells"] for a in stats.values()],
+         "diverged cells": [len(a["diverged"]) for a in stats.values()],
          "worst case agrees (rows)": [f"{a['worst_case_agree']} of {a['worst_case_rows']}"
                                       if a["worst_case_rows"] else NOT_ENOUGH_CELLS for a in stats.values()]}
     )  # fmt: skip

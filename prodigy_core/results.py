@@ -767,29 +767,32 @@ def compare_with_paper(
 
 
 def paper_agreement(comparison: pd.DataFrame) -> dict[str, Any]:
-    """How well one `compare_with_paper` frame matches the paper: cells (all, run), the cells run whose every
-    run diverged (`diverged_cells`), the mean absolute difference over the other cells run (points,
-    `compared` of them), those within `WITHIN_POINTS`, and the defense rows (setting + defense) whose
-    worst-case attack agrees with the paper's bold cell, of the rows complete. A diverged run scores by a
-    convention (chance under ``paper``), so a cell of diverged runs near the paper's would count conventions
-    as a measurement's agreement: it is counted apart."""
+    """How well one `compare_with_paper` frame matches the paper: cells (all, run), the mean absolute
+    difference over the cells run (points), those within `WITHIN_POINTS`, and the defense rows (setting +
+    defense) whose worst-case attack agrees with the paper's bold cell, of the rows complete. A diverged run
+    scores by a convention (chance under ``paper``), so a cell whose every run diverged is never counted
+    within, however near the paper's number: its distance compares conventions, or, where the paper's cell
+    trained, is a real disagreement. Those cells are listed (`diverged`: "defense / attack (paper X)")."""
     ran = comparison["ours"].notna()
     if "n_diverged" in comparison.columns:  # a frame of an older `compare_with_paper`: none counted
         all_diverged = ran & (comparison["n_diverged"] >= comparison["n_seeds"])
     else:
         all_diverged = ran & False
-    delta = comparison.loc[ran & ~all_diverged, "delta"].abs()
+    delta = comparison.loc[ran, "delta"].abs()
     setting = list(comparison.columns[: comparison.columns.get_loc("attack")])  # ... defense: one table row
     rows = comparison.groupby([comparison[c].fillna(-1) for c in setting], sort=False)["worst_case_match"]
     rows = rows.first().dropna()
+    diverged = comparison[all_diverged]
     return {
         "variant": comparison["variant"].iloc[0] if "variant" in comparison and len(comparison) else None,
         "cells": len(comparison),
         "cells_run": int(ran.sum()),
-        "diverged_cells": int(all_diverged.sum()),
-        "compared": len(delta),
         "mean_abs_delta": float(delta.mean()) if len(delta) else float("nan"),
-        "within": int((delta <= WITHIN_POINTS).sum()),
+        "within": int(((delta <= WITHIN_POINTS) & ~all_diverged[ran]).sum()),
+        "diverged": [
+            f"{d} / {a} (paper {p:.2f})"
+            for d, a, p in zip(diverged["defense"], diverged["attack"], diverged["paper"], strict=True)
+        ],  # fmt: skip
         "worst_case_agree": int(rows.astype(bool).sum()),
         "worst_case_rows": len(rows),
     }
