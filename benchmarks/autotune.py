@@ -14,7 +14,9 @@ trajectory that differs only in a stream the paper leaves free, the clients' bat
 41 item 4). `autotune.json` records the floor.
 
 One autotune per GPU and software (issue 41 item 3): a report whose `fingerprint` (GPU, torch, CUDA, cuDNN,
-the hash of `TUNED_CODE`) equals this machine's is reused as it is (`mismatch`).
+the hash of `TUNED_CODE`) equals this machine's, whose fields are as `autotune` writes them (`invalid_field`)
+and whose entries are not `PARTIAL`, is reused as it is (`mismatch`; the driver also refuses one whose choice
+its --engines leaves out).
 """
 
 from __future__ import annotations
@@ -176,15 +178,17 @@ def time_step(
 
 
 class BrokenDevice(BaseException):
-    """The CUDA context stopped working after a candidate failed: a sticky error (an illegal address in a
+    """The CUDA context stopped working after something failed: a sticky error (an illegal address in a
     captured graph, say) fails every later kernel of the process, so every run after it would fail too.
     A BaseException, like a kill, so that the `except Exception` that leave a candidate's failure to that
-    candidate let it through to the driver, which goes on in a fresh process without the candidate's
-    engine (`gpu_run.Driver.restart`)."""
+    candidate let it through to the driver, which goes on in a fresh process without what broke it
+    (`gpu_run.Driver.restart`). ``engine``: the engine that failed, or the driver's step that did (the
+    probe, the check, the profiler); ``runs``: the keys of the group whose runs failed, if it was one."""
 
-    def __init__(self, precision: str, engine: str, error: str) -> None:
-        super().__init__(f"the CUDA context stopped working after {precision}/{engine} failed ({error})")
-        self.precision, self.engine, self.error = precision, engine, error
+    def __init__(self, precision: str, engine: str, error: str, runs: Sequence[str] = ()) -> None:
+        what = f"{precision}/{engine}" if engine in ENGINES else engine
+        super().__init__(f"the CUDA context stopped working after {what} failed ({error})")
+        self.precision, self.engine, self.error, self.runs = precision, engine, error, tuple(runs)
 
 
 def device_works(device: torch.device) -> bool:
@@ -199,10 +203,13 @@ def device_works(device: torch.device) -> bool:
         return False
 
 
-def check_device(device: torch.device, precision: str, engine: str, error: str) -> None:
-    """After `precision`/`engine` failed with `error`: `BrokenDevice` when the device no longer works."""
+def check_device(
+    device: torch.device, precision: str, engine: str, error: str, runs: Sequence[str] = ()
+) -> None:
+    """After `precision`/`engine` (or the `runs` of a group) failed with `error`: `BrokenDevice` when the
+    device no longer works."""
     if not device_works(device):
-        raise BrokenDevice(precision, engine, error)
+        raise BrokenDevice(precision, engine, error, runs)
 
 
 def time_row(
@@ -370,8 +377,8 @@ def fingerprint(device: torch.device) -> dict[str, Any]:
 
 def mismatch(report: Any, here: dict[str, Any], datasets: list[str]) -> str | None:
     """Why an earlier `autotune.json` cannot be reused here (None: it can): another GPU, torch, CUDA, cuDNN or
-    tuned code (`fingerprint`), a dataset it did not tune, or a field the driver reads that is not what
-    `autotune` writes (`invalid_field`)."""
+    tuned code (`fingerprint`), a dataset it did not tune, an entry that holds only the timings (`PARTIAL`),
+    or a field the driver reads that is not what `autotune` writes (`invalid_field`)."""
     if not isinstance(report, dict) or not isinstance(report.get("datasets"), dict):
         return "not an autotune report"
     theirs = report.get("fingerprint") if isinstance(report.get("fingerprint"), dict) else {}

@@ -77,9 +77,11 @@ PROFILE_S = 10.0  # about what the profiling step costs on a GPU; skipped when t
 # much left: on the H200 that took 10-17 s with a reused autotune (CIFAR-10) and a paper-scale run 35-125 s,
 # so with less no run of it could follow.
 PREPARE_MIN_S = 60.0
-# A command whose CUDA context broke (`autotune.BrokenDevice`) goes on in a fresh process without the engine
-# that broke it (`Driver.restart`); this variable counts the restarts, at most MAX_RESTARTS.
-RESTARTS_ENV, MAX_RESTARTS = "PRODIGY_GPU_RESTARTS", 2
+# A command whose CUDA context broke (`autotune.BrokenDevice`) goes on in a fresh process without what broke
+# it (`Driver.restart`); these variables tell that process how many restarts came before (at most
+# MAX_RESTARTS), the runs it must not start again (their keys) and why.
+RESTARTS_ENV, SKIP_RUNS_ENV, REASON_ENV, MAX_RESTARTS = (
+    "PRODIGY_GPU_RESTARTS", "PRODIGY_GPU_SKIP_RUNS", "PRODIGY_GPU_RESTART_REASON", 2)  # fmt: skip
 CIFAR10_ARCHIVE = Path("cifar10-jpeg") / "cifar10-jpeg.tar.gz"  # under --data
 FEMNIST_FOLDER = Path("femnist-leaf-24")
 TABLE1_ROWS = ["prodigy", "nnm+trimmed_mean"]
@@ -165,7 +167,12 @@ def environment_text(flags: dict[str, Any], simulate: bool) -> str:
         lines.append(f"gpu: {torch.cuda.get_device_name(0)}")
         smi = shutil.which("nvidia-smi")
         if smi:
-            query = [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+            # compute_mode: in exclusive-process mode a restarted process (`Driver.restart`) gets no context
+            query = [
+                smi,
+                "--query-gpu=name,memory.total,driver_version,compute_mode",
+                "--format=csv,noheader",
+            ]
             try:  # a hung nvidia-smi must not hold the window
                 answer = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.strip()
             except (OSError, subprocess.SubprocessError) as e:
@@ -207,6 +214,12 @@ class Driver:
         self.failed_keys: set[str] = set()  # runs that failed: not started again
         self.notes: list[str] = []
         self.after_runs = False  # the runs are over (`drive`): a broken device then ends nothing
+        skipped = [k for k in os.environ.get(SKIP_RUNS_ENV, "").split(",") if k]
+        self.failed_keys.update(skipped)  # an earlier process's runs that broke the device
+        if os.environ.get(REASON_ENV):
+            self.notes.append(f"restarted in a fresh process after: {os.environ[REASON_ENV]}"
+                              + (f"; {len(skipped)} runs that broke the device not started again" if skipped
+                                 else ""))  # fmt: skip
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -606,6 +619,9 @@ class Driver:
             note = f"probe {dataset}: the 2-member group failed ({type(e).__name__}: {e}); one run at a time"
             self.notes.append(note)
             self.log(note)
+            from benchmarks import autotune
+
+            autotune.check_device(torch_device(self.args.simulate), "fp32", "the probe", note)
             return
         seconds = time.monotonic() - tic
         # the group's warm second round (its members' shares add up to it), with a margin for what the
@@ -658,6 +674,7 @@ class Driver:
             except Exception as e:  # noqa: BLE001 - one section's failure keeps the others
                 reason = str(e).splitlines()[0] if str(e) else ""
                 self.log(f"profile: {what} failed ({type(e).__name__}: {reason})")
+                autotune.check_device(torch_device(self.args.simulate), "fp32", "profiler", reason)
                 continue
             (self.work / "profile.txt").write_text(text, encoding="utf-8")  # each section as it comes
             self.log(f"profile: {what} x {PROFILE_ROUNDS} rounds in {time.monotonic() - tic:.1f} s")
@@ -740,13 +757,6 @@ class Driver:
             self.learn(batch, records, seconds)
             failed = [c for c, r in zip(batch, records, strict=True) if r is None]
             errors = {c.key(): failure_error(folder, c) for c in failed}
-            if failed:  # a sticky CUDA error would fail every later run of this process: go on in another
-                from benchmarks import autotune
-                from prodigy_core.seeding import resolve_device
-
-                first = failed[0].resolved()
-                autotune.check_device(resolve_device(first.device), first.precision, first.engine,
-                                      errors[failed[0].key()])  # fmt: skip
             again = [c for c in batch if OUT_OF_MEMORY in errors.get(c.key(), "")] if len(batch) > 1 else []
             if again:  # the group, not its runs: they go again, first, in groups of at most half its size
                 self.group_cap[batch[0].dataset] = len(batch) // 2
@@ -765,6 +775,13 @@ class Driver:
             self.log(f"   group of {len(batch)} in {seconds:.1f} s (estimated {estimate:.1f} s; t = "
                      f"{self.elapsed():.0f} s); {phase_line(batch, records)}")  # fmt: skip
             self.refresh_out()
+            if failed:  # a sticky CUDA error would fail every later run of this process: go on in another
+                from benchmarks import autotune
+                from prodigy_core.seeding import resolve_device
+
+                first = failed[0].resolved()
+                autotune.check_device(resolve_device(first.device), first.precision, first.engine,
+                                      errors[failed[0].key()], runs=[c.key() for c in failed])  # fmt: skip
         else:
             row["status"] = "failed" if row["failed"] else "done"
         if row["failed"] and not row["status"].startswith("failed"):
@@ -772,33 +789,49 @@ class Driver:
 
     def restart(self, broken: Any) -> int:
         """After `broken` (`autotune.BrokenDevice`): the rest of the command in a fresh process (its own CUDA
-        context), the same arguments but --engines without the engine that broke, --resume from $OUT's
-        tarball (this command's records come along), --deadline what is left of this one's, a new --work;
-        its exit code. Not restarted, and EXIT_FAILED, once the runs are over, when the reference engine
-        broke (every run needs it), after MAX_RESTARTS restarts, or with less than PREPARE_MIN_S left."""
+        context) without what broke it: --engines less the engine that broke (every captured engine when a
+        captured one did: they share one capture path), the runs of a group that broke it not started again,
+        --no-profile when the profiler did; --resume from $OUT's tarball (this command's records come
+        along), --deadline what is left of this one's, a new --work; its exit code. Not restarted once the
+        runs are over (the exit code then as if nothing broke), nor (EXIT_FAILED) when nothing can be left
+        out (the reference engine outside a group's runs, the probe, the check), after MAX_RESTARTS
+        restarts, or with less than PREPARE_MIN_S left."""
         from benchmarks import autotune
+        from prodigy_core.step_variants import GRAPHED
 
         self.notes.append(str(broken))
         self.log(f"!! {broken}")
         left = self.args.deadline - self.elapsed()
         restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
         engines = getattr(self.args, "engines", None) or autotune.CANDIDATES["cuda"]["engine"]
-        keep = [e for e in engines if e != broken.engine]
+        drop = (set(GRAPHED) if broken.engine in GRAPHED
+                else {broken.engine} if broken.engine in engines and broken.engine != autotune.REFERENCE[1]
+                else set())  # fmt: skip
+        keep, no_profile = [e for e in engines if e not in drop], broken.engine == "profiler"
         why = ("the runs are over" if self.after_runs
-               else f"{broken.engine} is the reference engine, which every run needs"
-               if broken.engine == autotune.REFERENCE[1]
+               else f"{broken.engine} broke it, and every run needs it"
+               if not (drop or broken.runs or no_profile)
                else f"already restarted {restarts} times" if restarts >= MAX_RESTARTS
                else f"{left:.0f} s left, under {PREPARE_MIN_S:.0f} s" if left < PREPARE_MIN_S
                else None)  # fmt: skip
         if why is not None:
             self.log(f"!! not restarted: {why}")
             self.refresh_out(final=True)
-            return EXIT_FAILED
-        self.log(f"!! restarting in a fresh process: --engines {','.join(keep)}, --resume $OUT's tarball, "
-                 f"--deadline {left:.0f}")  # fmt: skip
+            return (EXIT_FAILED if self.failed() else 0) if self.after_runs else EXIT_FAILED
+        skip = [k for k in os.environ.get(SKIP_RUNS_ENV, "").split(",") if k] + list(broken.runs)
+        self.log(f"!! restarting in a fresh process: --engines {','.join(keep)}"
+                 + (", --no-profile" if no_profile else "") + (f", {len(skip)} runs left out" if skip else "")
+                 + f", --resume $OUT's tarball, --deadline {left:.0f}")  # fmt: skip
         self.refresh_out()
-        argv = restart_argv(getattr(self.args, "argv", None) or [], keep, self.out / "results.tar.gz", left)
-        env = {**os.environ, RESTARTS_ENV: str(restarts + 1)}
+        argv = restart_argv(getattr(self.args, "argv", None) or [], keep, self.out / "results.tar.gz", left,
+                            no_profile=no_profile)  # fmt: skip
+        reason = "; ".join(filter(None, [os.environ.get(REASON_ENV), str(broken)]))
+        env = {
+            **os.environ,
+            RESTARTS_ENV: str(restarts + 1),
+            SKIP_RUNS_ENV: ",".join(skip),
+            REASON_ENV: reason,
+        }
         return subprocess.call([sys.executable, str(Path(__file__).resolve()), *argv], env=env)
 
     def train_group(self, exp: Any, batch: list[Any], folder: Path) -> list[dict | None]:
@@ -952,10 +985,23 @@ def cross_device_check(driver: Driver, dataset: str) -> None:
             reference = json.loads(ref.reference_path(dataset).read_text(encoding="utf-8"))
             found = ref.summarise(ref.CONFIGS[dataset], device="cuda")
         _, line = ref.compare(found, reference)
-    except Exception as e:  # the check reports; the session's runs still go on
+    except Exception as e:  # the check reports; the session's runs still go on (on a device that works)
         line = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        driver.notes.append(f"cross-device check vs the CPU reference, {dataset}: {line}")
+        driver.log(driver.notes[-1])
+        from benchmarks import autotune
+
+        autotune.check_device(torch_device(driver.args.simulate), "fp32", "the cross-device check", line)
+        return
     driver.notes.append(f"cross-device check vs the CPU reference, {dataset}: {line}")
     driver.log(driver.notes[-1])
+
+
+def torch_device(simulate: bool) -> Any:
+    """The device the window's runs use: CUDA, or the CPU of --simulate."""
+    import torch
+
+    return torch.device("cpu" if simulate or not torch.cuda.is_available() else "cuda")
 
 
 def preflight(args: argparse.Namespace) -> str | None:
@@ -1037,10 +1083,14 @@ def run(args: argparse.Namespace) -> int:
         return driver.restart(broken)
 
 
-def restart_argv(argv: list[str], engines: list[str], resume: Path, deadline: float) -> list[str]:
-    """`argv` (a command's arguments) without --engines, --resume, --deadline and --work (either form),
-    then these `engines`, `resume` and `deadline` (`Driver.restart`; a new --work: a temporary folder)."""
-    replaced = ("--engines", "--resume", "--deadline", "--work")
+def restart_argv(
+    argv: list[str], engines: list[str], resume: Path, deadline: float, no_profile: bool = False
+) -> list[str]:
+    """`argv` (a command's arguments, unabbreviated: the parser allows no abbreviation) without --engines,
+    --resume, --deadline, --work and --autotune (either form), then these `engines`, `resume` (whose
+    autotune.json holds this command's) and `deadline`, and --no-profile when asked (`Driver.restart`; a
+    new --work: a temporary folder)."""
+    replaced = ("--engines", "--resume", "--deadline", "--work", "--autotune")
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -1049,7 +1099,9 @@ def restart_argv(argv: list[str], engines: list[str], resume: Path, deadline: fl
             skip = True
         elif not arg.startswith(tuple(f"{name}=" for name in replaced)):
             out.append(arg)
-    return [*out, "--engines", ",".join(engines), "--resume", str(resume), "--deadline", f"{deadline:.0f}"]
+    extra = ["--no-profile"] if no_profile and "--no-profile" not in out else []
+    return [*out, "--engines", ",".join(engines), "--resume", str(resume), "--deadline", f"{deadline:.0f}",
+            *extra]  # fmt: skip
 
 
 def resumed_members(args: argparse.Namespace) -> dict[str, bytes]:
@@ -1545,7 +1597,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         for path in paths:
             print(path)
         return 0
-    p = argparse.ArgumentParser(prog="gpu_run.py", description=__doc__.split("\n\n")[0])
+    # no abbreviations: `restart_argv` replaces options by their full names
+    p = argparse.ArgumentParser(prog="gpu_run.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
         "--data", type=Path, default=ROOT / "gpu-data", help="holds cifar10-jpeg/ and femnist-leaf-24/"
     )

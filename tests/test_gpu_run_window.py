@@ -536,54 +536,128 @@ def test_a_command_killed_in_the_gate_has_its_timings_in_out_and_they_are_never_
     assert "partial" not in final and final["chosen"]
 
 
-def test_a_broken_cuda_context_goes_on_in_a_fresh_process_without_the_engine_that_broke_it(
+def test_a_broken_cuda_context_goes_on_in_a_fresh_process_without_what_broke_it(
     gpu_run, tmp_path, monkeypatch
 ):
-    """A sticky CUDA error (BrokenDevice) in the autotune or in a group's runs fails every later kernel of
-    the process: the rest of the command runs in a fresh process with --engines less the engine that broke,
-    --resume from $OUT's tarball, --deadline what is left, a new --work, the restart counted; not restarted
-    (exit 1, the log says why) after MAX_RESTARTS, or when the reference engine broke."""
+    """A sticky CUDA error (BrokenDevice) fails every later kernel of the process: the rest of the command
+    runs in a fresh process with --engines less the engine that broke (every captured one when a captured
+    one did: they share one capture path), a group's runs that broke it left out, --no-profile when the
+    profiler did, --resume from $OUT's tarball, --deadline what is left, a new --work, no --autotune, the
+    restart counted and its reason passed on; not restarted (exit 1, the log says why) after MAX_RESTARTS or
+    when what broke it cannot be left out (batched in the autotune, the probe); after the runs, not
+    restarted and the exit code as if nothing broke."""
     from test_gpu_run import fake_window
 
     calls = []
     monkeypatch.setattr(gpu_run.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
-    monkeypatch.delenv(gpu_run.RESTARTS_ENV, raising=False)
-    out, work = tmp_path / "out", tmp_path / "work"
-    argv = ["--simulate", "--data", str(tmp_path / "none"), "--out", str(out), "--work", str(work),
-            "--deadline=400", "--no-profile", "--engines", "batched,bmm_conv,channels_last"]  # fmt: skip
+    for name in (gpu_run.RESTARTS_ENV, gpu_run.SKIP_RUNS_ENV, gpu_run.REASON_ENV):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "out"
+    given = tmp_path / "given-autotune.json"
+    given.write_text("{}")
 
-    def broken_autotune(*args, **kwargs):
-        raise autotune.BrokenDevice("bf16", "bmm_conv", "RuntimeError: CUDA error: illegal memory access")
+    def argv(work, engines="batched,bmm_conv,channels_last"):
+        return ["--simulate", "--data", str(tmp_path / "none"), "--out", str(out), "--work",
+                str(tmp_path / work), "--deadline=400", "--no-profile", "--autotune", str(given),
+                "--engines", engines]  # fmt: skip
 
-    monkeypatch.setattr(autotune, "autotune", broken_autotune)
-    assert gpu_run.main(argv) == 0  # the fresh process's exit code
+    def broken(precision, engine, runs=()):
+        def autotune_that_breaks(*args, **kwargs):
+            raise autotune.BrokenDevice(
+                precision, engine, "RuntimeError: CUDA error: illegal memory access", runs
+            )
+
+        monkeypatch.setattr(autotune, "autotune", autotune_that_breaks)
+
+    broken("bf16", "bmm_conv")
+    assert gpu_run.main(argv("w1")) == 0  # the fresh process's exit code
     ((cmd, env),) = calls
     assert cmd[1].endswith("gpu_run.py") and "--work" not in cmd and "--deadline=400" not in cmd
+    assert "--autotune" not in cmd  # the resumed tarball's autotune.json holds this command's
     tail = cmd[cmd.index("--engines"):]  # fmt: skip
     assert tail[:4] == ["--engines", "batched,channels_last", "--resume", str(out / "results.tar.gz")]
     assert tail[4] == "--deadline" and 300 < float(tail[5]) <= 400 and env[gpu_run.RESTARTS_ENV] == "1"
     assert "--simulate" in cmd and "--no-profile" in cmd
+    assert env[gpu_run.REASON_ENV].startswith("the CUDA context stopped working after bf16/bmm_conv failed")
     assert "the CUDA context stopped working after bf16/bmm_conv failed" in tarball_member(out, "log.txt")
 
-    for restarts, engine, why in [(gpu_run.MAX_RESTARTS, "bmm_conv", "already restarted 2 times"),
-                                  (0, "batched", "batched is the reference engine")]:  # fmt: skip
+    calls.clear()  # a captured engine: every captured one left out
+    broken("fp32", "channels_last_graphs")
+    gpu_run.main(argv("w2", "batched,cuda_graphs,channels_last_graphs,channels_last"))
+    assert calls[0][0][calls[0][0].index("--engines") + 1] == "batched,channels_last"
+
+    refused = [(gpu_run.MAX_RESTARTS, "bmm_conv", "already restarted 2 times"),
+               (0, "batched", "batched broke it, and every run needs it"),
+               (0, "the probe", "the probe broke it, and every run needs it")]  # fmt: skip
+    for restarts, engine, why in refused:
         calls.clear()
         monkeypatch.setenv(gpu_run.RESTARTS_ENV, str(restarts))
-        monkeypatch.setattr(autotune, "autotune", lambda *a, e=engine, **k: (_ for _ in ()).throw(
-            autotune.BrokenDevice("fp32", e, "CUDA error")))  # fmt: skip
-        assert gpu_run.main([*argv[:6], str(tmp_path / f"w{restarts}"), *argv[7:]]) == gpu_run.EXIT_FAILED
+        broken("fp32", engine)
+        assert gpu_run.main(argv(f"w-{restarts}-{engine}")) == gpu_run.EXIT_FAILED
         assert not calls and f"!! not restarted: {why}" in tarball_member(out, "log.txt")
-
-    # a group whose run failed, on a device that no longer works: restarted without the run's engine
     monkeypatch.delenv(gpu_run.RESTARTS_ENV)
+
+    # the profiler broke it: restarted with --no-profile (this command profiles)
+    calls.clear()
+    broken("fp32", "profiler")
+    gpu_run.main([a for a in argv("w-profiler") if a != "--no-profile"])
+    assert "--no-profile" in calls[0][0] and calls[0][0][calls[0][0].index("--engines") + 1] == (
+        "batched,bmm_conv,channels_last"
+    )
+
+    # a group whose runs failed on a device that no longer works: the runs' engine and the runs left out,
+    # after their failures are logged and in $OUT
     fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
     tune = autotune.autotune()["datasets"]["digits"]  # fake_window's, with the runs on channels_last
     tune["chosen"] = {"precision": "fp32", "engine": "channels_last"}
     monkeypatch.setattr(autotune, "autotune", lambda *a, **k: {"datasets": {"digits": tune}})
-    monkeypatch.setattr(gpu_run.Driver, "train_group", lambda self, exp, batch, folder: [None] * len(batch))
+    trained = []
+
+    def train_group(self, exp, batch, folder):
+        trained.extend(batch)
+        return [None] * len(batch)
+
+    monkeypatch.setattr(gpu_run.Driver, "train_group", train_group)
     monkeypatch.setattr(gpu_run, "failure_error", lambda folder, config: "RuntimeError: CUDA error")
     monkeypatch.setattr(autotune, "device_works", lambda device: False)
     calls.clear()
-    assert gpu_run.main([*argv[:6], str(tmp_path / "w-runs"), *argv[7:]]) == 0
-    ((cmd, _),) = calls
+    assert gpu_run.main(argv("w-runs")) == 0
+    ((cmd, env),) = calls
     assert cmd[cmd.index("--engines") + 1] == "batched,bmm_conv"  # the runs' engine left out
+    assert env[gpu_run.SKIP_RUNS_ENV].split(",") == [c.key() for c in trained] and trained
+    log = tarball_member(out, "log.txt")
+    assert log.index("   FAILED ") < log.index("!! the CUDA context stopped working")
+
+    # the fresh process: those runs are not started again, and its summary says why
+    monkeypatch.setattr(autotune, "device_works", lambda device: True)
+    monkeypatch.setenv(gpu_run.SKIP_RUNS_ENV, env[gpu_run.SKIP_RUNS_ENV])
+    monkeypatch.setenv(gpu_run.REASON_ENV, env[gpu_run.REASON_ENV])
+    skipped, trained[:] = set(env[gpu_run.SKIP_RUNS_ENV].split(",")), []
+    gpu_run.main(argv("w-child"))
+    assert trained and not skipped & {c.key() for c in trained}
+    assert (
+        "restarted in a fresh process after: the CUDA context stopped working"
+        in (out / "summary.txt").read_text()
+    )
+
+
+def test_a_device_broken_after_the_runs_restarts_nothing_and_keeps_the_exit_code(
+    gpu_run, tmp_path, monkeypatch
+):
+    """Helper 60: a break in the timings after the runs made the exit code 1 though every run was done."""
+    from test_gpu_run import fake_window
+
+    fake_window(gpu_run, monkeypatch, {1: 0.5, 2: 0.75})
+    for name in (gpu_run.RESTARTS_ENV, gpu_run.SKIP_RUNS_ENV, gpu_run.REASON_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+    def breaks(self):
+        raise autotune.BrokenDevice("fp32", "compiled", "CUDA error")
+
+    monkeypatch.setattr(gpu_run.Driver, "time_left_out", breaks)
+    monkeypatch.setattr(gpu_run.subprocess, "call", lambda *a, **k: pytest.fail("restarted after the runs"))
+    out = tmp_path / "out"
+    argv = ["--simulate", "--data", str(tmp_path / "none"), "--out", str(out), "--work", str(tmp_path / "w"),
+            "--deadline", "1000", "--no-profile"]  # fmt: skip
+    assert gpu_run.main(argv) == 0
+    assert "!! not restarted: the runs are over" in tarball_member(out, "log.txt")
