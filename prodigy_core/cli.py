@@ -297,7 +297,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     stand_in_name = experiment.stand_in_for(config)
     stand_in = f" [stand-in: {stand_in_name}]" if stand_in_name else ""
     accuracy = record["final_accuracy"]
-    row = as_row(config.to_dict())  # "nnm+cclip(tau=5)": the name with its settings
+    row = as_row(config.to_dict())  # "nnm+cclip(tau=5.0)": the name with its settings
     print(
         f"{row['defense']} vs {row['attack']}: {accuracy:.2f}% final accuracy{stand_in} -> {path}",
         file=sys.stderr,

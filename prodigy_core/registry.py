@@ -346,7 +346,7 @@ def _check_type(owner: str, key: str, value: Any, default: Any, hint: Any) -> No
     """A ValueError unless ``value`` fits the setting's `setting_hint` when that is made of int, float, bool,
     str and None: an integer setting (CClip's L) takes no 2.0, 2.5 or true, a number no true, no text and no
     list. The message names the default, when there is one, as an example: ``tau='abc' must be a number,
-    like its default tau=10``, not the class's own comparison error."""
+    like its default tau=10.0``, not the class's own comparison error."""
     options = _options(hint)
     if not options or not all(o in TYPE_WORDS for o in options):
         return

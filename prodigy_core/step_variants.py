@@ -277,17 +277,22 @@ def sgd_update(
 ) -> None:
     """The local SGD step in place on R runs' stacked client rows (each tensor (sum counts, ...), run-major:
     run i's counts[i] rows after the runs before it; counts None: R equal blocks): g <- g + wd w;
-    w <- w - gamma_i g (`training.run`, step 1), one call for all rows when the runs share their lr, else
-    one per run (views). `local_training.local_steps_stacked` and `StaticSteps` take this step."""
-    per_run = len(set(lrs)) > 1
+    w <- w - gamma_i g (`training.run`, step 1): the weight decay in one call for all rows, the update in
+    one call for each block of consecutive runs that share their lr (views; one for the whole group when
+    all do, as when its runs are at the same round), so the launches do not grow with R where a few runs'
+    lr decayed. `local_training.local_steps_stacked` and `StaticSteps` take this step."""
+    if weight_decay:
+        torch._foreach_add_(grads, weights, alpha=weight_decay)
     counts = counts or [len(weights[0]) // len(lrs)] * len(lrs)
-    ends = list(itertools.accumulate(counts))
-    for i, lr in enumerate(lrs if per_run else lrs[:1]):
-        sl = slice(ends[i] - counts[i], ends[i]) if per_run else slice(None)
-        g_i, w_i = [t[sl] for t in grads], [t[sl] for t in weights]
-        if weight_decay:
-            torch._foreach_add_(g_i, w_i, alpha=weight_decay)
-        torch._foreach_add_(w_i, g_i, alpha=-lr)
+    blocks = [
+        (lr, sum(c for _, c in same))
+        for lr, same in itertools.groupby(zip(lrs, counts, strict=True), lambda p: p[0])
+    ]
+    start = 0
+    for lr, rows in blocks:
+        sl = slice(start, start + rows) if len(blocks) > 1 else slice(None)
+        start += rows
+        torch._foreach_add_([t[sl] for t in weights], [t[sl] for t in grads], alpha=-lr)
 
 
 def _alike(a: Tensor, b: Tensor) -> bool:

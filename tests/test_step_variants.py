@@ -262,11 +262,13 @@ def _digits_on_device():
     return fed, [t for k, t in vars(fed).items() if isinstance(t, torch.Tensor) and k != "_cpu_sizes"]
 
 
-def _kernels_per_step(on_accelerator, monkeypatch, runs: int, engine: str, idle: bool = False) -> int:
+def _kernels_per_step(
+    on_accelerator, monkeypatch, runs: int, engine: str, idle: bool = False, decayed: bool = False
+) -> int:
     """Device kernels of one local step of a group of `runs` digits runs (4 clients each) under `engine`
     (a captured one on its static-buffer path), on the emulated accelerator: a round of 2 steps minus a round
     of 1 (the per-round stacking and outputs cancel). `idle`: every other run (the first included) has 2 idle
-    clients (`training.RunState.idle`)."""
+    clients (`training.RunState.idle`). `decayed`: the later half of the runs at a decayed lr."""
     fed, data = _digits_on_device()
     cfg = RunConfig(**{**TINY, "batch_size": 16}).resolved()
     torch.manual_seed(0)
@@ -289,7 +291,8 @@ def _kernels_per_step(on_accelerator, monkeypatch, runs: int, engine: str, idle:
             rngs = [ClientStreams(i, 4) for i in range(runs)]
             before = accelerator.kernels
             idles = [2 * (idle and i % 2 == 0) for i in range(runs)]
-            local_training.local_steps_stacked(models, [fed] * runs, steps, [0.05] * runs, cfg, rngs, grad_fn,
+            lrs = [0.005 if decayed and i >= runs // 2 else 0.05 for i in range(runs)]
+            local_training.local_steps_stacked(models, [fed] * runs, steps, lrs, cfg, rngs, grad_fn,
                                          idle=idles)  # fmt: skip
             counts.append(accelerator.kernels - before)
         monkeypatch.setattr(torch.Tensor, "to", to)
@@ -306,6 +309,18 @@ def test_device_kernels_of_a_local_step_do_not_grow_with_the_group(on_accelerato
     in one gather per tensor, whatever R."""
     kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, engine, idle) for r in (1, 4, 16)}
     assert kernels[1] == kernels[4] == kernels[16] > 0
+
+
+@pytest.mark.parametrize("engine", ["batched", "cuda_graphs"])
+def test_a_group_whose_later_runs_lr_decayed_launches_as_many_kernels_whatever_its_size(
+    on_accelerator, monkeypatch, engine
+):
+    """Helper 51: where the runs' lrs differed, the SGD update took two launches per run (R = 1/4/16: 113,
+    119, 143 kernels a step). Now one per block of consecutive runs sharing their lr: two blocks (the later
+    half decayed) cost the same at R = 4 and 16, one more update launch than a group at one lr."""
+    kernels = {r: _kernels_per_step(on_accelerator, monkeypatch, r, engine, decayed=True) for r in (4, 16)}
+    same = _kernels_per_step(on_accelerator, monkeypatch, 4, engine)
+    assert kernels[4] == kernels[16] > same
 
 
 @pytest.mark.parametrize("engine", list(step_variants.GRAPHED))
