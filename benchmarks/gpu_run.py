@@ -214,11 +214,13 @@ class Driver:
         self.failed_keys: set[str] = set()  # runs that failed: not started again
         self.notes: list[str] = []
         self.after_runs = False  # the runs are over (`drive`): a broken device then ends nothing
-        skipped = [k for k in os.environ.get(SKIP_RUNS_ENV, "").split(",") if k]
-        self.failed_keys.update(skipped)  # an earlier process's runs that broke the device
+        # an earlier process's runs that broke the device (`restart`): not started again
+        self.skipped_runs = [k for k in os.environ.get(SKIP_RUNS_ENV, "").split(",") if k]
+        self.failed_keys.update(self.skipped_runs)
         if os.environ.get(REASON_ENV):
+            skipped = len(self.skipped_runs)
             self.notes.append(f"restarted in a fresh process after: {os.environ[REASON_ENV]}"
-                              + (f"; {len(skipped)} runs that broke the device not started again" if skipped
+                              + (f"; {skipped} runs that broke the device not started again" if skipped
                                  else ""))  # fmt: skip
 
     def elapsed(self) -> float:
@@ -620,8 +622,9 @@ class Driver:
             self.notes.append(note)
             self.log(note)
             from benchmarks import autotune
+            from prodigy_core.seeding import resolve_device
 
-            autotune.check_device(torch_device(self.args.simulate), "fp32", "the probe", note)
+            autotune.check_device(resolve_device(pair[0].resolved().device), "fp32", "the probe", note)
             return
         seconds = time.monotonic() - tic
         # the group's warm second round (its members' shares add up to it), with a margin for what the
@@ -643,6 +646,7 @@ class Driver:
 
         from benchmarks import autotune
         from prodigy_core import results as store
+        from prodigy_core.seeding import resolve_device
 
         if self.elapsed() + PROFILE_S > self.args.deadline:
             self.log("profile: skipped (deadline)")
@@ -674,7 +678,7 @@ class Driver:
             except Exception as e:  # noqa: BLE001 - one section's failure keeps the others
                 reason = str(e).splitlines()[0] if str(e) else ""
                 self.log(f"profile: {what} failed ({type(e).__name__}: {reason})")
-                autotune.check_device(torch_device(self.args.simulate), "fp32", "profiler", reason)
+                autotune.check_device(resolve_device(runs[0].resolved().device), "fp32", "profiler", reason)
                 continue
             (self.work / "profile.txt").write_text(text, encoding="utf-8")  # each section as it comes
             self.log(f"profile: {what} x {PROFILE_ROUNDS} rounds in {time.monotonic() - tic:.1f} s")
@@ -818,7 +822,7 @@ class Driver:
             self.log(f"!! not restarted: {why}")
             self.refresh_out(final=True)
             return (EXIT_FAILED if self.failed() else 0) if self.after_runs else EXIT_FAILED
-        skip = [k for k in os.environ.get(SKIP_RUNS_ENV, "").split(",") if k] + list(broken.runs)
+        skip = [*self.skipped_runs, *broken.runs]
         self.log(f"!! restarting in a fresh process: --engines {','.join(keep)}"
                  + (", --no-profile" if no_profile else "") + (f", {len(skip)} runs left out" if skip else "")
                  + f", --resume $OUT's tarball, --deadline {left:.0f}")  # fmt: skip
@@ -989,19 +993,15 @@ def cross_device_check(driver: Driver, dataset: str) -> None:
         line = f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         driver.notes.append(f"cross-device check vs the CPU reference, {dataset}: {line}")
         driver.log(driver.notes[-1])
+        import torch
+
         from benchmarks import autotune
 
-        autotune.check_device(torch_device(driver.args.simulate), "fp32", "the cross-device check", line)
+        device = torch.device("cpu" if driver.args.simulate else "cuda")  # where `summarise` ran it
+        autotune.check_device(device, "fp32", "the cross-device check", line)
         return
     driver.notes.append(f"cross-device check vs the CPU reference, {dataset}: {line}")
     driver.log(driver.notes[-1])
-
-
-def torch_device(simulate: bool) -> Any:
-    """The device the window's runs use: CUDA, or the CPU of --simulate."""
-    import torch
-
-    return torch.device("cpu" if simulate or not torch.cuda.is_available() else "cuda")
 
 
 def preflight(args: argparse.Namespace) -> str | None:
